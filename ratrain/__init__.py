@@ -1,0 +1,3 @@
+"""ratrain: a resource-aware training runtime for dense LLMs."""
+
+__version__ = "0.1.0"
