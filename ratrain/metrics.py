@@ -1,0 +1,113 @@
+"""Per-step metrics: `metrics.jsonl` records and the progress line printed on rank 0."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+REQUIRED = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "loss_scale",
+    "skipped",
+    "tokens",
+    "step_time_s",
+    "tokens_per_s",
+    "peak_ddr_bytes",
+)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `<run_dir>/metrics.jsonl` and prints progress.
+
+    Only the writing rank creates one (rank 0 of the last stage, which knows the loss). On
+    resume, records past the resumed step are dropped first so the file stays one curve.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, resume_step: int = 0, out=sys.stdout):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.total_steps = total_steps
+        self.out = out
+        self._t0 = time.perf_counter()
+        self._steps_timed = 0
+        self._time_sum = 0.0
+        self._truncate_after(resume_step)
+        self._f = open(self.path, "a")
+
+    def _truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        keep = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash
+                if rec.get("step", 0) <= step:
+                    keep.append(json.dumps(rec) + "\n")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, rec: dict, flops_per_token: float | None = None, log: bool = True) -> None:
+        missing = [k for k in REQUIRED if k not in rec]
+        if missing:
+            raise ValueError(f"metrics record lacks {missing}")
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        if rec["step"] > 1 or self.total_steps == 1:  # the first step pays warm-up
+            self._steps_timed += 1
+            self._time_sum += rec["step_time_s"]
+        if log:
+            self.out.write(self.progress_line(rec, flops_per_token) + "\n")
+            self.out.flush()
+
+    def progress_line(self, rec: dict, flops_per_token: float | None) -> str:
+        mean = self._time_sum / self._steps_timed if self._steps_timed else rec["step_time_s"]
+        eta = mean * (self.total_steps - rec["step"])
+        parts = [
+            f"step {rec['step']:>5d}/{self.total_steps}",
+            f"loss {rec['loss']:.4f}",
+            f"gnorm {rec['grad_norm']:.3f}",
+            f"lr {rec['lr']:.2e}",
+            f"{rec['tokens_per_s']:,.0f} tok/s",
+        ]
+        if flops_per_token:
+            parts.append(f"{rec['tokens_per_s'] * flops_per_token / 1e9:.1f} GFLOP/s")
+        parts.append(f"peak {_human(rec['peak_ddr_bytes'])}")
+        if rec.get("skipped"):
+            parts.append(f"SKIPPED (overflow, scale -> {rec['loss_scale']:g})")
+        parts.append(f"ETA {_eta(eta)}")
+        return " | ".join(parts)
+
+    def write_event(self, rec: dict) -> None:
+        """Non-step records (eval losses) go to the same file, without a `loss` key clash."""
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite: sets up .venv, runs pytest on one process, then the MPI tests under
+# mpirun at 2, 3 and 4 ranks (pytest-mpi). Extra arguments go to every pytest call.
+# RATRAIN_TEST_TORCH=1 also installs PyTorch + transformers for the reference checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ "${RATRAIN_TEST_TORCH:-0}" = 1 ]; then
+  .venv/bin/python -c "import torch, transformers" 2>/dev/null ||
+    .venv/bin/python -m pip install -q "torch==2.13.0" transformers ||
+    .venv/bin/python -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch transformers ||
+    echo "warning: could not install torch/transformers; reference tests will be skipped"
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+export OMPI_MCA_mpi_yield_when_idle=1
+export PYTHONHASHSEED=0
+.venv/bin/ruff check ratrain tests benchmarks
+.venv/bin/python -m pytest -q "$@"
+for n in 2 3 4; do
+  echo "== MPI tests on $n ranks"
+  .venv/bin/mpirun -n "$n" --oversubscribe .venv/bin/python -m pytest -q --with-mpi --only-mpi \
+    -p no:cacheprovider "$@"
+done
