@@ -61,6 +61,7 @@ import platform
 import sys
 import sysconfig
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -734,7 +735,8 @@ class TokenDataset:
         self._windows = self.tokens[: self.num_windows * (seq_len + 1)].reshape(
             self.num_windows, seq_len + 1
         )  # (W, T+1), a view of the memmap
-        self._perms: dict[int, np.ndarray] = {}
+        self._perms: dict[int, np.ndarray] = {}  # the last two epochs' permutations
+        self._perms_lock = threading.Lock()  # compute threads may ask for micro-batches at once
 
     @classmethod
     def from_config(cls, cfg: Config, path: str | os.PathLike, *, eval: bool = False,
@@ -750,16 +752,18 @@ class TokenDataset:
     # -- the window stream ------------------------------------------------------------------
 
     def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            rng = np.random.default_rng([self.seed, epoch])
-            perm = rng.permutation(self.num_windows)
-            if self.num_windows < 1 << 31:
-                perm = perm.astype(np.int32)
-            if len(self._perms) >= 2:  # a step straddles at most two epochs
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = perm
-        return perm
+        """The window order of `epoch`: ``default_rng([seed, epoch]).permutation(W)``."""
+        with self._perms_lock:
+            perm = self._perms.get(epoch)
+            if perm is None:
+                rng = np.random.default_rng([self.seed, epoch])
+                perm = rng.permutation(self.num_windows)
+                if self.num_windows < 1 << 31:
+                    perm = perm.astype(np.int32)  # half the memory; same values
+                if len(self._perms) >= 2:  # a step straddles at most two epochs
+                    self._perms.pop(next(iter(self._perms)))
+                self._perms[epoch] = perm
+            return perm
 
     def window_ids(self, start: int, count: int) -> np.ndarray:
         """File window indices of stream positions ``[start, start + count)`` (int64)."""
