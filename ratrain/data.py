@@ -62,7 +62,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,14 +278,6 @@ def load_tokenizer(spec: str = "byte") -> ByteTokenizer | HFTokenizer:
 # --------------------------------------------------------------------------------------------
 # Text sources
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Docs:
-    """Documents of a corpus as (name, text), in order; records what was skipped."""
-
-    items: Iterator[tuple[str, str]]
-    skipped: list[str]
 
 
 def _walk(folder: Path) -> list[Path]:
