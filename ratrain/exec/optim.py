@@ -1,0 +1,353 @@
+"""AdamW with fp32 masters, global-norm clipping, the LR schedule and dynamic loss scaling.
+
+Numerics follow PyTorch exactly where it is defined and closely where it is an implementation
+detail:
+
+- `AdamW.update_block` is `torch.optim.AdamW` (its single-tensor path, the default on CPU):
+  `p *= 1 - lr*wd` (decoupled decay, before the Adam step), `m = lerp(m, g, 1 - b1)`,
+  `v = v*b2 + (1 - b2)*g*g`, `denom = sqrt(v) / sqrt(1 - b2**t) + eps`,
+  `p += (-lr / (1 - b1**t)) * m / denom`, every op in fp32 in torch's order, Python-float
+  scalars rounded to fp32 as torch's kernels do. Bitwise identity with torch on the CPU is not
+  attainable: its AVX2 `sqrt` is not correctly rounded (about 1 element in 5 differs by 1 ulp
+  from IEEE sqrt, measured with torch 2.13) and its `lerp` / `addcmul` kernels use fused
+  multiply-adds. The deviation is round-off (about 1e-7 relative per step); the tests bound it.
+- Clipping is `torch.nn.utils.clip_grad_norm_`: total_norm = sqrt(sum of squares over every
+  gradient), clip_coef = max_norm / (total_norm + 1e-6) in fp32, clamped to 1. Here the sum of
+  squares is accumulated per block in float64 (`block_sq_norm`) and the runtime adds the
+  partials in global block order (`global_grad_norm`), so the norm is independent of the
+  pp x dp layout and of the policy. A non-finite norm is also the fp16 overflow signal.
+- The clip coefficient and 1/loss_scale are folded into one fp32 `grad_scale` that multiplies
+  the gradient before the update (exact: the loss scale is a power of two).
+- `lr_at` is a LambdaLR-style schedule of the 0-based training step (see its docstring).
+- `LossScaler` is `torch.amp.GradScaler`'s dynamic scale: x0.5 and skip on inf/nan, x2 after
+  `loss_scale_window` consecutive clean steps.
+
+Every stateful object has `state_dict()` / `load_state_dict()` (plain Python values) for
+checkpoints; the moments themselves live in `StageState`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from ratrain.config import OptimConfig
+
+NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight decay, clipping
+# --------------------------------------------------------------------------------------------
+
+
+def decays(name: str, cfg: OptimConfig, spec=None) -> bool:
+    """Whether parameter `name` (global) gets weight decay: yes unless a glob in
+    `cfg.no_decay` matches it (fnmatch, case-sensitive) or its ParamSpec says `decay=False`."""
+    if spec is not None and not spec.decay:
+        return False
+    return not any(fnmatch.fnmatchcase(name, pat) for pat in cfg.no_decay)
+
+
+def block_sq_norm(grad_flat, xp=None) -> float:
+    """Sum of squares of a block's fp32 gradient, accumulated in float64 (a Python float).
+
+    Deterministic: the block is summed in fixed chunks in order, so every rank holding the
+    block computes the same value. inf / nan in the gradient make the result non-finite.
+    """
+    if xp is None:
+        xp = np if isinstance(grad_flat, np.ndarray) else _module_of(grad_flat)
+    total = xp.zeros((), xp.float64)  # stays on the device until the end
+    n = grad_flat.shape[0]
+    for i in range(0, n, NORM_CHUNK):
+        c = grad_flat[i : i + NORM_CHUNK].astype(xp.float64)  # (chunk,)
+        total += xp.sum(c * c)  # pairwise summation: deterministic, thread-count independent
+    return float(total)
+
+
+def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0) -> float:
+    """The global gradient norm from per-block sums of squares (`block_sq_norm`), added in the
+    order given (the runtime passes them in global block order). Gradients that still carry
+    the loss scale are unscaled here: norm = sqrt(sum) / loss_scale."""
+    total = 0.0
+    for s in partials:
+        total += s
+    return math.sqrt(total) / loss_scale
+
+
+def clip_coef(total_norm: float, max_norm: float) -> float:
+    """`clip_grad_norm_`'s factor: fp32 max_norm / (total_norm + 1e-6), clamped to 1.0.
+    `max_norm <= 0` disables clipping (1.0)."""
+    if max_norm <= 0:
+        return 1.0
+    coef = np.float32(max_norm) / (np.float32(total_norm) + np.float32(1e-6))
+    return float(min(coef, np.float32(1.0)))
+
+
+def grad_scale_for(total_norm: float, max_norm: float, loss_scale: float = 1.0) -> float:
+    """The factor `update_block` folds into the gradient: clip_coef / loss_scale."""
+    return float(np.float32(clip_coef(total_norm, max_norm)) / np.float32(loss_scale))
+
+
+# --------------------------------------------------------------------------------------------
+# Learning rate
+# --------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The multiplier of `cfg.lr` at 0-based training step `step` (a torch LambdaLR lambda).
+
+    - warm-up, step < W = warmup_steps: (step + 1) / W (the first update already moves;
+      step W - 1 reaches the full rate);
+    - then `constant`: 1; `cosine`: with D = decay_steps (0 = total_steps - W) and
+      progress = min(1, (step - W) / D), factor = r + (1 - r) * 0.5 * (1 + cos(pi * progress))
+      where r = min_lr / lr; so step W has lr, step W + D and after have min_lr. D <= 0 means
+      no decay.
+    """
+    w = cfg.warmup_steps
+    if step < w:
+        return (step + 1) / w
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    d = cfg.decay_steps or (total_steps - w)
+    if d <= 0:
+        return 1.0
+    progress = min(1.0, (step - w) / d)
+    r = cfg.min_lr / cfg.lr
+    return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The learning rate of 0-based training step `step` (skipped steps count: the schedule
+    follows the iteration, as torch's scheduler.step() does every iteration)."""
+    return cfg.lr * lr_factor(step, cfg, total_steps)
+
+
+# --------------------------------------------------------------------------------------------
+# AdamW
+# --------------------------------------------------------------------------------------------
+
+
+class AdamW:
+    """torch.optim.AdamW over a StageState, one block at a time.
+
+    `step` is Adam's update count t (torch's `state["step"]`): the first applied update is 1,
+    and skipped (overflowed) steps do not count. Each block must be updated with consecutive
+    t; the runtime takes `t = opt.step + 1` once at the start of a training step and passes it
+    to every block's update.
+    """
+
+    def __init__(self, cfg: OptimConfig):
+        self.cfg = cfg
+        self.beta1, self.beta2 = cfg.betas
+        self._base = 0  # t of every block not updated since construction / load
+        self._block_step: dict[str, int] = {}
+        self._decay_cache: dict[tuple[str, int], list[tuple[int, int]]] = {}
+
+    @property
+    def step(self) -> int:
+        """The largest t applied to any block (all blocks agree between training steps)."""
+        return max([self._base, *self._block_step.values()])
+
+    def decay_ranges(self, state, block: str) -> list[tuple[int, int]]:
+        """Merged (start, stop) ranges within the block's flat slice that get weight decay."""
+        key = (block, id(state))
+        if key not in self._decay_cache:
+            base, _ = state.block_range(block)
+            ranges: list[tuple[int, int]] = []
+            for p in state.block(block).params:
+                if not decays(p.name, self.cfg, p):
+                    continue
+                a, b = state.param_range(p.name)
+                a, b = a - base, b - base
+                if ranges and ranges[-1][1] == a:
+                    ranges[-1] = (ranges[-1][0], b)
+                else:
+                    ranges.append((a, b))
+            self._decay_cache[key] = ranges
+        return self._decay_cache[key]
+
+    def update_block(self, state, block: str, step: int, lr: float, grad_scale: float = 1.0):
+        """Apply AdamW update number `step` (t, 1-based) to `block`'s masters and moments.
+
+        The block's gradient buffer is first multiplied by `grad_scale` (clip coefficient /
+        loss scale) in place, as torch's `unscale_` and `clip_grad_norm_` do, and is used as
+        scratch afterwards: it holds garbage on return (free or re-zero it). One block-sized
+        fp32 scratch is held from the ledger (`scratch.optim`) during the call.
+        """
+        last = self._block_step.get(block, self._base)
+        if step != last + 1:
+            raise RuntimeError(
+                f"AdamW update {step} of block {block!r} whose last update was {last}: "
+                "updates of a block must be consecutive (t = opt.step + 1 for every block)"
+            )
+        xp = state.xp
+        cfg = self.cfg
+        b1, b2 = self.beta1, self.beta2
+        p = state.flat("master", block)  # (n,) fp32
+        m = state.flat("m", block)  # (n,)
+        v = state.flat("v", block)  # (n,)
+        g = state.grad_flat(block)  # (n,)
+        if grad_scale != 1.0:
+            g *= np.float32(grad_scale)
+
+        # Decoupled weight decay, before the Adam step: p *= 1 - lr * wd.
+        if cfg.weight_decay != 0:
+            keep = np.float32(1 - lr * cfg.weight_decay)
+            for a, b in self.decay_ranges(state, block):
+                p[a:b] *= keep
+
+        t = state.ledger.alloc("scratch.optim", p.shape, np.float32, xp, zero=False)
+        try:
+            # m = lerp(m, g, 1 - b1), torch's two formulas on either side of weight 0.5.
+            w = np.float32(1 - b1)
+            xp.subtract(g, m, out=t)  # g - m
+            if w < 0.5:
+                t *= w
+                m += t
+            else:
+                t *= np.float32(1) - w
+                xp.subtract(g, t, out=m)
+            # v = v * b2 + ((1 - b2) * g) * g
+            v *= np.float32(b2)
+            xp.multiply(g, np.float32(1 - b2), out=t)
+            t *= g
+            v += t
+            bias_correction1 = 1 - b1**step
+            bias_correction2 = 1 - b2**step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2**0.5
+            # denom = sqrt(v) / sqrt(bc2) + eps
+            xp.sqrt(v, out=t)
+            t /= np.float32(bias_correction2_sqrt)
+            t += np.float32(cfg.eps)
+            # p += (-step_size * m) / denom   (the gradient buffer is free now: scratch)
+            xp.multiply(m, np.float32(-step_size), out=g)
+            g /= t
+            p += g
+        finally:
+            state.ledger.free(t)
+        self._block_step[block] = step
+
+    def state_dict(self) -> dict:
+        """{"step": t}; raises if blocks disagree (a checkpoint in the middle of a step)."""
+        steps = set(self._block_step.values()) or {self._base}
+        if len(steps) != 1:
+            raise RuntimeError(
+                f"AdamW blocks are at different steps {sorted(steps)}: checkpoint between "
+                "training steps, after every block's update"
+            )
+        return {"step": steps.pop()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._base = int(state["step"])
+        self._block_step.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic loss scaling
+# --------------------------------------------------------------------------------------------
+
+
+class LossScaler:
+    """torch.amp.GradScaler's dynamic loss scale.
+
+    The loss is multiplied by `scale` before backward (head_backward's dscale carries it);
+    after backward the runtime calls `update(found_inf)` once per step with the global
+    overflow flag (a non-finite global gradient norm): on overflow the scale is multiplied by
+    `backoff` (0.5) and the step must be skipped; after `window` consecutive clean steps it is
+    multiplied by `growth` (2.0) unless that overflows fp32. Disabled (fp32 training), the scale
+    stays 1.0; `update` still returns True on a non-finite gradient so the masters are never
+    poisoned.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 65536.0,
+        window: int = 2000,
+        enabled: bool = True,
+        growth: float = 2.0,
+        backoff: float = 0.5,
+    ):
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.window = int(window)
+        self.growth = float(growth)
+        self.backoff = float(backoff)
+        self.growth_tracker = 0  # consecutive clean steps since the last change
+        self.skipped = 0  # steps skipped so far
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig, precision: str) -> LossScaler:
+        """Enabled for fp16, disabled (scale 1.0) for fp32."""
+        return cls(cfg.loss_scale_init, cfg.loss_scale_window, enabled=precision == "fp16")
+
+    @property
+    def inv_scale(self) -> float:
+        """1 / scale in fp32, as GradScaler.unscale_ computes it."""
+        return float(np.float32(1.0 / self.scale))
+
+    def update(self, found_inf: bool) -> bool:
+        """Record this step's overflow flag; return True when the step must be skipped."""
+        if found_inf:
+            self.skipped += 1
+        if not self.enabled:
+            return bool(found_inf)
+        if found_inf:
+            self.scale = float(np.float32(self.scale * self.backoff))
+            self.growth_tracker = 0
+            return True
+        self.growth_tracker += 1
+        if self.growth_tracker == self.window:
+            grown = self.scale * self.growth
+            if grown <= _FP32_MAX:
+                self.scale = float(np.float32(grown))
+            self.growth_tracker = 0
+        return False
+
+    def state_dict(self) -> dict:
+        return {
+            "enabled": self.enabled,
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "window": self.window,
+            "growth": self.growth,
+            "backoff": self.backoff,
+            "skipped": self.skipped,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.enabled = bool(state["enabled"])
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.window = int(state.get("window", self.window))
+        self.growth = float(state.get("growth", self.growth))
+        self.backoff = float(state.get("backoff", self.backoff))
+        self.skipped = int(state.get("skipped", 0))
+
+
+def _module_of(a):
+    """numpy or cupy, whichever owns `a`."""
+    try:  # pragma: no cover - needs cupy
+        import cupy
+
+        return cupy.get_array_module(a)
+    except ImportError:
+        return np
+
+
+__all__ = [
+    "AdamW",
+    "LossScaler",
+    "block_sq_norm",
+    "clip_coef",
+    "decays",
+    "global_grad_norm",
+    "grad_scale_for",
+    "lr_at",
+    "lr_factor",
+]
