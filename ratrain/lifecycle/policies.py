@@ -1,0 +1,179 @@
+"""Policies: where the lifecycle actions go in a rank's step, never what is computed.
+
+Every policy runs the same compute (the pipeline order of `schedule.py`), syncs every block's
+gradient with its own collective (a Megatron bucket is several blocks submitted together), adds
+the per-block norm partials in global block order and updates each block with the same AdamW
+call, so losses are bitwise identical across policies. What differs is *when*:
+
+- `baseline-1f1b` (DeepSpeed-style): at step start every view is materialised and every gradient
+  allocated; after the stage's last backward all gradients are synchronised, the global norm is
+  taken and every block updated; gradients and (fp16) views are released at the end of the step.
+- `megatron-1f1b`: as the baseline, but during the last micro-batch's backward each bucket of
+  consecutive blocks (about `bucket_bytes` of fp32 gradients) starts its sync as soon as its
+  last block's backward is done.
+- `gpipe`: the baseline's lifecycle on the GPipe order (a reference).
+- `ratrain`: per block and per stage. A gradient is allocated at the block's first backward and its
+  sync starts right after the block's last backward, overlapping the rest of the backward; in fp16
+  the view is dropped there too. An update needs the step's global facts (clip coefficient, and the
+  overflow / non-finite flag that makes every rank skip the same steps, in fp32 too), and these
+  need every stage's gradients: they are known only after stage 0's last backward and its syncs,
+  when every later stage has long been idle. So each block's update, gradient release and
+  next-step view are deferred to the start of the next step, ahead of the wait for the first
+  activations (the executor posts that receive first): the warm-up bubble of every later stage,
+  exactly where its cool-down idleness could not be used. On stage 0 there is no bubble either
+  way; the update lands just ahead of its first forward, where the baseline's end-of-step update
+  would have been.
+  Deferred work carries from step to step: `build_step(..., carry=True)` starts with it and
+  `build_flush` finishes it (before a checkpoint, an evaluation or the end of training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ratrain.lifecycle.schedule import (
+    Action,
+    AllocGrad,
+    DropView,
+    FreeGrad,
+    GradNorm,
+    MaterializeView,
+    SyncGrad,
+    Update,
+    WaitGrad,
+    add_hooks,
+    gpipe,
+    one_f_one_b,
+)
+
+POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe")
+MEGATRON_BUCKET_BYTES = 40_000_000 * 4  # Megatron-LM's default bucket: 40M fp32 gradient elements
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a policy needs to know about one rank's stage."""
+
+    pp: int
+    stage: int
+    num_micro_batches: int
+    blocks: tuple[str, ...]  # this stage's blocks in model order
+    block_bytes: tuple[int, ...]  # fp32 gradient bytes of each block
+    precision: str = "fp32"
+
+    @classmethod
+    def from_config(cls, cfg, stage: int, blocks) -> StageInfo:
+        """From a `Config` and the stage's `BlockSpec`s."""
+        return cls(
+            pp=cfg.parallel.pp,
+            stage=stage,
+            num_micro_batches=cfg.parallel.num_micro_batches,
+            blocks=tuple(b.name for b in blocks),
+            block_bytes=tuple(4 * b.size for b in blocks),
+            precision=cfg.precision,
+        )
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "ratrain"
+    bucket_bytes: int = MEGATRON_BUCKET_BYTES  # megatron-1f1b only
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"policy {self.name!r} is not one of: {', '.join(POLICIES)}")
+
+    def carries(self, info: StageInfo) -> bool:
+        """Whether a step leaves lifecycle work or state for the next (see `build_flush`)."""
+        return self.name == "ratrain"
+
+    def build_step(self, info: StageInfo, carry: bool = False) -> tuple[Action, ...]:
+        """This rank's actions for one step. `carry`: the previous step of this policy ran and
+        was not flushed (only `ratrain` carries)."""
+        if carry and not self.carries(info):
+            raise ValueError(f"policy {self.name} carries nothing between steps")
+        if self.name == "ratrain":
+            return _ratrain_step(info, carry)
+        order = gpipe if self.name == "gpipe" else one_f_one_b
+        pipeline = order(info.pp, info.stage, info.num_micro_batches)
+        if self.name == "megatron-1f1b":
+            return _resident_step(info, pipeline, buckets(info, self.bucket_bytes))
+        return _resident_step(info, pipeline, None)
+
+    def build_flush(self, info: StageInfo) -> tuple[Action, ...]:
+        """Finish what the last step left (run after a step built with this policy)."""
+        if self.name != "ratrain":
+            return ()
+        return tuple(a for b in info.blocks for a in (Update(b), FreeGrad(b)))
+
+
+def as_policy(policy) -> Policy:
+    return policy if isinstance(policy, Policy) else Policy(str(policy))
+
+
+def buckets(info: StageInfo, bucket_bytes: int) -> list[tuple[str, ...]]:
+    """Consecutive blocks in backward order, each bucket closed once it holds >= bucket_bytes."""
+    out, cur, size = [], [], 0
+    for b, n in zip(reversed(info.blocks), reversed(info.block_bytes)):
+        cur.append(b)
+        size += n
+        if size >= bucket_bytes:
+            out.append(tuple(cur))
+            cur, size = [], 0
+    if cur:
+        out.append(tuple(cur))
+    return out
+
+
+def _resident_step(info: StageInfo, pipeline, bucket_list) -> tuple[Action, ...]:
+    """baseline / megatron / gpipe: views and gradients resident for the whole step."""
+    blocks, last = info.blocks, info.num_micro_batches - 1
+    start = [MaterializeView(b) for b in blocks] + [AllocGrad(b) for b in blocks]
+    if bucket_list is None:  # baseline: everything after the last backward
+        body = list(pipeline)
+        sync = [SyncGrad(tuple(reversed(blocks))), WaitGrad(tuple(reversed(blocks)))]
+    else:  # megatron: each bucket starts when its last block's last backward is done
+        hooks = [(bk[-1], SyncGrad(bk)) for bk in bucket_list]
+        body = list(add_hooks(pipeline, bwd_post={last: hooks}))
+        sync = [WaitGrad(bk) for bk in bucket_list]
+    end = [GradNorm()] + [Update(b) for b in blocks] + [FreeGrad(b) for b in blocks]
+    if info.fp16:
+        end += [DropView(b) for b in blocks]
+    return tuple(start + body + sync + end)
+
+
+def _ratrain_step(info: StageInfo, carry: bool) -> tuple[Action, ...]:
+    """ratrain: per-block lifecycle in this stage's own idle time."""
+    blocks, m = info.blocks, info.num_micro_batches
+    backward_order = tuple(reversed(blocks))
+    pipeline = one_f_one_b(info.pp, info.stage, m)
+
+    # step start (the warm-up bubble: the executor has already posted the first receive):
+    # finish the previous step's deferred updates and make this step's views
+    start: list[Action] = []
+    for b in blocks:
+        if carry:
+            start += [Update(b), FreeGrad(b)]
+        if info.fp16 or not carry:  # in fp32 the view is the master: made once
+            start.append(MaterializeView(b))
+
+    # pipeline: gradients appear at the first backward; each block's sync starts (and its fp16
+    # view goes) right after its last backward
+    first_bwd = [(b, AllocGrad(b)) for b in blocks]
+    last_bwd = []
+    for b in backward_order:
+        last_bwd.append((b, SyncGrad((b,))))
+        if info.fp16:
+            last_bwd.append((b, DropView(b)))
+    body = add_hooks(pipeline, bwd_pre={0: first_bwd}, bwd_post={m - 1: last_bwd})
+
+    # cool-down: wait for the syncs in the order they started; the global facts need every stage
+    end = [WaitGrad((b,)) for b in backward_order] + [GradNorm()]
+    return tuple(start + list(body) + end)
+
+
+__all__ = ["MEGATRON_BUCKET_BYTES", "POLICIES", "Policy", "StageInfo", "as_policy", "buckets"]

@@ -1,0 +1,138 @@
+"""Lifecycle policies: placement is legal, compute is the same under every policy (no MPI)."""
+
+import pytest
+
+from ratrain.lifecycle.grid import grid
+from ratrain.lifecycle.policies import POLICIES, Policy, StageInfo, buckets
+from ratrain.lifecycle.schedule import (
+    AllocGrad,
+    Backward,
+    DropView,
+    Forward,
+    FreeGrad,
+    GradNorm,
+    MaterializeView,
+    SyncGrad,
+    Update,
+    WaitGrad,
+)
+from ratrain.lifecycle.validate import (
+    ScheduleError,
+    check_lifecycle,
+    policy_steps,
+    validate_policy,
+)
+
+
+def infos(pp, m, precision="fp16", per_stage=2):
+    out = []
+    for s in range(pp):
+        blocks = (["embed"] if s == 0 else []) + [
+            f"layers.{i}" for i in range(per_stage * s, per_stage * (s + 1))
+        ] + (["head"] if s == pp - 1 else [])
+        out.append(StageInfo(pp, s, m, tuple(blocks), tuple(100 for _ in blocks), precision))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_every_policy_validates(name, pp, precision):
+    for m in range(1, 9):
+        validate_policy(Policy(name, bucket_bytes=150), infos(pp, m, precision), steps=3)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 1), (2, 3), (4, 2), (4, 8)])
+def test_policies_compute_the_same_thing(pp, m):
+    def order(name, carry):
+        return [
+            [(type(a).__name__, getattr(a, "mb", None)) for a in Policy(name).build_step(i, carry)
+             if not isinstance(a, (MaterializeView, DropView, AllocGrad, FreeGrad, SyncGrad,
+                                   WaitGrad, GradNorm, Update))]
+            for i in infos(pp, m)
+        ]
+    ref = order("baseline-1f1b", False)
+    assert order("megatron-1f1b", False) == ref
+    assert order("ratrain", False) == ref == order("ratrain", True)
+
+
+def test_ratrain_syncs_each_block_after_its_last_backward():
+    info = infos(2, 4)[1]
+    step = Policy("ratrain").build_step(info, carry=True)
+    last = next(a for a in step if isinstance(a, Backward) and a.mb == 3)
+    assert [(b, type(h).__name__) for b, h in last.post] == [
+        ("head", "SyncGrad"), ("head", "DropView"),
+        ("layers.3", "SyncGrad"), ("layers.3", "DropView"),
+        ("layers.2", "SyncGrad"), ("layers.2", "DropView")]
+    first = next(a for a in step if isinstance(a, Backward) and a.mb == 0)
+    assert {type(h) for _, h in first.pre} == {AllocGrad}
+    # deferred updates run before anything else (before the first receive is waited on)
+    assert isinstance(step[0], Update) and isinstance(step[1], FreeGrad)
+    assert isinstance(step[-1], GradNorm)
+
+
+def test_ratrain_fp32_keeps_views():
+    info = infos(2, 2, "fp32")[0]
+    p = Policy("ratrain")
+    assert not any(isinstance(a, (DropView, MaterializeView)) for a in p.build_step(info, True))
+    assert sum(isinstance(a, MaterializeView) for a in p.build_step(info, False)) == 3
+    assert p.build_flush(info) == tuple(
+        a for b in info.blocks for a in (Update(b), FreeGrad(b)))
+
+
+def test_baseline_holds_everything_for_the_step():
+    info = infos(2, 4)[0]
+    step = Policy("baseline-1f1b").build_step(info)
+    first_compute = next(i for i, a in enumerate(step) if isinstance(a, Forward))
+    assert {type(a) for a in step[:first_compute]} == {MaterializeView, AllocGrad}
+    syncs = [a for a in step if isinstance(a, SyncGrad)]
+    assert syncs == [SyncGrad(("layers.1", "layers.0", "embed"))]
+    assert Policy("baseline-1f1b").build_flush(info) == ()
+
+
+def test_megatron_buckets():
+    info = StageInfo(1, 0, 2, ("embed", "layers.0", "layers.1", "head"), (300, 100, 100, 300))
+    assert buckets(info, 250) == [("head",), ("layers.1", "layers.0", "embed")]
+    assert buckets(info, 10**9) == [("head", "layers.1", "layers.0", "embed")]
+    step = Policy("megatron-1f1b", bucket_bytes=250).build_step(info)
+    last = next(a for a in step if isinstance(a, Backward) and a.mb == 1)
+    assert last.post == (("head", SyncGrad(("head",))),
+                         ("embed", SyncGrad(("layers.1", "layers.0", "embed"))))
+
+
+def test_lifecycle_checker_catches_misplaced_actions():
+    info = infos(1, 1)[0]
+    good = policy_steps(Policy("ratrain"), info, 2)
+    check_lifecycle(good, info.blocks, 1)
+
+    def edit(steps, k, fn):
+        return [fn(list(s)) if i == k else s for i, s in enumerate(steps)]
+
+    # update before the step's norm
+    base = list(policy_steps(Policy("baseline-1f1b"), info, 1)[0])
+    i = base.index(Update("head"))
+    moved = base[:i] + base[i + 1:]
+    moved.insert(base.index(GradNorm()), Update("head"))
+    with pytest.raises(ScheduleError, match="norm"):
+        check_lifecycle([moved, ()], info.blocks, 1)
+    # free before update
+    j = base.index(FreeGrad("head"))
+    freed = base[:j] + base[j + 1:]
+    freed.insert(base.index(GradNorm()), FreeGrad("head"))
+    with pytest.raises(ScheduleError, match="freed before"):
+        check_lifecycle([freed, ()], info.blocks, 1)
+    # next step's view made before the deferred update: stale
+    carry = list(good[1])
+    carry.remove(MaterializeView("head"))
+    carry.insert(0, MaterializeView("head"))
+    with pytest.raises(ScheduleError, match="stale"):
+        check_lifecycle([good[0], carry, good[2]], info.blocks, 1)
+    # missing flush leaves work pending
+    with pytest.raises(ScheduleError, match="pending"):
+        check_lifecycle(good[:2], info.blocks, 1)
+
+
+def test_grid_shows_lifecycle():
+    inf = infos(2, 2)
+    text = grid([Policy("ratrain").build_step(i, True) for i in inf], [i.blocks for i in inf])
+    assert "Uh" in text and "S3" in text and "N" in text and "1B1" in text
