@@ -1,0 +1,317 @@
+"""Train a model: `python -m ratrain.train --config FILE [--set section.key=value ...]`.
+
+Runs alone (one process, no launcher) or under `mpirun -n N` / `srun`. Every check of the
+input (config, world size, data, Hugging Face import, checkpoint) runs before any work, on
+every rank, and the ranks agree on the verdict: a bad input stops every rank with the same
+message (printed once, by rank 0) and exit code 2. After start-up, an exception on any rank
+aborts the whole job (MPI_Abort) instead of leaving the others hanging.
+
+This module is the thin entry: it wires config -> platform -> topology -> state -> executor
+and loops over steps; the schedule and its numerics live in `ratrain.lifecycle`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ratrain.config import Config, ConfigError, config_from_dict, load_config
+
+
+class StartupError(RuntimeError):
+    """Bad input found before any work; the message is the same on every rank."""
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m ratrain.train",
+        description="Train a LLaMA-family model with ratrain (one process, mpirun or srun).",
+    )
+    ap.add_argument("--config", required=True, help="YAML job file (see jobs/)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set optim.lr=1e-3",
+    )
+    return ap.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up: every check before any work, agreed across ranks
+# --------------------------------------------------------------------------------------------
+
+
+def agree(comm, fn, *args):
+    """Run `fn` on every rank; if it fails on any rank, raise StartupError with the first
+    failing rank's message on every rank. (A start-up control-plane exchange, not training
+    traffic.)"""
+    result, err = None, None
+    try:
+        result = fn(*args)
+    except (ConfigError, ValueError, OSError, RuntimeError, KeyError) as e:
+        err = str(e) or type(e).__name__
+    errs = comm.allgather(err) if comm.Get_size() > 1 else [err]
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        rank, msg = bad[0]
+        if comm.Get_size() > 1 and not all(e == msg for _, e in bad):
+            msg = f"{msg} (rank {rank}; other ranks failed too)"
+        raise StartupError(msg)
+    return result
+
+
+def resolve_config(args) -> Config:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.init.from_hf:
+        # The model section comes from the checkpoint's config.json (seq_len stays ours).
+        from ratrain.hf import hf_model_config
+
+        hf_model = hf_model_config(cfg.init.from_hf)
+        data = cfg.to_dict()
+        seq_len = data["model"]["seq_len"]
+        data["model"].update(hf_model)
+        data["model"]["seq_len"] = seq_len
+        max_pos = hf_model.get("max_position_embeddings")
+        data["model"].pop("max_position_embeddings", None)
+        cfg = config_from_dict(data, f"{args.config} + {cfg.init.from_hf}/config.json")
+        if max_pos is not None and cfg.model.seq_len > max_pos:
+            raise ConfigError(
+                f"model.seq_len={cfg.model.seq_len} exceeds max_position_embeddings={max_pos} "
+                f"of {cfg.init.from_hf}/config.json: lower model.seq_len"
+            )
+    return cfg
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    data_paths: object
+    resume: str | None
+
+
+def startup(args, comm) -> Setup:
+    cfg = agree(comm, resolve_config, args)
+    agree(comm, cfg.check_world, comm.Get_size())
+    from ratrain.data import check_data
+
+    data_paths = agree(comm, check_data, cfg, comm)
+    if cfg.init.from_hf:
+        from ratrain.hf import check_hf
+
+        agree(comm, check_hf, cfg.init.from_hf, cfg.model)
+    from ratrain.checkpoint import resolve_resume
+
+    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
+    return Setup(cfg, data_paths, resume)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+def local_threads(cfg: Config, comm) -> int:
+    """Compute threads per rank: run.threads, or the node's cores shared among its ranks."""
+    if cfg.run.threads:
+        return cfg.run.threads
+    from mpi4py import MPI
+
+    from ratrain.exec.context import auto_threads
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cores = os.cpu_count() or 1
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm.Get_size() > 1 else None
+    per_node = node.Get_size() if node is not None else 1
+    if node is not None:
+        node.Free()
+    return max(1, min(auto_threads(), cores // per_node))
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """One rank's training loop."""
+
+    def __init__(self, setup: Setup, comm):
+        from ratrain.comm.engine import CommEngine
+        from ratrain.comm.topology import Topology
+        from ratrain.data import open_datasets
+        from ratrain.exec.context import ExecContext
+        from ratrain.exec.params import StageState
+        from ratrain.exec.spec import stage_blocks
+        from ratrain.lifecycle.executor import Executor
+        from ratrain.shim.ledger import Ledger
+        from ratrain.shim.platform import resolve_platform
+
+        cfg = self.cfg = setup.cfg
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        p = cfg.parallel
+        self.topo = Topology(comm, p.pp, p.dp)
+        self.profile = resolve_platform(cfg.platform)
+        self.ledger = Ledger(self.profile.ddr_bytes, self.rank)
+        self.xp = np
+        blocks = stage_blocks(cfg.model, p.pp, self.topo.stage, p.layers_per_stage)
+        self.state = StageState(blocks, cfg.precision, self.ledger, self.xp, cfg.init.seed)
+        self.start_step = 0
+        self.resume_state = None
+        if setup.resume:
+            self._load_checkpoint(setup.resume)
+        elif cfg.init.from_hf:
+            from ratrain.hf import load_hf_params
+
+            self.state.load_named(load_hf_params(cfg.init.from_hf, cfg.model, names=self.state.names))
+        self.ctx = ExecContext(
+            self.xp, cfg.model, cfg.precision, ledger=self.ledger, threads=local_threads(cfg, comm)
+        )
+        self.engine = CommEngine(self.topo)
+        self.executor = Executor(cfg, self.topo, self.state, self.ctx, self.engine, self.ledger)
+        if self.resume_state is not None:
+            self.executor.load_state_dict(self.resume_state["executor"])
+        self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
+        self.writes_metrics = self.executor.reports_loss
+        self.metrics = None
+
+    def _load_checkpoint(self, path: str) -> None:
+        from ratrain.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(path, self.state.names, out=self.state.state_dict())
+        self.start_step = ck["step"]
+        self.resume_state = ck["state"]
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        os.makedirs(cfg.run.dir, exist_ok=True) if self.rank == 0 else None
+        self.comm.Barrier() if self.comm.Get_size() > 1 else None
+        if self.rank == 0:
+            write_atomic(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
+            self._banner()
+        if self.writes_metrics:
+            from ratrain.metrics import MetricsWriter
+
+            self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps, self.start_step)
+        fpt = cfg.model.flops_per_token()
+        tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_len
+        for step in range(self.start_step, cfg.run.steps):
+            t0 = time.perf_counter()
+            batch = self._batch(step)
+            res = self.executor.run_step(step, batch)
+            dt = time.perf_counter() - t0
+            n = step + 1  # steps are numbered from 1 in metrics and checkpoints
+            if self.metrics is not None:
+                rec = {
+                    "step": n,
+                    "loss": res.loss,
+                    "grad_norm": res.grad_norm,
+                    "lr": res.lr,
+                    "loss_scale": res.loss_scale,
+                    "skipped": bool(res.skipped),
+                    "tokens": tokens_per_step,
+                    "step_time_s": dt,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "peak_ddr_bytes": int(res.peak_ddr_bytes),
+                }
+                log = n % cfg.run.log_interval == 0 or n == cfg.run.steps or n == self.start_step + 1
+                self.metrics.write(rec, fpt, log=log)
+            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_ds is not None:
+                self._eval(n)
+            if cfg.checkpoint.interval and (n % cfg.checkpoint.interval == 0 or n == cfg.run.steps):
+                self._save(n)
+        if cfg.run.trace:
+            self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
+        self.close()
+        return 0
+
+    def _batch(self, step: int):
+        """This rank's micro-batches: inputs on the first stage, targets on the last."""
+        topo = self.topo
+        if not (topo.is_first or topo.is_last):
+            return None
+        inputs, targets = self.train_ds.batch_for_step(step, topo.replica)
+        return (inputs if topo.is_first else None, targets if topo.is_last else None)
+
+    def _eval(self, n: int) -> None:
+        from ratrain.data import eval_batches
+
+        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.topo.replica)
+        loss = self.executor.eval_loss(batches)
+        if self.metrics is not None:
+            self.metrics.write_event({"step": n, "eval_loss": loss})
+            print(f"step {n:>5d} | eval loss {loss:.4f}", flush=True)
+
+    def _save(self, n: int) -> None:
+        from ratrain.checkpoint import checkpoint_root, save_checkpoint
+
+        cfg = self.cfg
+        self.executor.flush()  # deferred updates applied: the saved masters are step n's
+        save_checkpoint(
+            checkpoint_root(cfg.checkpoint, cfg.run.dir),
+            n,
+            cfg,
+            self.state.state_dict(),
+            {"executor": self.executor.state_dict(), "data": self.train_ds.state_dict(n)},
+            stage=self.topo.stage,
+            replica=self.topo.replica,
+            comm=self.comm if self.comm.Get_size() > 1 else None,
+            log=(lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None),
+        )
+
+    def _banner(self) -> None:
+        cfg = self.cfg
+        m, p = cfg.model, cfg.parallel
+        print(
+            f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
+            f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
+            f"{cfg.precision}, policy {cfg.schedule.policy}, recompute {cfg.schedule.recompute}, "
+            f"platform {self.profile.name}, steps {self.start_step + 1}..{cfg.run.steps}, "
+            f"run dir {cfg.run.dir}",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self.engine.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    try:
+        setup = startup(args, comm)
+    except StartupError as e:
+        if comm.Get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from ratrain.comm.abort import abort_on_error
+
+    with abort_on_error(comm):
+        return Trainer(setup, comm).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["StartupError", "Trainer", "agree", "main", "resolve_config", "startup"]
