@@ -1,0 +1,471 @@
+"""Hugging Face LLaMA checkpoints: import (`init.from_hf`) and export.
+
+A Hugging Face directory holds `config.json` and either `model.safetensors` or sharded
+`model-0000x-of-0000y.safetensors` files with `model.safetensors.index.json` (as
+`save_pretrained` writes them; a single file is preferred when both are present, as
+transformers does). Tensors are mapped by name through `ParamSpec.hf_name`; both sides use the
+(out_features, in_features) layout, so no transposes or permutations are involved.
+
+Import:
+
+    values = hf_model_config(dir)              # {"vocab_size": ..., "hidden": ..., ...}
+    model = resolve_model_config(cfg.model, dir)  # cfg.model with config.json's architecture
+    params = load_hf_params(dir, model, names=state.names)   # only this stage's tensors
+
+Safetensors files are parsed here (an 8-byte header length, a JSON header, raw little-endian
+data), so each rank reads only the byte ranges of the tensors it needs, and every dtype works:
+F32 as is, F16 and BF16 widened exactly to fp32 (BF16 by shifting its 16 bits into the high
+half of a float32), F64 rounded to fp32. Any mismatch (a missing or unexpected tensor, a wrong
+shape, an unsupported dtype, an architecture other than LlamaForCausalLM) is an `HFError`
+naming the tensor and the file.
+
+Export (`export_hf`) writes an fp32 `model.safetensors` and a `config.json` that
+`transformers.LlamaForCausalLM.from_pretrained` loads (4.x and 5.x keys both present); each
+file goes to a temporary name, is fsynced and renamed, `config.json` last. `load_hf_params` of
+an exported directory returns the exported arrays bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from ratrain.config import ConfigError, ModelConfig
+from ratrain.exec.spec import model_blocks
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# config.json key -> ModelConfig field (rope_theta is handled separately)
+_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden",
+    "num_hidden_layers": "layers",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "intermediate_size": "ffn_hidden",
+    "rms_norm_eps": "norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
+}
+# LlamaConfig's defaults, for keys a config.json may leave out
+_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
+             "max_position_embeddings": 2048}
+_IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some 4.x checkpoints carry
+
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+           "F64": np.dtype("<f8")}
+
+
+class HFError(ConfigError):
+    """A Hugging Face directory that cannot be imported: names the file, tensor and problem."""
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """The parsed config.json of a Hugging Face directory (HFError if absent or invalid)."""
+    path = os.path.join(hf_dir, CONFIG)
+    if not os.path.isdir(hf_dir):
+        raise HFError(f"init.from_hf={hf_dir!r}: not a directory")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise HFError(f"{path}: missing: a Hugging Face model directory needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise HFError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{path}: the top level must be a JSON object")
+    return cfg
+
+
+def _rope_theta(cfg: dict, path: str) -> float:
+    """rope_theta from transformers 5.x `rope_parameters` or 4.x top level; rejects scaling."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params and "rope_type" not in params:
+        params = params["full_attention"]  # per-layer-type form
+    theta = None
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise HFError(
+                f"{path}: rope_parameters.rope_type={rope_type!r} is not supported: ratrain "
+                "implements plain RoPE (rope_type default) only"
+            )
+        theta = params.get("rope_theta")
+    elif params is not None:
+        raise HFError(f"{path}: rope_parameters={params!r} must be an object")
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+        if kind not in (None, "default"):
+            raise HFError(
+                f"{path}: rope_scaling={scaling!r} is not supported: ratrain implements plain "
+                "RoPE only (rope_scaling null or default)"
+            )
+    if theta is None:
+        theta = cfg.get("rope_theta", _DEFAULTS["rope_theta"])
+    return float(theta)
+
+
+def hf_model_config(hf_dir: str) -> dict:
+    """The `model` section values config.json determines (every ModelConfig field but
+    seq_len), after checking the architecture is one ratrain implements."""
+    cfg = read_hf_config(hf_dir)
+    path = os.path.join(hf_dir, CONFIG)
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise HFError(
+            f"{path}: model_type={model_type!r} is not supported: ratrain imports LLaMA "
+            "checkpoints (model_type llama, LlamaForCausalLM)"
+        )
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    if "LlamaForCausalLM" not in archs:
+        raise HFError(
+            f"{path}: architectures={archs} is not supported: ratrain imports "
+            "LlamaForCausalLM checkpoints"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key, False):
+            raise HFError(f"{path}: {key}=true is not supported: ratrain's LLaMA has no biases")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFError(f"{path}: hidden_act={act!r} is not supported: ratrain's MLP is SwiGLU (silu)")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size"):
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
+            raise HFError(f"{path}: {key}={cfg.get(key)!r} must be an integer")
+    values = {}
+    for key, field in _KEYS.items():
+        if key == "num_key_value_heads":
+            v = cfg.get(key) or cfg["num_attention_heads"]
+        elif key in _DEFAULTS:
+            v = cfg.get(key, _DEFAULTS[key])
+        else:
+            v = cfg[key]
+        values[field] = v
+    values["norm_eps"] = float(values["norm_eps"])
+    values["tie_embeddings"] = bool(values["tie_embeddings"])
+    values["rope_theta"] = _rope_theta(cfg, path)
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * values["heads"] != values["hidden"]:
+        raise HFError(
+            f"{path}: head_dim={head_dim} with num_attention_heads={values['heads']} and "
+            f"hidden_size={values['hidden']}: ratrain needs head_dim = hidden_size / heads"
+        )
+    return values
+
+
+def hf_max_positions(hf_dir: str) -> int:
+    """config.json's max_position_embeddings (the longest seq_len the model supports)."""
+    cfg = read_hf_config(hf_dir)
+    return int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]))
+
+
+def resolve_model_config(model: ModelConfig, hf_dir: str) -> ModelConfig:
+    """`model` with every field config.json determines replaced (seq_len is kept from our
+    config and must not exceed max_position_embeddings); validated."""
+    values = hf_model_config(hf_dir)
+    _check_seq_len(model.seq_len, hf_dir)
+    resolved = replace(model, **values)
+    try:
+        resolved.check()
+    except ConfigError as e:
+        raise HFError(f"{os.path.join(hf_dir, CONFIG)}: {e}") from None
+    return resolved
+
+
+def _check_seq_len(seq_len: int, hf_dir: str) -> None:
+    max_pos = hf_max_positions(hf_dir)
+    if seq_len > max_pos:
+        raise HFError(
+            f"model.seq_len={seq_len} exceeds max_position_embeddings={max_pos} of "
+            f"{os.path.join(hf_dir, CONFIG)}: lower model.seq_len to at most {max_pos}"
+        )
+
+
+def check_model_matches(model: ModelConfig, hf_dir: str) -> None:
+    """Raise HFError unless `model` agrees with config.json on every field it determines."""
+    values = hf_model_config(hf_dir)
+    bad = [f"model.{k}={getattr(model, k)!r} but config.json says {v!r}"
+           for k, v in values.items() if getattr(model, k) != v]
+    if bad:
+        raise HFError(
+            f"{os.path.join(hf_dir, CONFIG)}: the model config does not match the checkpoint: "
+            + "; ".join(bad) + " (take the model section from config.json: resolve_model_config)"
+        )
+    _check_seq_len(model.seq_len, hf_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors
+# --------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """({tensor name: {dtype, shape, data_offsets}}, byte offset of the data) of one file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise HFError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise HFError(f"{path}: corrupt safetensors header length {n} (file {size} B)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise HFError(f"{path}: missing safetensors file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"{path}: corrupt safetensors header: {e}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_tensor(f, path: str, name: str, meta: dict, data_start: int) -> np.ndarray:
+    """One tensor of an open safetensors file as a new fp32 array."""
+    dtype = _DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise HFError(
+            f"{path}: tensor {name!r} has dtype {meta['dtype']}; supported: {', '.join(_DTYPES)}"
+        )
+    a, b = meta["data_offsets"]
+    shape = tuple(meta["shape"])
+    count = int(np.prod(shape, dtype=np.int64))
+    if b - a != count * dtype.itemsize:
+        raise HFError(f"{path}: tensor {name!r} has {b - a} bytes for shape {shape}")
+    f.seek(data_start + a)
+    raw = f.read(b - a)
+    if len(raw) != b - a:
+        raise HFError(f"{path}: truncated: tensor {name!r} runs past the end of the file")
+    arr = np.frombuffer(raw, dtype).reshape(shape)
+    if meta["dtype"] == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)  # exact widening
+    return arr.astype(np.float32)  # F32: a copy (owned, writable); F16 exact; F64 rounded
+
+
+def _weight_files(hf_dir: str) -> dict[str, str]:
+    """{tensor name: file path} of a directory's weights (single file or sharded index)."""
+    single = os.path.join(hf_dir, SINGLE)
+    if os.path.exists(single):
+        header, _ = read_safetensors_header(single)
+        return dict.fromkeys(header, single)
+    index = os.path.join(hf_dir, INDEX)
+    if not os.path.exists(index):
+        others = [f for f in os.listdir(hf_dir) if f.endswith((".bin", ".pt", ".pth", ".h5"))]
+        hint = f" (found {', '.join(sorted(others))}: convert them to safetensors)" if others else ""
+        raise HFError(f"{hf_dir}: no {SINGLE} and no {INDEX}{hint}")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise HFError(f"{index}: not a safetensors index (needs weight_map): {e}") from None
+    return {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
+
+
+def _expected(model: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{hf name: (global name, shape)} of every parameter of the model."""
+    return {p.hf_name: (p.name, p.shape) for b in model_blocks(model) for p in b.params}
+
+
+def load_hf_params(
+    hf_dir: str, model: ModelConfig, names: Iterable[str] | None = None
+) -> dict[str, np.ndarray]:
+    """{global name: fp32 array} for `names` (None: every parameter) from a Hugging Face dir.
+
+    Checks first, for the whole checkpoint (headers only, no tensor data): `model` matches
+    config.json, every tensor the model needs is present with its shape, and nothing else is
+    (a tied checkpoint may carry `lm_head.weight`: it is ignored; so are rotary inv_freq
+    buffers). Then reads only the requested tensors, file by file.
+    """
+    check_model_matches(model, hf_dir)
+    expected = _expected(model)
+    by_global = {g: hf for hf, (g, _) in expected.items()}
+    wanted = list(by_global) if names is None else list(names)
+    unknown = [n for n in wanted if n not in by_global]
+    if unknown:
+        raise KeyError(f"{unknown[0]!r} is not a parameter of this model")
+
+    location = _weight_files(hf_dir)
+    headers: dict[str, tuple[dict, int]] = {}
+    for path in sorted(set(location.values())):
+        headers[path] = read_safetensors_header(path)
+    for hf_name, path in location.items():
+        if hf_name not in headers[path][0]:
+            raise HFError(f"{path}: the index lists tensor {hf_name!r} but the file lacks it")
+    # every tensor actually stored, wherever it is
+    stored = {name: path for path, (h, _) in headers.items() for name in h}
+    for hf_name, (g, shape) in expected.items():
+        if hf_name not in stored:
+            where = ", ".join(os.path.basename(p) for p in sorted(headers)) or "no files"
+            raise HFError(
+                f"{hf_dir}: missing tensor {hf_name!r} (ratrain {g!r}, shape {shape}) "
+                f"in {where}"
+            )
+        path = stored[hf_name]
+        got = tuple(headers[path][0][hf_name]["shape"])
+        if got != shape:
+            raise HFError(
+                f"{path}: tensor {hf_name!r} has shape {got}, expected {shape} for ratrain "
+                f"{g!r} (from config.json)"
+            )
+    for hf_name, path in stored.items():
+        if hf_name in expected or hf_name.endswith(_IGNORED_TENSOR_SUFFIXES):
+            continue
+        if hf_name == "lm_head.weight" and model.tie_embeddings:
+            continue
+        raise HFError(
+            f"{path}: unexpected tensor {hf_name!r}: not part of a LlamaForCausalLM with this "
+            "config.json"
+        )
+
+    by_file: dict[str, list[str]] = {}
+    for g in wanted:
+        by_file.setdefault(stored[by_global[g]], []).append(g)
+    out: dict[str, np.ndarray] = {}
+    for path, gnames in by_file.items():
+        header, start = headers[path]
+        with open(path, "rb") as f:
+            for g in sorted(gnames, key=lambda n: header[by_global[n]]["data_offsets"][0]):
+                hf_name = by_global[g]
+                out[g] = _read_tensor(f, path, hf_name, header[hf_name], start)
+    return {g: out[g] for g in wanted}
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+
+def hf_config_dict(model: ModelConfig, max_position_embeddings: int | None = None) -> dict:
+    """A LlamaConfig as config.json (transformers 4.x and 5.x keys), fp32 weights."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden,
+        "intermediate_size": model.ffn_hidden,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_position_embeddings or model.seq_len),
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # 5.x
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": model.tie_embeddings,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def _write_atomic(path: str, write) -> None:
+    """Write `path` through `write(tmp_path)`, fsync, rename over `path`."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def export_hf(
+    params: Mapping[str, np.ndarray],
+    model: ModelConfig,
+    out_dir: str,
+    max_position_embeddings: int | None = None,
+) -> str:
+    """Write `params` ({global name: array}, every parameter of `model`) as a Hugging Face
+    LlamaForCausalLM directory: fp32 `model.safetensors`, then `config.json`. Returns out_dir.
+
+    max_position_embeddings defaults to model.seq_len.
+    """
+    from safetensors.numpy import save_file
+
+    expected = _expected(model)
+    by_global = {g: (hf, shape) for hf, (g, shape) in expected.items()}
+    missing = [g for g in by_global if g not in params]
+    if missing:
+        raise KeyError(f"export: parameter {missing[0]!r} missing ({len(missing)} missing)")
+    extra = [g for g in params if g not in by_global]
+    if extra:
+        raise KeyError(f"export: {extra[0]!r} is not a parameter of this model")
+    tensors = {}
+    for g, (hf_name, shape) in by_global.items():
+        arr = params[g]
+        if hasattr(arr, "get"):  # cupy -> host
+            arr = arr.get()
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.shape != shape:
+            raise ValueError(f"export: {g!r} has shape {arr.shape}, expected {shape}")
+        tensors[hf_name] = arr
+
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, INDEX)):
+        raise HFError(
+            f"{out_dir}: holds a sharded checkpoint ({INDEX}); export into an empty directory"
+        )
+    _write_atomic(
+        os.path.join(out_dir, SINGLE),
+        lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+    )
+    text = json.dumps(hf_config_dict(model, max_position_embeddings), indent=2) + "\n"
+
+    def write_config(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    _write_atomic(os.path.join(out_dir, CONFIG), write_config)
+    _fsync_dir(out_dir)
+    return out_dir
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "HFError",
+    "check_model_matches",
+    "export_hf",
+    "hf_config_dict",
+    "hf_max_positions",
+    "hf_model_config",
+    "load_hf_params",
+    "read_hf_config",
+    "read_safetensors_header",
+    "resolve_model_config",
+]
