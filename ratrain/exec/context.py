@@ -1,0 +1,166 @@
+"""ExecContext: what the block kernels need besides their inputs.
+
+It carries the array module `xp`, the `ModelConfig`, the compute dtype of activations and
+weight views (float32 or float16), RoPE tables cached per sequence length, the DDR ledger (GEMM
+scratch and transient workspace are accounted there while a block runs) and the compute threads.
+
+Threads: `threads` (run.threads; 0 = auto = min(2, usable cores)) Python threads split each
+micro-batch along the batch dimension when B >= 2; each thread then runs single-threaded BLAS
+(numpy releases the GIL in matmul and most ufunc loops). With one chunk the calling thread runs
+it with `threads` BLAS threads. Weight-gradient partials of the chunks are summed in chunk
+order, so results are deterministic for a given thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+
+from ratrain.config import ModelConfig
+from ratrain.exec.kernels import rope_tables
+
+
+def auto_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+class _Blas:
+    """Sets the BLAS thread count of numpy's BLAS (threadpoolctl), cheaply, per region."""
+
+    def __init__(self):
+        self._libs = None
+
+    def libs(self):
+        if self._libs is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+
+                self._libs = [c for c in ThreadpoolController().lib_controllers
+                              if c.user_api == "blas"]
+            except Exception:  # pragma: no cover - threadpoolctl missing or broken
+                self._libs = []
+        return self._libs
+
+    @contextlib.contextmanager
+    def limit(self, n: int):
+        libs = self.libs()
+        before = [lib.get_num_threads() for lib in libs]
+        for lib in libs:
+            lib.set_num_threads(n)
+        try:
+            yield
+        finally:
+            for lib, b in zip(libs, before):
+                lib.set_num_threads(b)
+
+
+_BLAS = _Blas()
+
+
+class ExecContext:
+    """Execution context of the block kernels (see docs/INTERNALS.md, "Block kernels")."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        precision: str = "fp32",
+        xp=np,
+        ledger=None,
+        threads: int = 0,
+        attn_block: int = 128,
+        head_chunk_bytes: int = 16 << 20,
+    ):
+        if precision not in ("fp32", "fp16"):
+            raise ValueError(f"precision={precision!r}: expected fp32 or fp16")
+        self.xp = xp
+        self.model = model
+        self.precision = precision
+        self.dtype = np.dtype(np.float16 if precision == "fp16" else np.float32)
+        self.ledger = ledger
+        self.threads = threads if threads > 0 else auto_threads()
+        self.attn_block = attn_block
+        self.head_chunk_bytes = head_chunk_bytes  # bound on the fp32 logits of one head chunk
+        self._rope: dict[int, tuple] = {}
+        self._pool = None
+
+    @classmethod
+    def from_config(cls, cfg, xp=np, ledger=None, **kw) -> ExecContext:
+        return cls(cfg.model, cfg.precision, xp, ledger, cfg.run.threads, **kw)
+
+    # -- numerics ---------------------------------------------------------------------------
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.xp is np
+
+    def rope(self, seq_len: int):
+        """(cos, sin), each (T, D) float32, for sequences of `seq_len` tokens (cached)."""
+        if seq_len not in self._rope:
+            m = self.model
+            self._rope[seq_len] = rope_tables(seq_len, m.head_dim, m.rope_theta, self.xp)
+        return self._rope[seq_len]
+
+    # -- ledger -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scratch(self, tag: str, nbytes: int):
+        """Account `nbytes` of transient memory under `tag` while the block runs."""
+        if self.ledger is None or nbytes <= 0:
+            yield
+            return
+        self.ledger.reserve(tag, nbytes)
+        try:
+            yield
+        finally:
+            self.ledger.unreserve(tag, nbytes)
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def split(self, batch: int) -> list[slice]:
+        """Contiguous batch chunks, one per thread (one chunk when batch < 2 or 1 thread)."""
+        n = min(self.threads, batch) if self.on_cpu else 1
+        if n <= 1:
+            return [slice(0, batch)]
+        bounds = [batch * i // n for i in range(n + 1)]
+        return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def map(self, fn, items):
+        """[fn(item) for item in items], items in parallel threads (single-threaded BLAS each);
+        one item runs here with `threads` BLAS threads."""
+        items = list(items)
+        if not self.on_cpu:
+            return [fn(it) for it in items]
+        if len(items) == 1:
+            with _BLAS.limit(self.threads):
+                return [fn(items[0])]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ratrain-exec")
+        with _BLAS.limit(1):
+            futures = [self._pool.submit(fn, it) for it in items[1:]]
+            try:
+                first = fn(items[0])
+            finally:
+                wait(futures)  # never leave a worker running past this region
+            rest = [f.result() for f in futures]
+        return [first, *rest]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["ExecContext", "auto_threads"]

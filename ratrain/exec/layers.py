@@ -1,0 +1,433 @@
+"""Block kernels: the embedding, one decoder layer, and the head (final norm + LM head + loss).
+
+The interface is docs/INTERNALS.md's "Block kernels":
+
+    embed_forward(ids, p, ctx) -> (x, cache)          embed_backward(dx, cache, p, g, ctx) -> None
+    layer_forward(x, p, ctx, keep) -> (y, cache)      layer_backward(dy, cache, p, g, ctx) -> dx
+    head_forward(x, targets, p, ctx) -> (loss, cache) head_backward(dscale, cache, p, g, ctx) -> dx
+    cache_nbytes(cache) -> int ; cache_arrays(cache) -> list of arrays (for ledger.track)
+
+`p` maps local names to the block's working weight view (ctx.dtype: float16 or float32, Hugging
+Face layout (out, in), y = x @ W.T); `g` maps local names to fp32 gradient arrays that backward
+*adds* into. With tied embeddings the caller passes the embedding's view and gradient as the
+head's `p["weight"]` / `g["weight"]`.
+
+A decoder layer (pre-norm LLaMA):
+    h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x))
+    y = h + Wd . (silu(Wg . rms(h)) * Wu . rms(h))
+Wq/Wk/Wv and Wg/Wu are concatenated once per call (one GEMM each, forward and backward), and in
+fp16 mode on the CPU every weight view is converted to fp32 once per call into scratch
+(`scratch.gemm`) so that each GEMM is an sgemm. Activations crossing blocks and kept in caches
+are ctx.dtype; inside a call everything is fp32 (GEMM accumulation, norms, softmax, loss).
+In fp16 mode q, k, v are rounded to fp16 before attention (they are kept in fp16), so that a
+recomputation from the kept values reproduces the forward bit for bit.
+
+`keep` (what the cache holds for backward):
+    "all"        x, rstd, q, k, v (after RoPE), attention output o and its logsumexp, h, gate|up
+    "selective"  the same less o and logsumexp: backward recomputes the attention core
+                 (flash forward: cheap, and o is as large as x)
+    "input"      x only: backward re-runs the forward (full recomputation)
+Backward gives bitwise the same gradients whatever `keep` was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ratrain.exec import kernels as K
+from ratrain.exec.gemm import SCRATCH_TAG, matmul
+
+KEEP = ("all", "selective", "input")
+WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
+F32 = np.dtype(np.float32)
+
+
+@dataclass
+class BlockCache:
+    """What a block's forward keeps for its backward. `parts` holds one dict per batch chunk."""
+
+    kind: str  # "embed" | "layer" | "head"
+    keep: str
+    x: object  # the block input (ids for the embedding)
+    chunks: list
+    parts: list | None
+    extra: dict = field(default_factory=dict)
+
+
+def cache_arrays(cache: BlockCache) -> list:
+    """Every array the cache keeps alive (the input first), for ledger.track."""
+    out = [cache.x]
+    for part in cache.parts or ():
+        out.extend(v for v in part.values() if hasattr(v, "nbytes"))
+    out.extend(v for v in cache.extra.values() if hasattr(v, "nbytes"))
+    return out
+
+
+def cache_nbytes(cache: BlockCache) -> int:
+    return int(sum(a.nbytes for a in cache_arrays(cache)))
+
+
+def _f32(a):
+    return a if a.dtype == F32 else a.astype(F32)
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding
+# --------------------------------------------------------------------------------------------
+
+
+def embed_forward(ids, p, ctx):
+    """ids (B, T) -> x (B, T, C) in ctx.dtype."""
+    x, _ = K.embedding_forward(ids, p["weight"], ctx.xp)  # (B, T, C)
+    if x.dtype != ctx.dtype:
+        x = x.astype(ctx.dtype)
+    return x, BlockCache("embed", "all", ids, [], None, {})
+
+
+def embed_backward(dx, cache, p, g, ctx) -> None:
+    K.embedding_backward(dx, (cache.x, p["weight"].shape), ctx.xp, dw=g["weight"])
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder layer
+# --------------------------------------------------------------------------------------------
+
+
+def _dims(ctx):
+    m = ctx.model
+    return m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn_hidden
+
+
+def _gemm_weights(p, ctx):
+    """fp32 (numpy) or ctx.dtype (cupy) GEMM weights: wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
+    wd; plus the bytes of scratch they take."""
+    xp = ctx.xp
+    C, H, KV, D, F = _dims(ctx)
+    wdt = F32 if ctx.on_cpu else ctx.dtype
+    wqkv = xp.empty((H * D + 2 * KV * D, C), wdt)  # (HD + 2 KVD, C)
+    wgu = xp.empty((2 * F, C), wdt)  # (2F, C)
+    copies = [
+        (wqkv[: H * D], p["attn.wq"]),
+        (wqkv[H * D : H * D + KV * D], p["attn.wk"]),
+        (wqkv[H * D + KV * D :], p["attn.wv"]),
+        (wgu[:F], p["mlp.w_gate"]),
+        (wgu[F:], p["mlp.w_up"]),
+    ]
+    wo, wd = p["attn.wo"], p["mlp.w_down"]
+    if wo.dtype != wdt:
+        wo, wd = xp.empty(wo.shape, wdt), xp.empty(wd.shape, wdt)
+        copies += [(wo, p["attn.wo"]), (wd, p["mlp.w_down"])]
+    n = len(ctx.split(ctx.threads))
+
+    def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
+        for dst, src in copies:
+            r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
+            dst[r0:r1] = src[r0:r1]
+
+    ctx.map(fill, range(n))
+    nbytes = sum(dst.nbytes for dst, _ in copies)
+    return {"wqkv": wqkv, "wo": wo, "wgu": wgu, "wd": wd}, nbytes
+
+
+def layer_workspace_nbytes(ctx, batch: int, backward: bool = False) -> int:
+    """An estimate of the transient fp32 workspace of one layer call on `batch` sequences."""
+    C, H, KV, D, F = _dims(ctx)
+    T = ctx.model.seq_len
+    qkv = H * D + 2 * KV * D
+    per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
+    if backward:
+        per_token += 2 * C + qkv + 3 * F + H * D  # dy, dh; dqkv; dgu, dact; do
+    tiles = 4 * H * ctx.attn_block**2 * min(batch, ctx.threads)
+    return 4 * (batch * T * per_token + (tiles if T > 1 else 0))
+
+
+def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
+    """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
+    xp = ctx.xp
+    C, H, KV, D, F = _dims(ctx)
+    b, T, _ = x.shape
+    N, HD, KVD = b * T, H * D, KV * D
+    half = ctx.dtype != F32
+    cos, sin = ctx.rope(T)  # (T, D)
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
+    eps = ctx.model.norm_eps
+
+    x32 = _f32(x)  # (b, T, C)
+    xn, (_, rstd1, _) = K.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
+    qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp)  # (N, HD + 2 KVD)
+    q = xp.empty((b, H, T, D), F32)
+    K.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
+    k = xp.empty((b, KV, T, D), F32)
+    K.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
+                   out=k.transpose(0, 2, 1, 3))
+    v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
+    del qkv
+    if half:  # keep fp16, attend on the rounded values
+        q16, k16, v16 = q.astype(ctx.dtype), k.astype(ctx.dtype), v.astype(ctx.dtype)
+        xp.copyto(q, q16)
+        xp.copyto(k, k16)
+        xp.copyto(v, v16)
+    o = xp.empty((b, T, HD), F32)  # attention output, token-major for Wo
+    _, (_, _, _, _, lse, _) = K.flash_attention_forward(
+        q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
+    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp).reshape(b, T, C)  # (b, T, C)
+    h += x32
+    del x32
+    xn2, (_, rstd2, _) = K.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
+    gu = matmul(xn2.reshape(N, C), w["wgu"].T, xp=xp)  # (N, 2F)
+    if y_out is not None:
+        act, _ = K.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
+        mlp = matmul(act, w["wd"].T, xp=xp)  # (N, C)
+        del act
+        xp.add(h, mlp.reshape(b, T, C), out=y_out)
+        del mlp
+    kept = {"rstd1": rstd1, "rstd2": rstd2}
+    if half:
+        kept.update(q=q16, k=k16, v=v16, h=h.astype(ctx.dtype), gu=gu.astype(ctx.dtype))
+        if keep == "all":
+            kept.update(o=o.astype(ctx.dtype), lse=lse)
+    else:
+        kept.update(q=q, k=k, v=v, h=h, gu=gu)
+        if keep == "all":
+            kept.update(o=o, lse=lse)
+    return kept
+
+
+def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
+    """Backward of one batch chunk; writes dx_out and returns the weight-gradient partials."""
+    xp = ctx.xp
+    C, H, KV, D, F = _dims(ctx)
+    b, T, _ = x.shape
+    N, HD, KVD = b * T, H * D, KV * D
+    half = ctx.dtype != F32
+    cos, sin = ctx.rope(T)
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]
+
+    q, k, v = _f32(kept["q"]), _f32(kept["k"]), _f32(kept["v"])  # (b, H|KV, T, D)
+    if "o" in kept:
+        o, lse = _f32(kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
+    else:  # selective: recompute the attention core, rounded as the forward kept it
+        o = xp.empty((b, T, HD), F32)
+        _, (_, _, _, _, lse, _) = K.flash_attention_forward(
+            q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
+        if half:
+            o = _f32(o.astype(ctx.dtype))
+    dy32 = _f32(dy).reshape(N, C)  # (N, C)
+    parts = {}
+
+    # --- MLP: y = h + Wd . (silu(g) * u), [g | u] = Wgu . rms(h)
+    h, gu = _f32(kept["h"]), _f32(kept["gu"])  # (b, T, C), (N, 2F)
+    gate, up = gu[:, :F], gu[:, F:]
+    sig = xp.negative(gate)  # (N, F)
+    xp.exp(sig, out=sig)
+    sig += 1.0
+    xp.reciprocal(sig, out=sig)  # sigmoid(gate)
+    silu = gate * sig  # (N, F)
+    act = silu * up  # (N, F)
+    parts["wd"] = matmul(dy32.T, act, xp=xp)  # (C, F)
+    del act
+    dact = matmul(dy32, w["wd"], xp=xp)  # (N, F)
+    dgu = xp.empty((N, 2 * F), F32)  # (N, 2F)
+    xp.multiply(dact, silu, out=dgu[:, F:])  # d up
+    t = silu * sig  # (N, F)
+    silu -= t
+    silu += sig  # d silu / d gate = sig + silu * (1 - sig)
+    del t
+    dact *= up
+    xp.multiply(dact, silu, out=dgu[:, :F])  # d gate
+    del dact, silu, sig, gu, gate, up
+    rms2 = (h, kept["rstd2"], p["mlp_norm"])
+    xn2 = h * kept["rstd2"]  # (b, T, C)
+    xn2 *= _f32(p["mlp_norm"])
+    parts["wgu"] = matmul(dgu.T, xn2.reshape(N, C), xp=xp)  # (2F, C)
+    del xn2
+    dxn2 = matmul(dgu, w["wgu"], xp=xp)  # (N, C)
+    del dgu
+    dh, parts["mlp_norm"] = K.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
+    dh += dy32.reshape(b, T, C)
+    del dxn2, dy32
+
+    # --- attention: h = x + Wo . attn(q, k, v)
+    dh2 = dh.reshape(N, C)
+    parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp)  # (C, HD)
+    do = matmul(dh2, w["wo"], xp=xp)  # (N, HD)
+    dq, dk, dv = K.flash_attention_backward(
+        do.reshape(b, T, H, D).transpose(0, 2, 1, 3),
+        (q, k, v, o.reshape(b, T, H, D).transpose(0, 2, 1, 3), lse, ctx.attn_block), xp)
+    del do, q, k, v, o
+    dqkv = xp.empty((N, HD + 2 * KVD), F32)  # (N, HD + 2 KVD), token-major
+    K.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                    out=dqkv[:, :HD].reshape(b, T, H, D))
+    K.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                    out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
+    dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
+    del dq, dk, dv
+    x32 = _f32(x)
+    rms1 = (x32, kept["rstd1"], p["attn_norm"])
+    xn1 = x32 * kept["rstd1"]  # (b, T, C)
+    xn1 *= _f32(p["attn_norm"])
+    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp)  # (HD + 2 KVD, C)
+    del xn1
+    dxn1 = matmul(dqkv, w["wqkv"], xp=xp)  # (N, C)
+    del dqkv
+    dx1, parts["attn_norm"] = K.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
+    xp.add(dh, dx1, out=dx_out)
+    return parts
+
+
+def layer_forward(x, p, ctx, keep="all"):
+    """x (B, T, C) ctx.dtype -> (y (B, T, C) ctx.dtype, cache)."""
+    if keep not in KEEP:
+        raise ValueError(f"keep={keep!r}: expected one of {', '.join(KEEP)}")
+    xp = ctx.xp
+    B = x.shape[0]
+    chunks = ctx.split(B)
+    y = xp.empty(x.shape, ctx.dtype)  # (B, T, C)
+    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, B)):
+        w, wbytes = _gemm_weights(p, ctx)
+        with ctx.scratch(SCRATCH_TAG, wbytes):
+            kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, keep, y[sl]), chunks)
+    return y, BlockCache("layer", keep, x, chunks, None if keep == "input" else kept)
+
+
+def layer_backward(dy, cache, p, g, ctx):
+    """dy (B, T, C) -> dx (B, T, C) ctx.dtype; adds the weight gradients into g (fp32)."""
+    xp = ctx.xp
+    x, chunks = cache.x, cache.chunks
+    C, H, KV, D, F = _dims(ctx)
+    HD, KVD = H * D, KV * D
+    dx = xp.empty(x.shape, ctx.dtype)  # (B, T, C)
+
+    def run(i):
+        sl = chunks[i]
+        if cache.parts is None:  # keep == "input": recompute the forward (no output needed)
+            kept = _layer_fwd_chunk(x[sl], p, w, ctx, "all", None)
+        else:
+            kept = cache.parts[i]
+        return _layer_bwd_chunk(dy[sl], x[sl], kept, p, w, ctx, dx[sl])
+
+    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, x.shape[0], backward=True)):
+        w, wbytes = _gemm_weights(p, ctx)
+        with ctx.scratch(SCRATCH_TAG, wbytes):
+            parts = ctx.map(run, range(len(chunks)))
+    for part in parts:  # fixed order: deterministic for a given thread count
+        wqkv = part["wqkv"]
+        g["attn.wq"] += wqkv[:HD]
+        g["attn.wk"] += wqkv[HD : HD + KVD]
+        g["attn.wv"] += wqkv[HD + KVD :]
+        g["attn.wo"] += part["wo"]
+        g["mlp.w_gate"] += part["wgu"][:F]
+        g["mlp.w_up"] += part["wgu"][F:]
+        g["mlp.w_down"] += part["wd"]
+        g["attn_norm"] += part["attn_norm"]
+        g["mlp_norm"] += part["mlp_norm"]
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# Head: final RMSNorm, LM head, mean cross-entropy
+# --------------------------------------------------------------------------------------------
+
+
+def _head_rows(ctx, V):
+    return max(1, ctx.head_chunk_bytes // (4 * V))
+
+
+def _head_fwd_chunk(x, targets, p, w, ctx):
+    xp = ctx.xp
+    b, T, C = x.shape
+    N = b * T
+    xn, (_, rstd, _) = K.rmsnorm_forward(_f32(x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
+    xn = xn.reshape(N, C)
+    t = targets.reshape(N)
+    lse = xp.empty(N, F32)
+    losses = xp.empty(N, F32)
+    rows = _head_rows(ctx, w.shape[0])
+    for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
+        r1 = min(r0 + rows, N)
+        z = matmul(xn[r0:r1], w.T, xp=xp)  # (rows, V)
+        lse[r0:r1] = K.logsumexp_rows(z, xp)
+        xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
+    return {"rstd": rstd, "lse": lse}, losses
+
+
+def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
+    xp = ctx.xp
+    b, T, C = x.shape
+    N = b * T
+    x32 = _f32(x)
+    rms = (x32, kept["rstd"], p["norm"])
+    xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
+    xn *= _f32(p["norm"])
+    t = targets.reshape(N)
+    lse = kept["lse"]
+    dw = xp.zeros(w.shape, F32)  # (V, C)
+    dxn = xp.empty((N, C), F32)  # (N, C)
+    rows = _head_rows(ctx, w.shape[0])
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        d = matmul(xn[r0:r1], w.T, xp=xp)  # logits (rows, V)
+        d -= lse[r0:r1, None]
+        xp.exp(d, out=d)  # softmax
+        d[xp.arange(r1 - r0), t[r0:r1]] -= 1.0
+        d *= coef
+        dw += matmul(d.T, xn[r0:r1], xp=xp)
+        matmul(d, w, out=dxn[r0:r1], xp=xp)
+    dx, dnorm = K.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
+    dx_out[...] = dx
+    return {"weight": dw, "norm": dnorm}
+
+
+def _head_weight(p, ctx):
+    w = p["weight"]
+    if ctx.on_cpu and w.dtype != F32:
+        return w.astype(F32)
+    return w
+
+
+def head_forward(x, targets, p, ctx):
+    """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache)."""
+    xp = ctx.xp
+    chunks = ctx.split(x.shape[0])
+    w = _head_weight(p, ctx)
+    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
+    losses = xp.concatenate([r[1] for r in res])  # (B * T,)
+    loss = losses.mean(dtype=F32)
+    return loss, BlockCache("head", "all", x, chunks, [r[0] for r in res], {"targets": targets})
+
+
+def head_backward(dscale, cache, p, g, ctx):
+    """Seeds d(loss) = dscale; adds into g["norm"], g["weight"]; -> dx (B, T, C) ctx.dtype."""
+    xp = ctx.xp
+    x, chunks, targets = cache.x, cache.chunks, cache.extra["targets"]
+    coef = float(dscale) / (x.shape[0] * x.shape[1])
+    dx = xp.empty(x.shape, ctx.dtype)
+    w = _head_weight(p, ctx)
+    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        parts = ctx.map(
+            lambda i: _head_bwd_chunk(x[chunks[i]], targets[chunks[i]], cache.parts[i], p, w,
+                                      ctx, coef, dx[chunks[i]]),
+            range(len(chunks)),
+        )
+    for part in parts:
+        g["weight"] += part["weight"]
+        g["norm"] += part["norm"]
+    return dx
+
+
+__all__ = [
+    "KEEP",
+    "BlockCache",
+    "cache_arrays",
+    "cache_nbytes",
+    "embed_backward",
+    "embed_forward",
+    "head_backward",
+    "head_forward",
+    "layer_backward",
+    "layer_forward",
+    "layer_workspace_nbytes",
+]
