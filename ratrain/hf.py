@@ -228,6 +228,16 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFError(f"{path}: corrupt safetensors header: {e}") from None
     header.pop("__metadata__", None)
+    for name, meta in header.items():
+        try:
+            end = int(meta["data_offsets"][1])
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise HFError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if 8 + n + end > size:
+            raise HFError(
+                f"{path}: truncated: tensor {name!r} runs past the end of the file "
+                f"({size} B; needs {8 + n + end} B)"
+            )
     return header, 8 + n
 
 
@@ -277,24 +287,11 @@ def _expected(model: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {p.hf_name: (p.name, p.shape) for b in model_blocks(model) for p in b.params}
 
 
-def load_hf_params(
-    hf_dir: str, model: ModelConfig, names: Iterable[str] | None = None
-) -> dict[str, np.ndarray]:
-    """{global name: fp32 array} for `names` (None: every parameter) from a Hugging Face dir.
-
-    Checks first, for the whole checkpoint (headers only, no tensor data): `model` matches
-    config.json, every tensor the model needs is present with its shape, and nothing else is
-    (a tied checkpoint may carry `lm_head.weight`: it is ignored; so are rotary inv_freq
-    buffers). Then reads only the requested tensors, file by file.
-    """
+def _inventory(hf_dir: str, model: ModelConfig):
+    """Check a directory against `model` from config.json and the safetensors headers only;
+    return ({hf name: (global name, shape)}, {hf name: file}, {file: (header, data start)})."""
     check_model_matches(model, hf_dir)
     expected = _expected(model)
-    by_global = {g: hf for hf, (g, _) in expected.items()}
-    wanted = list(by_global) if names is None else list(names)
-    unknown = [n for n in wanted if n not in by_global]
-    if unknown:
-        raise KeyError(f"{unknown[0]!r} is not a parameter of this model")
-
     location = _weight_files(hf_dir)
     headers: dict[str, tuple[dict, int]] = {}
     for path in sorted(set(location.values())):
@@ -312,11 +309,17 @@ def load_hf_params(
                 f"in {where}"
             )
         path = stored[hf_name]
-        got = tuple(headers[path][0][hf_name]["shape"])
+        meta = headers[path][0][hf_name]
+        got = tuple(meta["shape"])
         if got != shape:
             raise HFError(
                 f"{path}: tensor {hf_name!r} has shape {got}, expected {shape} for ratrain "
                 f"{g!r} (from config.json)"
+            )
+        if meta.get("dtype") not in _DTYPES:
+            raise HFError(
+                f"{path}: tensor {hf_name!r} has dtype {meta.get('dtype')}; supported: "
+                f"{', '.join(_DTYPES)}"
             )
     for hf_name, path in stored.items():
         if hf_name in expected or hf_name.endswith(_IGNORED_TENSOR_SUFFIXES):
@@ -327,6 +330,31 @@ def load_hf_params(
             f"{path}: unexpected tensor {hf_name!r}: not part of a LlamaForCausalLM with this "
             "config.json"
         )
+    return expected, stored, headers
+
+
+def check_hf(hf_dir: str, model: ModelConfig) -> None:
+    """Every check `load_hf_params` makes, reading only config.json and the safetensors
+    headers (cheap; for start-up, before any work): HFError naming the tensor and file."""
+    _inventory(hf_dir, model)
+
+
+def load_hf_params(
+    hf_dir: str, model: ModelConfig, names: Iterable[str] | None = None
+) -> dict[str, np.ndarray]:
+    """{global name: fp32 array} for `names` (None: every parameter) from a Hugging Face dir.
+
+    Checks first, for the whole checkpoint (`check_hf`: headers only, no tensor data): `model`
+    matches config.json, seq_len fits, every tensor the model needs is present with its shape,
+    and nothing else is (a tied checkpoint may carry `lm_head.weight`: it is ignored; so are
+    rotary inv_freq buffers). Then reads only the requested tensors, file by file.
+    """
+    expected, stored, headers = _inventory(hf_dir, model)
+    by_global = {g: hf for hf, (g, _) in expected.items()}
+    wanted = list(by_global) if names is None else list(names)
+    unknown = [n for n in wanted if n not in by_global]
+    if unknown:
+        raise KeyError(f"{unknown[0]!r} is not a parameter of this model")
 
     by_file: dict[str, list[str]] = {}
     for g in wanted:
@@ -459,6 +487,7 @@ def _fsync_dir(path: str) -> None:
 
 __all__ = [
     "HFError",
+    "check_hf",
     "check_model_matches",
     "export_hf",
     "hf_config_dict",

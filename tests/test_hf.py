@@ -11,6 +11,7 @@ from ratrain.exec.params import StageState
 from ratrain.exec.spec import model_blocks, stage_blocks
 from ratrain.hf import (
     HFError,
+    check_hf,
     export_hf,
     hf_max_positions,
     hf_model_config,
@@ -192,6 +193,8 @@ def test_weight_mismatches_name_tensor_and_file(tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     rewrite_weights(out, lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(HFError, match=rf"missing tensor '{name}'.*model.safetensors"):
+        check_hf(out, M)  # the start-up check: headers only
+    with pytest.raises(HFError, match=rf"missing tensor '{name}'.*model.safetensors"):
         load_hf_params(out, M)
     out = export_hf(random_params(), M, out)
     rewrite_weights(out, lambda t: {**t, name: np.zeros((3, 3), np.float32)})
@@ -217,6 +220,8 @@ def test_truncated_file_is_refused(tmp_path):
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size - 100)
+    with pytest.raises(HFError, match="truncated"):
+        check_hf(out, M)
     with pytest.raises(HFError, match="truncated"):
         load_hf_params(out, M)
 
