@@ -312,3 +312,72 @@ def test_export_loads_in_transformers(tmp_path, tie):
     back = load_hf_params(str(tmp_path / "again"), m)
     for g, a in params.items():
         np.testing.assert_array_equal(back[g], a)
+
+
+# --------------------------------------------------------------------------------------------
+# python -m ratrain.export
+# --------------------------------------------------------------------------------------------
+
+
+def _job(tmp_path, **init):
+    import yaml
+
+    cfg = {
+        "model": {"vocab_size": M.vocab_size, "hidden": M.hidden, "layers": M.layers,
+                  "heads": M.heads, "kv_heads": M.kv_heads, "ffn_hidden": M.ffn_hidden,
+                  "seq_len": M.seq_len, "rope_theta": M.rope_theta, "norm_eps": M.norm_eps},
+        "init": {"seed": 17, **init},
+        "run": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_export_cli_initial_weights(tmp_path, capsys):
+    from ratrain.exec.spec import init_param
+    from ratrain.export import main
+
+    job = _job(tmp_path)
+    out = str(tmp_path / "hf")
+    assert main(["--hf", out, "--config", job, "--init"]) == 0
+    assert "exported initial weights" in capsys.readouterr().out
+    got = load_hf_params(out, M)
+    for b in model_blocks(M):
+        for p in b.params:
+            np.testing.assert_array_equal(got[p.name], init_param(p, 17))
+    # from_hf initial weights export back to the same tensors
+    job2 = _job(tmp_path, from_hf=out)
+    assert main(["--hf", str(tmp_path / "hf2"), "--config", job2, "--init"]) == 0
+    again = load_hf_params(str(tmp_path / "hf2"), M)
+    for name, arr in got.items():
+        np.testing.assert_array_equal(again[name], arr)
+    # no checkpoint yet: a clear error, non-zero exit
+    assert main(["--hf", str(tmp_path / "hf3"), "--config", job]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+    assert main(["--hf", str(tmp_path / "hf3")]) == 2
+
+
+def test_export_cli_from_checkpoint(tmp_path, capsys):
+    from ratrain.checkpoint import save_checkpoint
+    from ratrain.config import load_config
+    from ratrain.export import main
+
+    cfg = load_config(_job(tmp_path))
+    st = StageState(model_blocks(M), "fp32", Ledger(), seed=3)
+    root = str(tmp_path / "run" / "checkpoints")
+    save_checkpoint(root, 5, cfg, st.state_dict(), {"step": 5}, log=lambda _: None)
+    out = str(tmp_path / "hf")
+    assert main(["--hf", out, "--checkpoint", root]) == 0
+    assert "checkpoint step 5" in capsys.readouterr().out
+    got = load_hf_params(out, M)
+    for name, arr in st.named_master():
+        np.testing.assert_array_equal(got[name], arr)
+    assert main(["--hf", str(tmp_path / "hf2"), "--config", _job(tmp_path)]) == 0
+    # a damaged shard is refused, naming the file
+    shard = next(f for f in os.listdir(os.path.join(root, "ckpt-000005")) if f.endswith(".h5"))
+    with open(os.path.join(root, "ckpt-000005", shard), "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"xxxxxxxxxx")
+    assert main(["--hf", str(tmp_path / "hf3"), "--checkpoint", root]) == 2
+    assert shard in capsys.readouterr().err
