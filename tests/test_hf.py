@@ -381,3 +381,32 @@ def test_export_cli_from_checkpoint(tmp_path, capsys):
         f.write(b"xxxxxxxxxx")
     assert main(["--hf", str(tmp_path / "hf3"), "--checkpoint", root]) == 2
     assert shard in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
+    """Issue 4's target: export -> transformers -> the same numbers as ratrain (fp32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.layers import embed_forward, head_forward, layer_forward
+
+    m = replace(M, seq_len=12)
+    st = StageState(model_blocks(m), "fp32", Ledger(), seed=4)
+    for name, arr in st.named_master():  # norms away from 1
+        if name.endswith("norm"):
+            arr[...] = np.random.default_rng(1).uniform(0.5, 1.5, arr.shape)
+    out = export_hf(dict(st.named_master()), m, str(tmp_path / "hf"))
+    ids = np.random.default_rng(2).integers(0, m.vocab_size, (2, m.seq_len + 1))
+    ctx = ExecContext(m, "fp32")
+    x, _ = embed_forward(ids[:, :-1], st.view("embed"), ctx)
+    for i in range(m.layers):
+        x, _ = layer_forward(x, st.view(f"layers.{i}"), ctx)
+    loss, _ = head_forward(x, ids[:, 1:], st.view("head"), ctx)
+    model = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(ids[:, :-1])).logits
+        ref = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, m.vocab_size), torch.tensor(ids[:, 1:]).reshape(-1)
+        )
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
