@@ -536,9 +536,7 @@ class Executor:
         mode = self.cfg.schedule.recompute
         layers = [b for b in self.blocks if self.kind[b] == "layer"]
         keep = {b: RECOMPUTE_KEEP.get(mode, "all") for b in layers}
-        sizes = self._measure_sizes(keep) if mode == "auto" or self.ledger.cap else None
-        if sizes is None:
-            return keep, None
+        sizes = self._measure_sizes(keep)
         lists = self._rank_lists(2)[:2]
         if mode == "auto":
             chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks)

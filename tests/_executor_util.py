@@ -1,0 +1,75 @@
+"""Shared by the executor tests: a tiny model trained a few steps at a pp x dp layout."""
+
+import numpy as np
+
+from ratrain.config import Config, ModelConfig, OptimConfig, ParallelConfig, RunConfig, ScheduleConfig
+from ratrain.exec.context import ExecContext
+from ratrain.exec.params import StageState
+from ratrain.exec.spec import stage_blocks
+from ratrain.shim.ledger import Ledger
+
+MODEL = ModelConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=64, seq_len=16)
+
+
+def tiny_config(pp=1, dp=1, m=4, precision="fp32", policy="ratrain", recompute="none", steps=3,
+                model=MODEL, micro_batch=2, grad_clip=1.0):
+    return Config(
+        model=model,
+        parallel=ParallelConfig(pp=pp, dp=dp, micro_batch=micro_batch, num_micro_batches=m),
+        precision=precision,
+        schedule=ScheduleConfig(policy=policy, recompute=recompute),
+        optim=OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=grad_clip, loss_scale_init=1024.0),
+        run=RunConfig(steps=steps, threads=1),
+    )
+
+
+def global_batch(cfg, step):
+    """(dp*M, B, T) inputs and targets of a step: replica r takes micro-batches [r*M, (r+1)*M)."""
+    p, mc = cfg.parallel, cfg.model
+    rng = np.random.default_rng(1000 + step)
+    ids = rng.integers(0, mc.vocab_size, (p.dp * p.num_micro_batches, p.micro_batch, mc.seq_len + 1))
+    return ids[..., :-1].copy(), ids[..., 1:].copy()
+
+
+def train(cfg, comm=None, steps=None, cap=None, trace=None, data_dp=None):
+    """Train `steps` steps; returns (results, state, executor). `comm`: None for one rank."""
+    from ratrain.lifecycle.executor import Executor
+
+    p = cfg.parallel
+    topo = engine = None
+    stage = replica = 0
+    if comm is not None:
+        from ratrain.comm.engine import CommEngine
+        from ratrain.comm.topology import Topology
+
+        topo = Topology(comm, p.pp, p.dp)
+        engine = CommEngine(topo, watchdog_s=60)
+        stage, replica = topo.stage, topo.replica
+    ledger = Ledger(cap, comm.Get_rank() if comm is not None else 0)
+    state = StageState(stage_blocks(cfg.model, p.pp, stage), cfg.precision, ledger, np, 1)
+    ctx = ExecContext(cfg.model, cfg.precision, np, ledger, threads=1)
+    ex = Executor(cfg, topo, state, ctx, engine, ledger)
+    results = []
+    try:
+        m = p.num_micro_batches
+        for s in range(steps or cfg.run.steps):
+            inputs, targets = global_batch(cfg, s)
+            sl = slice(replica * m, (replica + 1) * m)
+            results.append(ex.run_step(s, (inputs[sl], targets[sl])))
+        ex.flush()
+        if trace:
+            ex.write_trace(trace)
+    finally:
+        if engine is not None:
+            engine.close()
+        if topo is not None:
+            topo.free()
+    return results, state, ex
+
+
+def same_global_batch(cfg):
+    """The 1 x 1 config with the same global batch as `cfg` (dp replicas -> more micro-batches)."""
+    from dataclasses import replace
+
+    p = cfg.parallel
+    return replace(cfg, parallel=replace(p, pp=1, dp=1, num_micro_batches=p.num_micro_batches * p.dp))
