@@ -1,0 +1,103 @@
+"""The link model and throttle: what a message costs on the platform's links.
+
+Model (LogGP-like, per rank): a message of n bytes costs `latency + n / bandwidth`; the rank's
+outgoing link is one resource, so its concurrent sends share the bandwidth. Emulated times are
+platform times x `time_scale`.
+
+The throttle is a virtual clock of the rank's outgoing link. A message is cut into chunks of
+`chunk_bytes`; each chunk reserves the next free slot of `chunk / bandwidth` seconds and is
+handed to MPI when its slot ends (the bytes have "crossed the wire"). Concurrent messages
+reserve one chunk at a time, so their chunks interleave round-robin: fair sharing. The first
+chunk of a message cannot start before `now + latency`, but it may start while an earlier
+message still occupies the link, so back-to-back messages pay the latency once (streaming
+bandwidth == the configured bandwidth; an isolated message == latency + n / bandwidth).
+Slot times are absolute, so a late wake-up of the sender delays one chunk, never the ones after.
+
+Here no MPI is done: `ratrain.comm` asks `reserve` for each chunk's release time and sleeps (or
+lets its engine wait) until then. The link is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+DEFAULT_CHUNK_BYTES = 256 * 1024
+
+
+class Link:
+    """The outgoing link of one rank: `bandwidth` B/s, `latency` s per message, scaled by `time_scale`."""
+
+    def __init__(
+        self,
+        bandwidth: float,
+        latency: float = 0.0,
+        time_scale: float = 1.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        clock=time.perf_counter,
+    ):
+        if not bandwidth or bandwidth <= 0:
+            raise ValueError(f"link bandwidth must be > 0 B/s, got {bandwidth!r}")
+        if latency < 0 or time_scale <= 0:
+            raise ValueError(f"link latency must be >= 0 and time_scale > 0 ({latency}, {time_scale})")
+        if chunk_bytes < 8 or chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        self.time_scale = float(time_scale)
+        self.chunk_bytes = int(chunk_bytes)
+        self.clock = clock
+        self._s_per_byte = self.time_scale / self.bandwidth
+        self._lat = self.latency * self.time_scale
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # clock time at which the link's last reserved slot ends
+        self.bytes_sent = 0
+        self.messages = 0
+
+    @classmethod
+    def from_profile(cls, profile, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Link | None:
+        """The throttle for `profile`, or None when emulation is off or the link is not modelled."""
+        if not profile.emulate or not profile.link_bandwidth:
+            return None
+        return cls(profile.link_bandwidth, profile.link_latency or 0.0, profile.time_scale, chunk_bytes)
+
+    # -- the model ------------------------------------------------------------------------------
+
+    def message_time(self, nbytes: int) -> float:
+        """Emulated time of one isolated message: (latency + n / bandwidth) x time_scale."""
+        return self._lat + nbytes * self._s_per_byte
+
+    def chunks(self, nbytes: int) -> list[tuple[int, int]]:
+        """Byte ranges [lo, hi) a message of `nbytes` is cut into (one empty chunk for 0 bytes)."""
+        c = self.chunk_bytes
+        return [(lo, min(lo + c, nbytes)) for lo in range(0, nbytes, c)] or [(0, 0)]
+
+    # -- the throttle ---------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int, after: float | None = None) -> float:
+        """Reserve the link for one chunk; returns the clock time at which it may be handed to MPI.
+
+        `after=None` marks a message's first chunk (pays the latency); otherwise pass the
+        previous chunk's release time.
+        """
+        with self._lock:
+            now = self.clock()
+            earliest = now + self._lat if after is None else after
+            start = max(earliest, self._free_at)
+            end = start + nbytes * self._s_per_byte
+            self._free_at = end
+            self.bytes_sent += nbytes
+            self.messages += after is None
+            return end
+
+    def idle(self) -> bool:
+        return self.clock() >= self._free_at
+
+    def __repr__(self) -> str:
+        return (
+            f"Link(bandwidth={self.bandwidth:.3g} B/s, latency={self.latency:.3g} s, "
+            f"time_scale={self.time_scale:g}, chunk_bytes={self.chunk_bytes})"
+        )
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Link"]

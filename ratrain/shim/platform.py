@@ -1,0 +1,151 @@
+"""Platform profiles: what one rank's cluster has (DDR, link, compute), each value with its source.
+
+Profiles are YAML files shipped in `ratrain/shim/profiles/` (`mt3000`, `host`); a path to another
+YAML file of the same shape works too. The config's `platform` section selects one and
+overrides single values:
+
+    prof = resolve_platform(cfg.platform)      # mt3000 + platform.link_bandwidth=2e9 ...
+    prof.ddr_bytes, prof.source("ddr_bytes")   # 21474836480, 'RATrain paper: ...'
+
+`time_scale` and `emulate` always come from the config (a profile describes hardware, not a run).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+VALUE_KEYS = ("ddr_bytes", "compute_flops", "link_bandwidth", "link_latency")
+RUN_KEYS = ("time_scale", "emulate")
+
+
+class ProfileError(ValueError):
+    """A missing or malformed platform profile."""
+
+
+@dataclass(frozen=True)
+class Sourced:
+    """One profile value and where it comes from (a paper, a datasheet, an assumption, the config)."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The platform one rank plays. `None` values are not modelled (no cap, no throttle, no pacing)."""
+
+    name: str
+    values: dict[str, Sourced]
+    facts: dict[str, Sourced] = field(default_factory=dict)
+    description: str = ""
+
+    def __getattr__(self, key: str):
+        values = self.__dict__.get("values", {})
+        if key in values:
+            return values[key].value
+        raise AttributeError(f"profile has no value {key!r}; values are {', '.join(values)}")
+
+    def source(self, key: str) -> str:
+        return self.values[key].source
+
+    def with_values(self, **kv: tuple[Any, str]) -> Profile:
+        """A copy with `key=(value, source)` replaced."""
+        values = dict(self.values)
+        for k, (v, src) in kv.items():
+            if k not in values:
+                raise ProfileError(f"unknown platform value {k!r}; known: {', '.join(values)}")
+            values[k] = Sourced(v, src)
+        return Profile(self.name, values, self.facts, self.description)
+
+    def describe(self) -> str:
+        """One line per value: `name = value  (source)`, for logs and the README."""
+        lines = [f"platform {self.name}: {self.description}".rstrip(": ")]
+        for k, v in {**self.values, **self.facts}.items():
+            lines.append(f"  {k} = {v.value}  ({v.source})")
+        return "\n".join(lines)
+
+
+def available_profiles() -> list[str]:
+    root = resources.files("ratrain.shim").joinpath("profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name: str) -> Profile:
+    """A shipped profile by name (`mt3000`, `host`) or a YAML file by path."""
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        try:
+            with open(name) as f:
+                text, where = f.read(), name
+        except FileNotFoundError:
+            raise ProfileError(f"platform profile file {name!r} does not exist") from None
+    else:
+        res = resources.files("ratrain.shim").joinpath("profiles", f"{name}.yaml")
+        if not res.is_file():
+            raise ProfileError(
+                f"unknown platform profile {name!r}; shipped profiles are "
+                f"{', '.join(available_profiles())}, or give a path to a YAML file"
+            )
+        text, where = res.read_text(), str(res)
+    return _parse(yaml.safe_load(text), where)
+
+
+def resolve_platform(platform_cfg) -> Profile:
+    """The profile named by `platform_cfg.profile`, with the config's overrides applied.
+
+    `platform_cfg` is a `ratrain.config.PlatformConfig` (or anything with the same attributes).
+    """
+    prof = load_profile(platform_cfg.profile)
+    over = {
+        k: (getattr(platform_cfg, k), f"config: platform.{k}")
+        for k in VALUE_KEYS
+        if getattr(platform_cfg, k, None) is not None
+    }
+    for k in RUN_KEYS:
+        over[k] = (getattr(platform_cfg, k), f"config: platform.{k}")
+    return prof.with_values(**over)
+
+
+def _number(v, where: str):
+    """YAML 1.1 reads `4.5e12` as a string: accept it as the number it means."""
+    if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{where}: {v!r} is not a number (or null)") from None
+
+
+def _parse(data: Any, where: str) -> Profile:
+    if not isinstance(data, dict) or "values" not in data:
+        raise ProfileError(f"{where}: a profile is a mapping with `name` and `values`")
+    values: dict[str, Sourced] = {}
+    for k in VALUE_KEYS:
+        entry = data["values"].get(k)
+        if not isinstance(entry, dict) or "value" not in entry or not entry.get("source"):
+            raise ProfileError(f"{where}: values.{k} needs `value` (may be null) and `source`")
+        values[k] = Sourced(_number(entry["value"], f"{where}: values.{k}"), str(entry["source"]))
+    unknown = set(data["values"]) - set(VALUE_KEYS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown values {sorted(unknown)}; known: {VALUE_KEYS}")
+    values["time_scale"] = Sourced(1.0, "default: platform time")
+    values["emulate"] = Sourced(False, "default: run at host speed")
+    facts = {
+        k: Sourced(v["value"], str(v.get("source", "")))
+        for k, v in (data.get("facts") or {}).items()
+    }
+    return Profile(str(data.get("name", where)), values, facts, str(data.get("description", "")))
+
+
+__all__ = [
+    "Profile",
+    "ProfileError",
+    "Sourced",
+    "available_profiles",
+    "load_profile",
+    "resolve_platform",
+]
