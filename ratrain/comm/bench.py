@@ -1,0 +1,293 @@
+"""Communication benchmark: `python -m ratrain.comm.bench --op allreduce --algo ring,mpi ...`
+
+Under `mpirun -n P`. Prints one JSON object per line (rank 0) per (op, algo, size):
+
+    op, algo, ranks, bytes, dtype, iters, time_s (median over iterations of the slowest rank),
+    time_min_s, algbw_GBps, busbw_GBps (from time_s), busbw_best_GBps (from time_min_s), ok,
+    max_abs_err, identical (same bytes on every rank), model_s (with --link)
+
+Bandwidths follow nccl-tests: algbw = bytes / time; busbw = algbw x 2(p-1)/p for all-reduce,
+x (p-1)/p for reduce-scatter and all-gather (bytes = the whole buffer), x 1 for broadcast and the
+point-to-point tests. Several algorithms (`--algo ring,tree,mpi`) are interleaved iteration by
+iteration, so they see the same machine noise. Every result is checked exactly against the sum
+of the known inputs (small integers, exact in every dtype).
+
+Point-to-point ops: `sendrecv` (every rank sends to rank+1 and receives from rank-1),
+`pingpong` (ranks 0 and 1, time_s = half the round trip, like osu_latency), `stream` (rank 0
+sends `--window` messages back to back to rank 1, which acknowledges; like osu_bw).
+`--link` runs through the shim's throttle (`--bandwidth`, `--latency`, `--time-scale`, or the
+values of `--profile`); `--engine` submits through the CommEngine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from . import collectives as coll
+from .engine import CommEngine
+from .progress import run, run_all
+from .wire import exchange_op, recv_op, send_op
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv", "pingpong", "stream")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().rstrip("B").rstrip("I")
+    unit = s[-1] if s and s[-1] in _UNITS else ""
+    return int(float(s[: len(s) - len(unit)]) * _UNITS[unit])
+
+
+def sizes_from(spec: str, factor: int) -> list[int]:
+    if ":" not in spec:
+        return [parse_size(v) for v in spec.split(",")]
+    lo, hi = (parse_size(v) for v in spec.split(":"))
+    out, n = [], lo
+    while n <= hi:
+        out.append(n)
+        n *= factor
+    return out
+
+
+def pattern(rank: int, n: int, dtype) -> np.ndarray:
+    """Rank `rank`'s input: small integers, so every sum is exact in every dtype."""
+    i = np.arange(n, dtype=np.int64)
+    return (((i * 7 + rank * 3) % 13) - 6).astype(dtype)
+
+
+def busbw_factor(op: str, p: int) -> float:
+    if op == "allreduce":
+        return 2 * (p - 1) / p
+    if op in ("reduce_scatter", "allgather"):
+        return (p - 1) / p
+    return 1.0
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m ratrain.comm.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--op", default="allreduce", choices=OPS)
+    ap.add_argument("--algo", default="ring", help="ring|tree|auto|mpi, or several: ring,mpi")
+    ap.add_argument("--sizes", default="8:256M", help="MIN:MAX (x --factor) or a list 8,64M")
+    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "float64"))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--link", action="store_true", help="run through the shim's link throttle")
+    ap.add_argument("--bandwidth", type=float, default=None, help="link B/s (default: profile's)")
+    ap.add_argument("--latency", type=float, default=None, help="link s/message (default: profile's)")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--profile", default="mt3000")
+    ap.add_argument("--chunk-bytes", type=int, default=None)
+    ap.add_argument("--engine", action="store_true", help="submit through the CommEngine thread")
+    ap.add_argument("--window", type=int, default=64, help="messages per window for --op stream")
+    a = ap.parse_args(argv)
+    a.algos = a.algo.split(",")
+    if a.op in ("sendrecv", "pingpong", "stream"):
+        a.algos = ["p2p"]  # point to point: no algorithm to choose
+    for algo in a.algos:
+        if algo not in coll.ALGOS + ("p2p",):
+            ap.error(f"--algo {algo!r} is not one of {', '.join(coll.ALGOS)}")
+        if algo == "mpi" and (a.link or a.engine):
+            ap.error("--algo mpi is MPI's own collective: it cannot run with --link or --engine")
+    try:
+        a.size_list = sizes_from(a.sizes, a.factor)
+    except ValueError:
+        ap.error(f"--sizes {a.sizes!r}: expected MIN:MAX or a list, e.g. 8:256M or 8,64M")
+    if a.iters < 1 or a.warmup < 0 or a.factor < 2:
+        ap.error("--iters >= 1, --warmup >= 0, --factor >= 2")
+    return a
+
+
+def make_link(a):
+    if not a.link:
+        return None
+    from ratrain.shim.link import DEFAULT_CHUNK_BYTES, Link
+    from ratrain.shim.platform import load_profile
+
+    prof = load_profile(a.profile)
+    bw = a.bandwidth if a.bandwidth is not None else prof.link_bandwidth
+    lat = a.latency if a.latency is not None else (prof.link_latency or 0.0)
+    if not bw:
+        raise SystemExit(f"--link: profile {a.profile!r} has no link bandwidth; pass --bandwidth")
+    return Link(bw, lat, a.time_scale, a.chunk_bytes or DEFAULT_CHUNK_BYTES)
+
+
+class Runner:
+    """Runs one iteration of an op; checks the last result."""
+
+    def __init__(self, a, comm, link, engine):
+        self.a, self.comm, self.link, self.engine = a, comm, link, engine
+        self.p, self.r = comm.Get_size(), comm.Get_rank()
+        self.tags = 0
+
+    def _drive(self, op):
+        if self.engine is not None:
+            return self.engine.submit(lambda: op, name=self.a.op).result()
+        return run(op, coll.LINK_POLL_S if self.link is not None else None)
+
+    def setup(self, nbytes, dtype):
+        p, r = self.p, self.r
+        n = max(1, nbytes // np.dtype(dtype).itemsize)
+        self.n, self.dtype = n, np.dtype(dtype)
+        op = self.a.op
+        if op in ("allreduce", "reduce_scatter"):
+            self.init = pattern(r, n, dtype)
+            self.expect = sum(pattern(q, n, np.float64) for q in range(p)).astype(dtype)
+        elif op == "allgather":
+            b = coll.segments(n, p)
+            self.init = np.zeros(n, dtype)
+            self.init[b[r]:b[r + 1]] = pattern(r, n, dtype)[b[r]:b[r + 1]]
+            self.expect = np.concatenate([pattern(q, n, dtype)[b[q]:b[q + 1]] for q in range(p)])
+        elif op == "bcast":
+            self.init = pattern(0, n, dtype) if r == 0 else np.zeros(n, dtype)
+            self.expect = pattern(0, n, dtype)
+        else:  # point to point
+            self.init = pattern(r, n, dtype)
+            self.expect = pattern((r - 1) % p if op == "sendrecv" else 0, n, dtype)
+        self.buf = self.init.copy()
+        self.out = np.zeros(n, dtype)
+
+    def reset(self):
+        np.copyto(self.buf, self.init)
+
+    def once(self, algo):
+        a, c, link = self.a, self.comm, self.link
+        op, p, r = a.op, self.p, self.r
+        if op == "allreduce":
+            if self.engine is not None:
+                self.engine.allreduce(self.buf, c, algo).result()
+            else:
+                coll.allreduce(self.buf, c, algo, link=link)
+            self.result = self.buf
+        elif op == "reduce_scatter":
+            self.result = coll.reduce_scatter(self.buf, c, algo="mpi" if algo == "mpi" else "ring", link=link)
+            b = coll.segments(self.n, p)
+            self.expect_view = self.expect[b[r]:b[r + 1]]
+        elif op == "allgather":
+            coll.allgather(self.buf, c, algo="mpi" if algo == "mpi" else "ring", link=link)
+            self.result = self.buf
+        elif op == "bcast":
+            coll.bcast(self.buf, c, 0, algo="mpi" if algo == "mpi" else "tree", link=link)
+            self.result = self.buf
+        elif op == "sendrecv":
+            self._drive(exchange_op(self.buf, (r + 1) % p, self.out, (r - 1) % p, 7, c, link))
+            self.result = self.out
+        elif op == "pingpong":
+            if r == 0:
+                self._drive(send_op(self.buf, 1, 7, c, link))
+                self._drive(recv_op(self.out, 1, 7, c, link))
+            elif r == 1:
+                self._drive(recv_op(self.out, 0, 7, c, link))
+                self._drive(send_op(self.out, 0, 7, c, link))
+            self.result = self.out if r < 2 else self.init
+        elif op == "stream":
+            w = a.window
+            ack = np.zeros(1, np.uint8)
+            poll = coll.LINK_POLL_S if link is not None else 1e-6
+            if r == 0:
+                run_all([send_op(self.buf, 1, 8, c, link) for _ in range(w)], poll)
+                run(recv_op(ack, 1, 9, c, link), poll)
+                self.result = self.init
+            elif r == 1:
+                outs = [np.empty_like(self.out) for _ in range(w)]
+                run_all([recv_op(o, 0, 8, c, link) for o in outs], poll)
+                run(send_op(ack, 0, 9, c, link), poll)
+                self.result = outs[-1]
+                self.expect = pattern(0, self.n, self.dtype)
+            else:
+                self.result = self.init
+
+    def check(self):
+        res, exp = self.result, self.expect
+        if self.a.op == "reduce_scatter":
+            exp = self.expect_view
+        if self.a.op in ("stream", "pingpong") and self.r > 1:  # not taking part
+            res, exp = self.init, self.init
+        err = float(np.max(np.abs(res.astype(np.float64) - exp.astype(np.float64)))) if res.size else 0.0
+        digest = zlib.crc32(np.ascontiguousarray(self.result).view(np.uint8))
+        return err, digest
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    if a.op in ("pingpong", "stream") and p < 2:
+        if r == 0:
+            print(f"--op {a.op} needs at least 2 ranks", file=sys.stderr)
+        return 2
+    link = make_link(a)
+    engine = CommEngine(comm, watchdog_s=600, link=link) if a.engine else None
+    runner = Runner(a, comm, link, engine)
+    try:
+        for nbytes in a.size_list:
+            runner.setup(nbytes, a.dtype)
+            times = {algo: [] for algo in a.algos}
+            checks = {}
+            for it in range(a.warmup + a.iters):
+                for algo in a.algos:
+                    runner.reset()
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    runner.once(algo)
+                    dt = time.perf_counter() - t0
+                    if it >= a.warmup:
+                        times[algo].append(dt)
+                    if it == a.warmup + a.iters - 1:
+                        checks[algo] = runner.check()
+            for algo in a.algos:
+                t = np.array(times[algo])
+                comm.Allreduce(MPI.IN_PLACE, t, MPI.MAX)  # each iteration: the slowest rank
+                if a.op == "pingpong":
+                    t = t / 2
+                if a.op == "stream":
+                    t = t / a.window
+                err, digest = checks[algo]
+                errs = comm.gather(err, 0)
+                digests = comm.gather(digest, 0)
+                if r != 0:
+                    continue
+                nb = runner.n * runner.dtype.itemsize
+                med, best = float(np.median(t)), float(np.min(t))
+                rec = {
+                    "op": a.op, "algo": algo, "ranks": p, "bytes": nb, "dtype": a.dtype,
+                    "iters": a.iters, "time_s": med, "time_min_s": best,
+                    "algbw_GBps": nb / med / 1e9, "busbw_GBps": nb / med / 1e9 * busbw_factor(a.op, p),
+                    "busbw_best_GBps": nb / best / 1e9 * busbw_factor(a.op, p),
+                    "ok": max(errs) == 0.0, "max_abs_err": max(errs),
+                }
+                if a.op in ("allreduce", "allgather", "bcast"):
+                    rec["identical"] = len(set(digests)) == 1
+                if link is not None:
+                    bw, lat = link.bandwidth / link.time_scale, link.latency * link.time_scale
+                    if a.op == "allreduce":
+                        chosen = algo if algo != "auto" else coll.choose_algo(nb, p, link)
+                        model = coll.model_time(chosen, nb, p, lat, bw)
+                        if a.dtype == "float16":  # partial sums travel as float32
+                            wide = coll.model_time(chosen, 2 * nb, p, lat, bw)
+                            model = (model + wide) / 2 if chosen == "ring" else wide
+                        rec["model_s"] = model
+                    elif a.op in ("pingpong", "sendrecv"):
+                        rec["model_s"] = lat + nb / bw
+                    elif a.op == "stream":
+                        rec["model_s"] = nb / bw + lat / a.window
+                    rec["link"] = {"bandwidth": link.bandwidth, "latency": link.latency,
+                                   "time_scale": link.time_scale, "chunk_bytes": link.chunk_bytes}
+                if a.engine:
+                    rec["engine"] = True
+                print(json.dumps(rec), flush=True)
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

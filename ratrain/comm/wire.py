@@ -1,0 +1,124 @@
+"""Messages on the wire: send / receive / exchange operations, throttled by the shim's link.
+
+Every byte ratrain moves between ranks goes through `send_op`, `recv_op` or `exchange_op`
+(generators driven by `progress.run` or the engine's `Scheduler`). Buffers travel as raw bytes
+(`MPI.BYTE`), so float16 needs no MPI datatype. Without a link a message is one Isend / Irecv.
+With a link (`ratrain.shim.link.Link`) the sender cuts it into the link's chunks and hands each
+to MPI when its slot on the emulated wire ends; the receiver posts one Irecv per chunk, so a
+collective can reduce chunk j while chunk j+1 is still on the wire (`on_chunk`).
+
+Message order: MPI keeps messages of one (communicator, peer, tag) in order. A throttled message
+is several MPI messages posted over time, so throttled sends to the same (communicator, peer,
+tag) go one after another (a FIFO per key); receives post all their chunks at once and need none.
+
+`RATRAIN_LOG_MESSAGES=1` prints every message (rank, verb, peer, tag, bytes) to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+LOG_MESSAGES = os.environ.get("RATRAIN_LOG_MESSAGES", "0") not in ("", "0")
+
+_send_fifo: dict[tuple, deque] = {}
+
+
+def as_bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (what MPI sends)."""
+    if not arr.flags.c_contiguous:
+        raise ValueError(
+            f"communication buffers must be C-contiguous; got an array of shape {arr.shape} with "
+            f"strides {arr.strides}: pass np.ascontiguousarray(arr)"
+        )
+    return arr.reshape(-1).view(np.uint8)
+
+
+def log_message(verb: str, comm, peer: int, tag: int, nbytes: int) -> None:
+    print(
+        f"[ratrain.comm] rank {MPI.COMM_WORLD.Get_rank()} {verb} peer={peer} tag={tag} "
+        f"bytes={nbytes} comm={comm.Get_name() or hex(comm.py2f())}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def send_op(arr: np.ndarray, dest: int, tag: int, comm, link=None, verb: str = "send"):
+    """Send `arr` to `dest` (a rank of `comm`)."""
+    yield from exchange_op(arr, dest, None, None, tag, comm, link, verb=verb)
+
+
+def recv_op(out: np.ndarray, source: int, tag: int, comm, link=None, verb: str = "recv", on_chunk=None):
+    """Receive into `out` from `source`; returns `out`. `on_chunk(lo, hi)` gets element ranges."""
+    yield from exchange_op(None, None, out, source, tag, comm, link, on_chunk, verb=verb)
+    return out
+
+
+def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, verb="sendrecv"):
+    """Send `send` to `dest` while receiving `recv` from `source` (either may be None).
+
+    `on_chunk(lo, hi)` is called with element ranges of `recv` as they land, in order.
+    """
+    sbuf = as_bytes(send) if send is not None else None
+    rbuf = as_bytes(recv) if recv is not None else None
+    if LOG_MESSAGES:
+        if sbuf is not None:
+            log_message(verb if recv is None else f"{verb}.send", comm, dest, tag, sbuf.size)
+        if rbuf is not None:
+            log_message(verb if send is None else f"{verb}.recv", comm, source, tag, rbuf.size)
+    item = recv.itemsize if recv is not None else 1
+
+    if link is None:  # one MPI message each way
+        reqs = []
+        if rbuf is not None:
+            reqs.append(comm.Irecv([rbuf, MPI.BYTE], source, tag))
+        if sbuf is not None:
+            reqs.append(comm.Isend([sbuf, MPI.BYTE], dest, tag))
+        yield reqs
+        if on_chunk is not None and recv is not None and recv.size:
+            on_chunk(0, recv.size)
+        return
+
+    # -- throttled: chunks, each released when its slot on the emulated wire ends --------------
+    pending: deque = deque()  # (request, lo, hi) of receive chunks, in order
+    if rbuf is not None:
+        for lo, hi in link.chunks(rbuf.size):
+            pending.append((comm.Irecv([rbuf[lo:hi], MPI.BYTE], source, tag), lo // item, hi // item))
+
+    def drain(block: bool):
+        while pending and (block or pending[0][0].Test()):
+            req, lo, hi = pending[0]
+            if block:
+                yield [req]
+            pending.popleft()
+            if on_chunk is not None and hi > lo:
+                on_chunk(lo, hi)
+
+    sends = []
+    if sbuf is not None:
+        key = (comm.py2f(), dest, tag)
+        fifo = _send_fifo.setdefault(key, deque())
+        token = object()
+        fifo.append(token)
+        try:
+            if fifo[0] is not token:
+                yield lambda: fifo[0] is token
+            end = None
+            for lo, hi in link.chunks(sbuf.size):
+                end = link.reserve(hi - lo, after=end)
+                yield end
+                sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
+                yield from drain(block=False)
+        finally:
+            fifo.remove(token)
+            if not fifo:
+                _send_fifo.pop(key, None)
+    yield from drain(block=True)
+    yield sends
+
+
+__all__ = ["LOG_MESSAGES", "as_bytes", "exchange_op", "recv_op", "send_op"]
