@@ -79,14 +79,7 @@ def resolve_config(args) -> Config:
         seq_len = data["model"]["seq_len"]
         data["model"].update(hf_model)
         data["model"]["seq_len"] = seq_len
-        max_pos = hf_model.get("max_position_embeddings")
-        data["model"].pop("max_position_embeddings", None)
         cfg = config_from_dict(data, f"{args.config} + {cfg.init.from_hf}/config.json")
-        if max_pos is not None and cfg.model.seq_len > max_pos:
-            raise ConfigError(
-                f"model.seq_len={cfg.model.seq_len} exceeds max_position_embeddings={max_pos} "
-                f"of {cfg.init.from_hf}/config.json: lower model.seq_len"
-            )
     return cfg
 
 
@@ -158,6 +151,7 @@ class Trainer:
         from ratrain.exec.spec import stage_blocks
         from ratrain.lifecycle.executor import Executor
         from ratrain.shim.ledger import Ledger
+        from ratrain.shim.link import Link
         from ratrain.shim.platform import resolve_platform
 
         cfg = self.cfg = setup.cfg
@@ -179,9 +173,10 @@ class Trainer:
 
             self.state.load_named(load_hf_params(cfg.init.from_hf, cfg.model, names=self.state.names))
         self.ctx = ExecContext(
-            self.xp, cfg.model, cfg.precision, ledger=self.ledger, threads=local_threads(cfg, comm)
+            cfg.model, cfg.precision, self.xp, ledger=self.ledger, threads=local_threads(cfg, comm)
         )
-        self.engine = CommEngine(self.topo)
+        link = Link.from_profile(self.profile)  # None unless platform.emulate
+        self.engine = CommEngine(self.topo, link=link, ledger=self.ledger) if p.pp * p.dp > 1 else None
         self.executor = Executor(cfg, self.topo, self.state, self.ctx, self.engine, self.ledger)
         if self.resume_state is not None:
             self.executor.load_state_dict(self.resume_state["executor"])
@@ -290,7 +285,8 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def main(argv=None) -> int:
