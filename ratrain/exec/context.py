@@ -77,12 +77,14 @@ class ExecContext:
         attn_block: int = 128,
         head_chunk_bytes: int = 16 << 20,
     ):
-        if precision not in ("fp32", "fp16"):
-            raise ValueError(f"precision={precision!r}: expected fp32 or fp16")
+        if precision not in ("fp32", "fp16", "fp64"):
+            raise ValueError(f"precision={precision!r}: expected fp32 or fp16 (fp64: tests)")
         self.xp = xp
         self.model = model
         self.precision = precision
-        self.dtype = np.dtype(np.float16 if precision == "fp16" else np.float32)
+        self.dtype = np.dtype({"fp32": np.float32, "fp16": np.float16, "fp64": np.float64}[precision])
+        # arithmetic inside a block: fp32, or fp64 for finite-difference tests
+        self.compute = np.dtype(np.float64 if precision == "fp64" else np.float32)
         self.ledger = ledger
         self.threads = threads if threads > 0 else auto_threads()
         self.attn_block = attn_block
@@ -101,10 +103,11 @@ class ExecContext:
         return self.xp is np
 
     def rope(self, seq_len: int):
-        """(cos, sin), each (T, D) float32, for sequences of `seq_len` tokens (cached)."""
+        """(cos, sin), each (T, D) in the compute dtype, for `seq_len` tokens (cached)."""
         if seq_len not in self._rope:
             m = self.model
-            self._rope[seq_len] = rope_tables(seq_len, m.head_dim, m.rope_theta, self.xp)
+            self._rope[seq_len] = rope_tables(seq_len, m.head_dim, m.rope_theta, self.xp,
+                                              self.compute)
         return self._rope[seq_len]
 
     # -- ledger -----------------------------------------------------------------------------

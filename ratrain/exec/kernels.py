@@ -117,11 +117,13 @@ def rmsnorm_backward(dy, cache, xp):
 def rope_tables(seq_len, head_dim, theta, xp=np, dtype=np.float32):
     """cos, sin (T, D) as transformers' LlamaRotaryEmbedding builds them: inv_freq =
     1 / theta^(arange(0, D, 2) / D) in fp32, angles = positions x inv_freq in fp32, the
-    halves concatenated (emb = cat(freqs, freqs))."""
+    halves concatenated (emb = cat(freqs, freqs)), cos and sin rounded to fp32."""
     inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))
     freqs = np.arange(seq_len, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)  # (T, D)
-    return xp.asarray(np.cos(emb).astype(dtype)), xp.asarray(np.sin(emb).astype(dtype))
+    # rounded to fp32 as transformers does (its tables are fp32 whatever the model dtype)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    return xp.asarray(cos.astype(dtype)), xp.asarray(sin.astype(dtype))
 
 
 def rope_forward(x, cos, sin, xp, out=None):

@@ -41,7 +41,7 @@ from ratrain.exec.gemm import SCRATCH_TAG, matmul
 
 KEEP = ("all", "selective", "input")
 WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
-F32 = np.dtype(np.float32)
+HALF = np.dtype(np.float16)
 
 
 @dataclass
@@ -69,8 +69,8 @@ def cache_nbytes(cache: BlockCache) -> int:
     return int(sum(a.nbytes for a in cache_arrays(cache)))
 
 
-def _f32(a):
-    return a if a.dtype == F32 else a.astype(F32)
+def _c(ct, a):
+    return a if a.dtype == ct else a.astype(ct)
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def _gemm_weights(p, ctx):
     wd; plus the bytes of scratch they take."""
     xp = ctx.xp
     C, H, KV, D, F = _dims(ctx)
-    wdt = F32 if ctx.on_cpu else ctx.dtype
+    wdt = ctx.compute if ctx.on_cpu else ctx.dtype
     wqkv = xp.empty((H * D + 2 * KV * D, C), wdt)  # (HD + 2 KVD, C)
     wgu = xp.empty((2 * F, C), wdt)  # (2F, C)
     copies = [
@@ -146,20 +146,21 @@ def layer_workspace_nbytes(ctx, batch: int, backward: bool = False) -> int:
 def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
     """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
     xp = ctx.xp
+    ct = ctx.compute
     C, H, KV, D, F = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
-    half = ctx.dtype != F32
+    half = ctx.dtype == HALF
     cos, sin = ctx.rope(T)  # (T, D)
     cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
     eps = ctx.model.norm_eps
 
-    x32 = _f32(x)  # (b, T, C)
+    x32 = _c(ct, x)  # (b, T, C)
     xn, (_, rstd1, _) = K.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
     qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp)  # (N, HD + 2 KVD)
-    q = xp.empty((b, H, T, D), F32)
+    q = xp.empty((b, H, T, D), ct)
     K.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
-    k = xp.empty((b, KV, T, D), F32)
+    k = xp.empty((b, KV, T, D), ct)
     K.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
                    out=k.transpose(0, 2, 1, 3))
     v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
@@ -169,7 +170,7 @@ def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
         xp.copyto(q, q16)
         xp.copyto(k, k16)
         xp.copyto(v, v16)
-    o = xp.empty((b, T, HD), F32)  # attention output, token-major for Wo
+    o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
     _, (_, _, _, _, lse, _) = K.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
     h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp).reshape(b, T, C)  # (b, T, C)
@@ -198,27 +199,28 @@ def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
 def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     """Backward of one batch chunk; writes dx_out and returns the weight-gradient partials."""
     xp = ctx.xp
+    ct = ctx.compute
     C, H, KV, D, F = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
-    half = ctx.dtype != F32
+    half = ctx.dtype == HALF
     cos, sin = ctx.rope(T)
     cos3, sin3 = cos[:, None, :], sin[:, None, :]
 
-    q, k, v = _f32(kept["q"]), _f32(kept["k"]), _f32(kept["v"])  # (b, H|KV, T, D)
+    q, k, v = _c(ct, kept["q"]), _c(ct, kept["k"]), _c(ct, kept["v"])  # (b, H|KV, T, D)
     if "o" in kept:
-        o, lse = _f32(kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
+        o, lse = _c(ct, kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
     else:  # selective: recompute the attention core, rounded as the forward kept it
-        o = xp.empty((b, T, HD), F32)
+        o = xp.empty((b, T, HD), ct)
         _, (_, _, _, _, lse, _) = K.flash_attention_forward(
             q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
         if half:
-            o = _f32(o.astype(ctx.dtype))
-    dy32 = _f32(dy).reshape(N, C)  # (N, C)
+            o = _c(ct, o.astype(ctx.dtype))
+    dy32 = _c(ct, dy).reshape(N, C)  # (N, C)
     parts = {}
 
     # --- MLP: y = h + Wd . (silu(g) * u), [g | u] = Wgu . rms(h)
-    h, gu = _f32(kept["h"]), _f32(kept["gu"])  # (b, T, C), (N, 2F)
+    h, gu = _c(ct, kept["h"]), _c(ct, kept["gu"])  # (b, T, C), (N, 2F)
     gate, up = gu[:, :F], gu[:, F:]
     sig = xp.negative(gate)  # (N, F)
     xp.exp(sig, out=sig)
@@ -229,7 +231,7 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     parts["wd"] = matmul(dy32.T, act, xp=xp)  # (C, F)
     del act
     dact = matmul(dy32, w["wd"], xp=xp)  # (N, F)
-    dgu = xp.empty((N, 2 * F), F32)  # (N, 2F)
+    dgu = xp.empty((N, 2 * F), ct)  # (N, 2F)
     xp.multiply(dact, silu, out=dgu[:, F:])  # d up
     t = silu * sig  # (N, F)
     silu -= t
@@ -240,7 +242,7 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     del dact, silu, sig, gu, gate, up
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
-    xn2 *= _f32(p["mlp_norm"])
+    xn2 *= _c(ct, p["mlp_norm"])
     parts["wgu"] = matmul(dgu.T, xn2.reshape(N, C), xp=xp)  # (2F, C)
     del xn2
     dxn2 = matmul(dgu, w["wgu"], xp=xp)  # (N, C)
@@ -257,17 +259,17 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
         do.reshape(b, T, H, D).transpose(0, 2, 1, 3),
         (q, k, v, o.reshape(b, T, H, D).transpose(0, 2, 1, 3), lse, ctx.attn_block), xp)
     del do, q, k, v, o
-    dqkv = xp.empty((N, HD + 2 * KVD), F32)  # (N, HD + 2 KVD), token-major
+    dqkv = xp.empty((N, HD + 2 * KVD), ct)  # (N, HD + 2 KVD), token-major
     K.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
                     out=dqkv[:, :HD].reshape(b, T, H, D))
     K.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
                     out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
-    x32 = _f32(x)
+    x32 = _c(ct, x)
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
-    xn1 *= _f32(p["attn_norm"])
+    xn1 *= _c(ct, p["attn_norm"])
     parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp)  # (HD + 2 KVD, C)
     del xn1
     dxn1 = matmul(dqkv, w["wqkv"], xp=xp)  # (N, C)
@@ -337,13 +339,14 @@ def _head_rows(ctx, V):
 
 def _head_fwd_chunk(x, targets, p, w, ctx):
     xp = ctx.xp
+    ct = ctx.compute
     b, T, C = x.shape
     N = b * T
-    xn, (_, rstd, _) = K.rmsnorm_forward(_f32(x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
+    xn, (_, rstd, _) = K.rmsnorm_forward(_c(ct, x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
     xn = xn.reshape(N, C)
     t = targets.reshape(N)
-    lse = xp.empty(N, F32)
-    losses = xp.empty(N, F32)
+    lse = xp.empty(N, ct)
+    losses = xp.empty(N, ct)
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
@@ -355,16 +358,17 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
 
 def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     xp = ctx.xp
+    ct = ctx.compute
     b, T, C = x.shape
     N = b * T
-    x32 = _f32(x)
+    x32 = _c(ct, x)
     rms = (x32, kept["rstd"], p["norm"])
     xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
-    xn *= _f32(p["norm"])
+    xn *= _c(ct, p["norm"])
     t = targets.reshape(N)
     lse = kept["lse"]
-    dw = xp.zeros(w.shape, F32)  # (V, C)
-    dxn = xp.empty((N, C), F32)  # (N, C)
+    dw = xp.zeros(w.shape, ct)  # (V, C)
+    dxn = xp.empty((N, C), ct)  # (N, C)
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
@@ -382,20 +386,21 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
 
 def _head_weight(p, ctx):
     w = p["weight"]
-    if ctx.on_cpu and w.dtype != F32:
-        return w.astype(F32)
+    if ctx.on_cpu and w.dtype != ctx.compute:
+        return w.astype(ctx.compute)
     return w
 
 
 def head_forward(x, targets, p, ctx):
     """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache)."""
     xp = ctx.xp
+    ct = ctx.compute
     chunks = ctx.split(x.shape[0])
     w = _head_weight(p, ctx)
     with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
     losses = xp.concatenate([r[1] for r in res])  # (B * T,)
-    loss = losses.mean(dtype=F32)
+    loss = losses.mean(dtype=ct)
     return loss, BlockCache("head", "all", x, chunks, [r[0] for r in res], {"targets": targets})
 
 

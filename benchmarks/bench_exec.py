@@ -1,0 +1,164 @@
+"""Single-rank training throughput of the exec kernels, next to sgemm and PyTorch eager.
+
+    .venv/bin/python benchmarks/bench_exec.py                 # fp32 + fp16 + torch, 2 threads
+    .venv/bin/python benchmarks/bench_exec.py --repeats 5 --json out.json
+
+Model (issue 2's benchmark): vocab 256, hidden 512, 8 layers, 8 heads, 8 kv heads, ffn 1376,
+seq 256, micro-batch 8. One timed step = forward + backward of the whole stack (embedding,
+8 layers, head with loss), gradients accumulated into fp32 buffers; the optimizer step is
+excluded (it is the same elementwise AdamW for both sides and not an exec kernel). Flops per
+token: ModelConfig.flops_per_token (6 x matmul parameters + causal attention, fwd + bwd).
+
+The machine is shared: every figure is the median of `--repeats` timed steps after warm-up,
+and the sgemm rate is measured in the same run (median too). PyTorch eager runs transformers'
+LlamaForCausalLM (sdpa attention) with torch.set_num_threads(threads), same shapes, same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from ratrain.config import ModelConfig
+from ratrain.exec import layers as L
+from ratrain.exec.context import ExecContext, _BLAS
+from ratrain.exec.spec import init_param, model_blocks
+
+BENCH_MODEL = ModelConfig(
+    vocab_size=256, hidden=512, layers=8, heads=8, kv_heads=8, ffn_hidden=1376, seq_len=256
+)
+
+
+def sgemm_gflops(threads: int, repeats: int, n: int = 2048) -> float:
+    """Median sgemm rate (GFLOP/s) of (n x n) @ (n x n) with `threads` BLAS threads."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+    rates = []
+    with _BLAS.limit(threads):
+        np.matmul(a, b, out=c)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
+
+
+def ratrain_step_times(precision: str, threads: int, batch: int, repeats: int, warmup: int = 2,
+                       keep: str = "all") -> list[float]:
+    m = BENCH_MODEL
+    ctx = ExecContext(m, precision, threads=threads)
+    blocks = model_blocks(m)
+    P = [{q.local: init_param(q, 0).astype(ctx.dtype) for q in b.params} for b in blocks]
+    G = [{q.local: np.zeros(q.shape, np.float32) for q in b.params} for b in blocks]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, m.vocab_size, (batch, m.seq_len))
+    targets = rng.integers(0, m.vocab_size, (batch, m.seq_len))
+
+    def step():
+        x, ce = L.embed_forward(ids, P[0], ctx)
+        caches = []
+        for i in range(m.layers):
+            x, c = L.layer_forward(x, P[1 + i], ctx, keep)
+            caches.append(c)
+        loss, ch = L.head_forward(x, targets, P[-1], ctx)
+        dx = L.head_backward(1.0, ch, P[-1], G[-1], ctx)
+        for i in reversed(range(m.layers)):
+            dx = L.layer_backward(dx, caches[i], P[1 + i], G[1 + i], ctx)
+        L.embed_backward(dx, ce, P[0], G[0], ctx)
+        return loss
+
+    times = []
+    for i in range(warmup + repeats):
+        t = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    ctx.close()
+    return times
+
+
+def torch_step_times(threads: int, batch: int, repeats: int, warmup: int = 2) -> list[float]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = BENCH_MODEL
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn_hidden,
+        num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+        max_position_embeddings=m.seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).float().train()
+    ids = torch.randint(0, m.vocab_size, (batch, m.seq_len))
+    targets = torch.randint(0, m.vocab_size, (batch, m.seq_len))
+    ce = torch.nn.CrossEntropyLoss()
+    times = []
+    for i in range(warmup + repeats):
+        t = time.perf_counter()
+        logits = model(input_ids=ids).logits
+        loss = ce(logits.view(-1, m.vocab_size), targets.view(-1))
+        loss.backward()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--keep", default="all", choices=L.KEEP)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-fp16", action="store_true")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    m = BENCH_MODEL
+    tokens = a.batch * m.seq_len
+    flops = m.flops_per_token() * tokens
+    res: dict = {"threads": a.threads, "batch": a.batch, "seq_len": m.seq_len,
+                 "flops_per_step": flops, "repeats": a.repeats, "keep": a.keep}
+    res["sgemm_gflops"] = sgemm_gflops(a.threads, max(5, a.repeats))
+    print(f"sgemm 2048^3, {a.threads} BLAS threads: {res['sgemm_gflops']:.1f} GFLOP/s (median)")
+
+    def report(name, times):
+        med = statistics.median(times)
+        res[name] = {"step_s": med, "tokens_per_s": tokens / med, "gflops": flops / med / 1e9,
+                     "times": times}
+        print(f"{name:>12}: step {med * 1e3:8.1f} ms  {tokens / med:8.0f} tok/s  "
+              f"{flops / med / 1e9:6.1f} GFLOP/s  (median of {len(times)})")
+
+    report("ratrain_fp32", ratrain_step_times("fp32", a.threads, a.batch, a.repeats, keep=a.keep))
+    if not a.no_fp16:
+        report("ratrain_fp16",
+               ratrain_step_times("fp16", a.threads, a.batch, a.repeats, keep=a.keep))
+    if not a.no_torch:
+        try:
+            report("torch_eager", torch_step_times(a.threads, a.batch, a.repeats))
+        except ImportError as e:
+            print(f"torch eager skipped: {e}")
+    r32 = res["ratrain_fp32"]
+    res["fp32_vs_sgemm"] = r32["gflops"] / res["sgemm_gflops"]
+    print(f"ratrain fp32 GFLOP/s / sgemm GFLOP/s = {res['fp32_vs_sgemm']:.2f} (target >= 0.60)")
+    if "ratrain_fp16" in res:
+        res["fp16_over_fp32_time"] = res["ratrain_fp16"]["step_s"] / r32["step_s"]
+        print(f"fp16 step / fp32 step = {res['fp16_over_fp32_time']:.2f} (target <= 1.5)")
+    if "torch_eager" in res:
+        res["fp32_vs_torch"] = res["torch_eager"]["step_s"] / r32["step_s"]
+        print(f"ratrain fp32 throughput / torch eager = {res['fp32_vs_torch']:.2f} (target >= 1.0)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Block kernels: the fast layer against a composition of plain kernels, finite differences on a
+whole layer (fp64), keep modes bitwise equal, fp16 close to fp32, threads, and transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ratrain.config import ModelConfig
+from ratrain.exec import kernels as K
+from ratrain.exec import layers as L
+from ratrain.exec.context import ExecContext
+from ratrain.exec.spec import model_blocks
+from ratrain.shim.ledger import Ledger
+
+M = ModelConfig(vocab_size=40, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
+                seq_len=9, rope_theta=500.0)
+
+
+def make_params(m, dtype=np.float64, seed=0, scale=0.3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in model_blocks(m):
+        d = {}
+        for q in b.params:
+            base = 1.0 if q.init == "ones" else 0.0
+            d[q.local] = (base + scale * rng.standard_normal(q.shape)).astype(dtype)
+        out.append(d)
+    return out  # [embed, layers..., head]
+
+
+def zeros_like(p, dtype=np.float64):
+    return {k: np.zeros(v.shape, dtype) for k, v in p.items()}
+
+
+def ref_layer(x, p, m):
+    """The layer composed from plain kernels (reference attention, no fusion, no threads)."""
+    B, T, C = x.shape
+    H, KV, D = m.heads, m.kv_heads, m.head_dim
+    cos, sin = K.rope_tables(T, D, m.rope_theta, np, x.dtype)
+    xn, _ = K.rmsnorm_forward(x, p["attn_norm"], m.norm_eps, np)
+    q = (xn @ p["attn.wq"].T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    k = (xn @ p["attn.wk"].T).reshape(B, T, KV, D).transpose(0, 2, 1, 3)
+    v = (xn @ p["attn.wv"].T).reshape(B, T, KV, D).transpose(0, 2, 1, 3)
+    q, _ = K.rope_forward(q, cos, sin, np)
+    k, _ = K.rope_forward(k, cos, sin, np)
+    o, _ = K.attention_forward(q, k, v, np)
+    h = x + o.transpose(0, 2, 1, 3).reshape(B, T, H * D) @ p["attn.wo"].T
+    hn, _ = K.rmsnorm_forward(h, p["mlp_norm"], m.norm_eps, np)
+    y, _ = K.mlp_forward(hn, p["mlp.w_gate"], p["mlp.w_up"], p["mlp.w_down"], np)
+    return h + y
+
+
+def run_layer(ctx, x, p, dy, keep="all"):
+    g = zeros_like(p, np.float64 if ctx.dtype == np.float64 else np.float32)
+    y, cache = L.layer_forward(x, p, ctx, keep)
+    dx = L.layer_backward(dy, cache, p, g, ctx)
+    return y, dx, g, cache
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_matches_plain_reference(threads):
+    P = make_params(M)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, M.seq_len, M.hidden))
+    with ExecContext(M, "fp64", threads=threads, attn_block=4) as ctx:
+        y, _ = L.layer_forward(x, P[1], ctx)
+    np.testing.assert_allclose(y, ref_layer(x, P[1], M), rtol=1e-12, atol=1e-12)
+
+
+def test_layer_finite_differences():
+    P = make_params(M)
+    p = P[1]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, M.seq_len, M.hidden))
+    r = rng.standard_normal(x.shape)
+    with ExecContext(M, "fp64", threads=2, attn_block=4) as ctx:
+        _, dx, g, _ = run_layer(ctx, x, p, r)
+
+        def loss():
+            return float((L.layer_forward(x, p, ctx)[0] * r).sum())
+
+        checks = [(x, dx)] + [(p[k], g[k]) for k in p]
+        for arr, grad in checks:
+            flat, gflat = arr.reshape(-1), grad.reshape(-1)
+            for i in rng.choice(flat.size, 4, replace=False):
+                old = flat[i]
+                flat[i] = old + 1e-6
+                lp = loss()
+                flat[i] = old - 1e-6
+                lm = loss()
+                flat[i] = old
+                num = (lp - lm) / 2e-6
+                assert abs(num - gflat[i]) <= 1e-6 + 1e-5 * abs(num), (num, gflat[i])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_keep_modes_give_bitwise_equal_gradients(precision, threads):
+    dt = np.float16 if precision == "fp16" else np.float32
+    P = make_params(M, dt)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, M.seq_len, M.hidden)).astype(dt)
+    dy = rng.standard_normal(x.shape).astype(dt)
+    with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
+        y0, dx0, g0, c0 = run_layer(ctx, x, P[1], dy, "all")
+        sizes = {"all": L.cache_nbytes(c0)}
+        for keep in ("selective", "input"):
+            y, dx, g, c = run_layer(ctx, x, P[1], dy, keep)
+            sizes[keep] = L.cache_nbytes(c)
+            assert y.dtype == dt and dx.dtype == dt
+            np.testing.assert_array_equal(y, y0)
+            np.testing.assert_array_equal(dx, dx0)
+            for k in g0:
+                assert g[k].dtype == np.float32
+                np.testing.assert_array_equal(g[k], g0[k], err_msg=f"{keep} {k}")
+    assert sizes["input"] == x.nbytes < sizes["selective"] < sizes["all"]
+
+
+def test_fp16_close_to_fp32_and_threads_deterministic():
+    P32 = make_params(M, np.float32, scale=0.1)
+    P16 = [{k: v.astype(np.float16) for k, v in b.items()} for b in P32]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, M.seq_len, M.hidden)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    res = {}
+    for precision, P in (("fp32", P32), ("fp16", P16)):
+        for threads in (1, 2):
+            with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
+                dt = ctx.dtype
+                res[precision, threads] = run_layer(ctx, x.astype(dt), P[1], dy.astype(dt))
+    with ExecContext(M, "fp32", threads=2, attn_block=4) as ctx:  # same threads: same bits
+        again = run_layer(ctx, x, P32[1], dy)
+    np.testing.assert_array_equal(again[1], res["fp32", 2][1])
+    y32, dx32, g32, _ = res["fp32", 1]
+    y, dx, g, _ = res["fp32", 2]
+    np.testing.assert_allclose(y, y32, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dx32, rtol=1e-4, atol=1e-4)
+    for precision, threads in (("fp16", 1), ("fp16", 2)):
+        y, dx, g, _ = res[precision, threads]
+        assert y.dtype == np.float16
+        rel = lambda a, b: np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b)  # noqa: E731
+        assert rel(y, y32) < 5e-3
+        assert rel(dx, dx32) < 1e-2
+        for k in g:
+            assert rel(g[k], g32[k]) < 2e-2, k
+
+
+def test_head_matches_reference_fd_and_chunks():
+    P = make_params(M)
+    p = P[-1]
+    rng = np.random.default_rng(5)
+    B, T = 3, M.seq_len
+    x = rng.standard_normal((B, T, M.hidden))
+    t = rng.integers(0, M.vocab_size, (B, T))
+    xn, _ = K.rmsnorm_forward(x, p["norm"], M.norm_eps, np)
+    ref, _ = K.cross_entropy_forward((xn @ p["weight"].T).reshape(B * T, -1), t.reshape(-1), np)
+    results = []
+    for chunk in (1 << 20, 3 * 8 * M.vocab_size):  # one chunk / many small logits chunks
+        with ExecContext(M, "fp64", threads=2, head_chunk_bytes=chunk) as ctx:
+            loss, cache = L.head_forward(x, t, p, ctx)
+            g = zeros_like(p)
+            dx = L.head_backward(0.5, cache, p, g, ctx)
+            results.append((loss, dx, g))
+            np.testing.assert_allclose(loss, ref, rtol=1e-12)
+    for a, b in zip(results[0][1:2], results[1][1:2]):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    loss, dx, g = results[0]
+    with ExecContext(M, "fp64", threads=1) as ctx:
+        f = lambda: 0.5 * float(L.head_forward(x, t, p, ctx)[0])  # noqa: E731
+        for arr, grad in ((x, dx), (p["norm"], g["norm"]), (p["weight"], g["weight"])):
+            flat, gflat = arr.reshape(-1), grad.reshape(-1)
+            for i in rng.choice(flat.size, 5, replace=False):
+                old = flat[i]
+                flat[i] = old + 1e-6
+                lp = f()
+                flat[i] = old - 1e-6
+                lm = f()
+                flat[i] = old
+                assert abs((lp - lm) / 2e-6 - gflat[i]) <= 1e-8 + 1e-6 * abs(gflat[i])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_head_and_embed_dtypes(precision):
+    dt = np.float16 if precision == "fp16" else np.float32
+    P = make_params(M, dt, scale=0.1)
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    with ExecContext(M, precision, threads=2) as ctx:
+        x, ce = L.embed_forward(ids, P[0], ctx)
+        assert x.dtype == dt and np.array_equal(x, P[0]["weight"][ids])
+        loss, ch = L.head_forward(x, ids, P[-1], ctx)
+        assert loss.dtype == np.float32 and loss.shape == ()
+        g = zeros_like(P[-1], np.float32)
+        dx = L.head_backward(1.0, ch, P[-1], g, ctx)
+        assert dx.dtype == dt and g["weight"].dtype == np.float32
+        ge = {"weight": np.zeros(P[0]["weight"].shape, np.float32)}
+        L.embed_backward(dx, ce, P[0], ge, ctx)
+        ref = np.zeros_like(ge["weight"])
+        np.add.at(ref, ids.reshape(-1), dx.reshape(-1, M.hidden).astype(np.float32))
+        np.testing.assert_allclose(ge["weight"], ref, rtol=1e-6)
+
+
+def test_ledger_scratch_and_cache_tracking():
+    P = make_params(M, np.float16, scale=0.1)
+    led = Ledger()
+    x = np.random.default_rng(7).standard_normal((2, M.seq_len, M.hidden)).astype(np.float16)
+    with ExecContext(M, "fp16", ledger=led, threads=2) as ctx:
+        y, cache = L.layer_forward(x, P[1], ctx, "all")
+        assert led.current == 0  # scratch released
+        peaks = led.peak_by_tag()
+        n_w = sum(v.size for k, v in P[1].items() if "norm" not in k)
+        assert peaks["scratch.gemm"] == 4 * n_w  # the fp32 copies of the weight views
+        assert peaks[L.WORK_TAG] == L.layer_workspace_nbytes(ctx, 2)
+        led.reset_peak()
+        n = led.track("activations.mb0.layers.0", *L.cache_arrays(cache))
+        assert n == L.cache_nbytes(cache) > x.nbytes
+        g = zeros_like(P[1], np.float32)
+        L.layer_backward(y, cache, P[1], g, ctx)
+        led.free(*L.cache_arrays(cache))
+        assert led.current == 0
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_against_transformers_llama(dtype):
+    """Loss and every gradient of a 2-layer GQA LlamaForCausalLM against our blocks."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tdt = getattr(torch, dtype)
+    cfg = transformers.LlamaConfig(
+        vocab_size=M.vocab_size, hidden_size=M.hidden, intermediate_size=M.ffn_hidden,
+        num_hidden_layers=M.layers, num_attention_heads=M.heads, num_key_value_heads=M.kv_heads,
+        max_position_embeddings=M.seq_len, rope_theta=M.rope_theta, rms_norm_eps=M.norm_eps,
+        tie_word_embeddings=False, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(tdt)
+    P = make_params(M, np.float64, scale=0.2)
+    sd = {}
+    for b, pb in zip(model_blocks(M), P):
+        for q in b.params:
+            sd[q.hf_name] = torch.tensor(pb[q.local], dtype=tdt)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    rng = np.random.default_rng(8)
+    B, T = 2, M.seq_len
+    ids = rng.integers(0, M.vocab_size, (B, T))
+    tg = rng.integers(0, M.vocab_size, (B, T))
+    logits = model(input_ids=torch.tensor(ids)).logits
+    tloss = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1).float() if dtype == "float32"
+                                              else logits.reshape(B * T, -1),
+                                              torch.tensor(tg).reshape(-1))
+    tloss.backward()
+    tgrad = {n: p.grad.double().numpy() for n, p in model.named_parameters()}
+
+    npdt = np.float64 if dtype == "float64" else np.float32
+    precision = "fp64" if dtype == "float64" else "fp32"
+    Pn = [{k: v.astype(npdt) for k, v in b.items()} for b in P]
+    G = [zeros_like(b, npdt) for b in Pn]
+    with ExecContext(M, precision, threads=2, attn_block=4) as ctx:
+        x, ce = L.embed_forward(ids, Pn[0], ctx)
+        caches = []
+        for i in range(M.layers):
+            x, c = L.layer_forward(x, Pn[1 + i], ctx)
+            caches.append(c)
+        loss, ch = L.head_forward(x, tg, Pn[-1], ctx)
+        dx = L.head_backward(1.0, ch, Pn[-1], G[-1], ctx)
+        for i in reversed(range(M.layers)):
+            dx = L.layer_backward(dx, caches[i], Pn[1 + i], G[1 + i], ctx)
+        L.embed_backward(dx, ce, Pn[0], G[0], ctx)
+    # LlamaRMSNorm computes in float32 even in a float64 model: float64 agrees to ~1e-8 only
+    tol = 1e-6 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(float(loss), tloss.item(), rtol=tol)
+    for b, gb in zip(model_blocks(M), G):
+        for q in b.params:
+            ref = tgrad[q.hf_name]
+            err = np.abs(gb[q.local] - ref).max() / (np.abs(ref).max() + 1e-30)
+            assert err < (1e-5 if dtype == "float64" else 1e-4), (q.name, err)
