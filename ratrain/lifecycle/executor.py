@@ -33,6 +33,7 @@ layers to recompute that fit the DDR cap.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import Future
@@ -43,7 +44,7 @@ import numpy as np
 from ratrain.exec import layers as L
 from ratrain.exec.optim import AdamW, LossScaler, global_grad_norm, grad_scale_for, lr_at
 from ratrain.exec.optim import block_sq_norm as _sq_norm
-from ratrain.exec.spec import stage_blocks
+from ratrain.exec.spec import block_cost, stage_blocks
 from ratrain.lifecycle.policies import Policy, StageInfo, as_policy
 from ratrain.lifecycle.schedule import (
     AllocGrad,
@@ -100,7 +101,7 @@ def _done(value=None) -> Future:
 class Executor:
     def __init__(self, cfg, topo, state, ctx, engine=None, ledger=None, policy=None, *,
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
-                 total_steps: int | None = None, validate: bool = True):
+                 total_steps: int | None = None, validate: bool = True, pacer=None):
         self.cfg = cfg
         self.topo = topo
         self.state = state
@@ -172,6 +173,12 @@ class Executor:
             GradNorm: self._grad_norm,
             Update: self._update,
         }
+        if pacer is None and cfg.platform.emulate:
+            from ratrain.shim.pacing import Pacer
+            from ratrain.shim.platform import resolve_platform
+
+            pacer = Pacer(resolve_platform(cfg.platform))
+        self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.events: list[tuple] = []  # (name, cat, t0, t1, tid, args)
         self.t_origin = time.perf_counter()
         self.keep, self.predicted_peak = self._choose_keep()
@@ -298,18 +305,35 @@ class Executor:
         for b in self.blocks:
             self._hooks(pre, b)
             kind, p = self.kind[b], self._view(b)
-            if kind == "embed":
-                x, cache = L.embed_forward(inputs[mb], p, self.ctx)  # (B, T, C)
-            elif kind == "layer":
-                x, cache = L.layer_forward(x, p, self.ctx, self.keep[b] if keep_caches else "input")
-            else:
-                loss, cache = L.head_forward(x, targets[mb], p, self.ctx)
-                loss = float(loss)
+            with self._pace(kind, "forward"):
+                if kind == "embed":
+                    x, cache = L.embed_forward(inputs[mb], p, self.ctx)  # (B, T, C)
+                elif kind == "layer":
+                    keep = self.keep[b] if keep_caches else "input"
+                    x, cache = L.layer_forward(x, p, self.ctx, keep)
+                else:
+                    loss, cache = L.head_forward(x, targets[mb], p, self.ctx)
+                    loss = float(loss)
             if keep_caches:
                 self.ledger.track(f"activations.mb{mb}.{b}", *L.cache_arrays(cache))
                 self.caches[(mb, b)] = cache
             self._hooks(post, b)
         return x, loss
+
+    def _pace(self, kind, phase, keep="all"):
+        """Pad a block's compute to the platform's time for its flops (platform.emulate)."""
+        if self.pacer is None or kind == "embed":
+            return contextlib.nullcontext()
+        m = self.cfg.model
+        tokens = self.micro_batch * m.seq_len
+        flops = block_cost(m, kind) * tokens / 3.0  # forward: a third of fwd + bwd
+        if phase == "backward":
+            flops *= 2.0
+            if kind == "layer" and keep == "input":  # full recomputation
+                flops += block_cost(m, kind) * tokens / 3.0
+            elif kind == "layer" and keep == "selective":  # the attention core again
+                flops += 2.0 * m.seq_len * m.hidden * tokens
+        return self.pacer.compute(flops)
 
     def _forward(self, a: Forward) -> None:
         x = self.recv_fwd.pop(a.mb, None) if self.stage > 0 else None
@@ -328,13 +352,14 @@ class Executor:
             self._hooks(a.pre, b)
             kind, cache = self.kind[b], self.caches.pop((mb, b))
             p, g = self._view(b), self._grad(b)
-            if kind == "head":
-                dx = L.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
-            elif kind == "layer":
-                dx = L.layer_backward(dy, cache, p, g, self.ctx)
-            else:
-                L.embed_backward(dy, cache, p, g, self.ctx)
-                dx = None
+            with self._pace(kind, "backward", cache.keep):
+                if kind == "head":
+                    dx = L.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
+                elif kind == "layer":
+                    dx = L.layer_backward(dy, cache, p, g, self.ctx)
+                else:
+                    L.embed_backward(dy, cache, p, g, self.ctx)
+                    dx = None
             self.ledger.free(*L.cache_arrays(cache), dy)
             if dx is not None:
                 self.ledger.track(f"activations.mb{mb}.grad", dx)
