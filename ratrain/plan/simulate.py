@@ -24,8 +24,9 @@ What is modelled, per rank:
   stage), followed by one small all-reduce over the world.
 
 Memory does not depend on timing (a rank's allocations follow its own list order), so the peak is
-a walk over each rank's list with a memory model: `ratrain.plan.memory` when present (owned by
-the lifecycle package), otherwise the minimal stand-in `FallbackMemory` here.
+a walk over each rank's lists by `ratrain.plan.memory.simulate_peak` (the lifecycle package's
+model, the same one the executor's `recompute: auto` uses) with sizes from shapes
+(`stage_sizes`).
 
     res = simulate_config(cfg)                      # the config's layout, policy and recompute
     res.step_s, res.tokens_per_s, res.ranks[0].bubble_s, res.peak_bytes
@@ -40,11 +41,8 @@ from dataclasses import dataclass, field
 from ratrain.config import Config, ModelConfig
 from ratrain.lifecycle.policies import POLICIES, Policy, StageInfo
 from ratrain.lifecycle.schedule import (
-    AllocGrad,
     Backward,
-    DropView,
     Forward,
-    FreeGrad,
     GradNorm,
     MaterializeView,
     RecvBackward,
@@ -122,85 +120,57 @@ class SimResult:
 # --------------------------------------------------------------------------------------------
 
 
-class FallbackMemory:
-    """Minimal stand-in for `ratrain.plan.memory` (used only while that module is absent).
+def stage_sizes(model: ModelConfig, micro_batch: int, precision: str, blocks,
+                keep: dict[str, str] | None = None):
+    """`ratrain.plan.memory.StageSizes` of one stage on the platform, from shapes.
 
-    Static: fp32 master + AdamW m and v (12 B / parameter). Dynamic: fp16 views (2 B / param,
-    0 in fp32: the view is the master) and fp32 gradients (4 B / param) between their lifecycle
-    actions; per micro-batch and layer, what `exec.layers` keeps for backward (its docstring):
-    `all` = x, q, k, v, o, h, gate|up (+ fp32 logsumexp and rstd), `selective` = less o and the
-    logsumexp, `input` = x only; a layer that recomputes holds its full cache during its backward.
-    Workspaces and the head's logits are not counted.
+    Layers keep `memory.layer_activation_bytes` per micro-batch (and hold their full activations
+    while a recomputation runs); the head keeps its input and fp32 statistics; the embedding
+    keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
+    fp32 weight copies, unlike the CPU emulation, whose executor measures its own).
     """
+    from ratrain.plan.memory import StageSizes, act_itemsize, layer_activation_bytes
 
-    def __init__(self, model: ModelConfig, micro_batch: int, precision: str):
-        self.m, self.tokens = model, micro_batch * model.seq_len
-        self.dt = 2 if precision == "fp16" else 4
-        self.fp16 = precision == "fp16"
-
-    def static_bytes(self, blocks) -> int:
-        return sum(12 * block_params(self.m, block_kind(b)) for b in blocks)
-
-    def view_bytes(self, block: str) -> int:
-        return 2 * block_params(self.m, block_kind(block)) if self.fp16 else 0
-
-    def grad_bytes(self, block: str) -> int:
-        return 4 * block_params(self.m, block_kind(block))
-
-    def kept_bytes(self, block: str, keep: str) -> int:
-        m, t, dt = self.m, self.tokens, self.dt
-        kind = block_kind(block)
-        if kind != "layer":
-            return t * m.hidden * dt if kind == "head" else 0
-        kv = m.kv_heads * m.head_dim
-        if keep == "input":
-            return t * m.hidden * dt
-        per_token = dt * (4 * m.hidden + 2 * kv + 2 * m.ffn_hidden) + 4 * (2 + m.heads)
-        if keep == "selective":
-            per_token -= dt * m.hidden + 4 * m.heads
-        return t * per_token
-
-    def backward_transient_bytes(self, block: str, keep: str) -> int:
-        """Extra bytes alive during the block's backward (the recomputed cache)."""
-        if keep == "all":
-            return 0
-        return self.kept_bytes(block, "all") - self.kept_bytes(block, keep)
+    tokens = micro_batch * model.seq_len
+    x = tokens * model.hidden * act_itemsize(precision)
+    layer = {k: layer_activation_bytes(model, micro_batch, precision, k)
+             for k in ("all", "selective", "input")}
+    params, act, full = {}, {}, {}
+    for b in blocks:
+        kind = block_kind(b)
+        params[b] = block_params(model, kind)
+        if kind == "layer":
+            act[b], full[b] = dict(layer), layer["all"]
+        elif kind == "head":
+            act[b] = {"all": x + 3 * 8 * tokens}  # input, fp32 rstd and logsumexp, int64 targets
+        else:
+            act[b] = {"all": 8 * tokens}  # int64 token ids
+    return StageSizes(precision=precision, params=params, act=act, full_act=full,
+                      message_bytes=x, keep=dict(keep or {}))
 
 
-def memory_model(model: ModelConfig, micro_batch: int, precision: str):
-    """`ratrain.plan.memory`'s model when that module provides one, else `FallbackMemory`."""
-    try:
-        from ratrain.plan import memory as mem  # owned by the lifecycle package
-    except ImportError:
-        return FallbackMemory(model, micro_batch, precision)
-    factory = getattr(mem, "simulator_memory", None)
-    if factory is None:
-        return FallbackMemory(model, micro_batch, precision)
-    return factory(model, micro_batch, precision)
+def peak_memory(step_lists, stage: int, blocks, sizes) -> int:
+    """Peak bytes of stage `stage` over consecutive steps (`step_lists[k][stage]`), by
+    `ratrain.plan.memory.simulate_peak`."""
+    from ratrain.plan.memory import simulate_peak
+
+    return simulate_peak([lists[stage] for lists in step_lists], blocks, sizes)
 
 
-def peak_memory(actions, blocks, keep: dict[str, str], mem) -> int:
-    """Peak bytes of one rank over its action list (several steps concatenated)."""
-    cur = peak = mem.static_bytes(blocks)
-    for a in actions:
-        for blk, ev in expand(a, blocks):
-            if blk is None:
-                if isinstance(ev, MaterializeView):
-                    cur += mem.view_bytes(ev.block)
-                elif isinstance(ev, DropView):
-                    cur -= mem.view_bytes(ev.block)
-                elif isinstance(ev, AllocGrad):
-                    cur += mem.grad_bytes(ev.block)
-                elif isinstance(ev, FreeGrad):
-                    cur -= mem.grad_bytes(ev.block)
-            elif isinstance(ev, Forward):
-                cur += mem.kept_bytes(blk, keep.get(blk, "all"))
-            else:  # Backward: the recomputed cache lives during it, then the block's cache goes
-                k = keep.get(blk, "all")
-                peak = max(peak, cur + mem.backward_transient_bytes(blk, k))
-                cur -= mem.kept_bytes(blk, k)
-            peak = max(peak, cur)
-    return int(peak)
+def fit_recompute(step_lists, blocks, model: ModelConfig, micro_batch: int, precision: str,
+                  cap: int | None):
+    """Per stage, the fewest layers fully recomputed whose peak fits `cap`
+    (`ratrain.plan.memory.choose_recompute`). Returns (counts, peaks, fits)."""
+    from ratrain.plan.memory import choose_recompute
+
+    counts, peaks, fits = [], [], True
+    for s, names in enumerate(blocks):
+        sizes = stage_sizes(model, micro_batch, precision, names)
+        keep, peak = choose_recompute(cap, sizes, [lists[s] for lists in step_lists], names)
+        counts.append(sum(1 for k in keep.values() if k == "input"))
+        peaks.append(peak)
+        fits = fits and (cap is None or peak <= cap)
+    return counts, peaks, fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,8 +510,8 @@ def simulate(
 
     `step_lists[k][s]`: the actions of stage `s` in step `k` (one step or several, run back to
     back); `blocks[s]`: stage s's block names; `keep[s]`: block -> "all" | "selective" | "input";
-    `cost`: a `CostModel` (or the same methods); `mem`: a memory model (`memory_model(...)`)
-    or None for no memory figures. The step time is that of the last step, measured between the
+    `cost`: a `CostModel` (or the same methods); `mem`: (model, micro_batch, precision) for
+    peak memory figures (`stage_sizes`), or None. The step time is that of the last step, measured between the
     moments the last rank finished the step before and this one (the whole run for one step).
     """
     if send_mode not in SEND_MODES:
@@ -575,8 +545,8 @@ def simulate(
         )
         st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s)
         if mem is not None:
-            acts = [a for lists in step_lists for a in lists[s]]
-            st.peak_bytes = peak_memory(acts, blocks[s], keep[s], mem)
+            sizes = stage_sizes(*mem, blocks[s], keep[s])
+            st.peak_bytes = peak_memory(step_lists, s, blocks[s], sizes)
         stats.append(st)
     return SimResult(step_s, tokens_per_step, stats, sim.timeline or [])
 
@@ -655,21 +625,21 @@ def simulate_config(
     blocks = stage_block_names(m, p.pp, p.layers_per_stage)
     lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, steps)
     keep = keep_for(blocks, cfg.schedule.recompute, recompute_layers)
-    mem = memory_model(m, p.micro_batch, cfg.precision) if with_memory else None
+    mem = (m, p.micro_batch, cfg.precision) if with_memory else None
     tokens = p.global_batch * m.seq_len
     return simulate(lists, blocks, cost, p.dp, keep, tokens, send_mode, mem)
 
 
 __all__ = [
-    "FallbackMemory",
     "RankStats",
     "SEND_MODES",
     "SimResult",
     "keep_for",
-    "memory_model",
+    "fit_recompute",
     "peak_memory",
     "policy_steps",
     "simulate",
     "simulate_config",
     "stage_block_names",
+    "stage_sizes",
 ]

@@ -1,0 +1,209 @@
+"""`python -m ratrain.plan`: the best layouts of a model on N clusters, and how it scales.
+
+    python -m ratrain.plan --config jobs/llama2-7b.yaml [--clusters 1024] [--policy all] [--top 5]
+        [--global-batch SEQS] [--cap-gib 20] [--set platform.compute_flops=8e12 ...]
+        [--calibrate RUN_DIR] [--match-tokens-per-s 112790] [--scaling 64,128,256,512,1024]
+        [--memory-table]
+
+Prints the platform rates with their sources, per policy the fastest layouts that fit the DDR
+cap (step time, tokens/s, peak DDR vs cap, recomputed layers, exposed communication, bubble), a
+weak-scaling table (tokens/s and efficiency relative to the smallest cluster count) comparing
+the policies, and with `--memory-table` which pipeline depths fit under the cap.
+
+`--match-tokens-per-s X` fits the compute rate so that the config's own layout under `ratrain`
+predicts X tokens/s at `--clusters` (a calibration, e.g. to a published figure); everything else
+printed is then a prediction from that rate. `--calibrate RUN_DIR` fits it to a measured run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ratrain.config import ConfigError, load_config
+from ratrain.plan.cost import CostModel, Rates, calibrate, fit_compute_rate
+from ratrain.plan.search import (
+    POLICY_NAMES,
+    SCALING_CLUSTERS,
+    Layout,
+    cap_bytes,
+    memory_table,
+    plan_layout,
+    scaling,
+    search,
+)
+
+GIB = 2**30
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m ratrain.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="a job YAML (jobs/llama2-7b.yaml, ...)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. platform.compute_flops=8e12")
+    ap.add_argument("--clusters", type=int, default=None,
+                    help="clusters to plan for (default: the config's pp * dp)")
+    ap.add_argument("--policy", default="all",
+                    help=f"one of {', '.join(POLICY_NAMES)} or all (default)")
+    ap.add_argument("--top", type=int, default=5, help="layouts shown per policy")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per step (default: the config's global batch)")
+    ap.add_argument("--micro-batches", default="1,2", help="micro-batch sizes to try")
+    ap.add_argument("--cap-gib", type=float, default=None,
+                    help="DDR cap per cluster in GiB (default: the platform profile's)")
+    ap.add_argument("--calibrate", metavar="RUN_DIR", default=None,
+                    help="fit the compute rate to a measured run (metrics.jsonl, trace.json)")
+    ap.add_argument("--match-tokens-per-s", type=float, default=None,
+                    help="fit the compute rate so the config's layout predicts this throughput")
+    ap.add_argument("--scaling", default=",".join(map(str, SCALING_CLUSTERS)),
+                    help="cluster counts of the scaling table ('' for none)")
+    ap.add_argument("--memory-table", action="store_true",
+                    help="also print which pipeline depths fit under the cap")
+    args = ap.parse_args(argv)
+    if args.policy != "all" and args.policy not in POLICY_NAMES:
+        ap.error(f"--policy {args.policy!r} is not one of {', '.join(POLICY_NAMES)}, all")
+    if args.top < 1:
+        ap.error("--top must be >= 1")
+    if args.clusters is not None and args.clusters < 1:
+        ap.error("--clusters must be >= 1")
+    try:
+        args.mbs = tuple(int(x) for x in args.micro_batches.split(",") if x.strip())
+        args.scale = tuple(int(x) for x in args.scaling.split(",") if x.strip())
+    except ValueError:
+        ap.error("--micro-batches and --scaling take comma-separated integers")
+    if not args.mbs or min(args.mbs) < 1:
+        ap.error("--micro-batches needs positive integers")
+    return args
+
+
+def _gib(n) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        cost = CostModel.from_config(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    clusters = args.clusters or cfg.parallel.world_size
+    cap = int(args.cap_gib * GIB) if args.cap_gib is not None else cap_bytes(cfg)
+    policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
+    m = cfg.model
+
+    if args.calibrate:
+        try:
+            cal = calibrate(cfg, args.calibrate, cost)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot calibrate from {args.calibrate}: {e}", file=sys.stderr)
+            return 2
+        cost = cost.with_rates(cal.rates)
+        print(f"calibrated ({cal.method}): measured step {cal.measured_step_s:.4g} s over "
+              f"{cal.steps_used} steps, model {cal.predicted_step_s:.4g} s")
+    if args.match_tokens_per_s:
+        p = cfg.parallel
+        lay = Layout(p.pp, clusters // p.pp, p.micro_batch, p.num_micro_batches)
+
+        def step_at(rate: float) -> float:
+            c = cost.with_rates(cost.rates.with_("compute_flops", rate, "fit"))
+            plans = plan_layout(cfg, lay, "ratrain", c, cap)
+            best = max((q for q in plans if q.result), key=lambda q: q.tokens_per_s, default=None)
+            if best is None:
+                raise ValueError(f"the config's layout {lay} does not fit the cap")
+            return lay.global_batch * m.seq_len / best.tokens_per_s
+
+        target = lay.global_batch * m.seq_len / args.match_tokens_per_s
+        try:
+            rate = fit_compute_rate(step_at, target, lo=1e9, hi=1e16)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        cost = cost.with_rates(cost.rates.with_(
+            "compute_flops", rate,
+            f"calibrated: the config's layout pp={lay.pp} dp={lay.dp} m={lay.num_micro_batches} "
+            f"under ratrain predicts {args.match_tokens_per_s:,.0f} tokens/s on {clusters} "
+            "clusters"))
+
+    print(f"model: {args.config}  {m.num_params() / 1e9:.2f}B parameters, {m.layers} layers, "
+          f"seq {m.seq_len}, {cfg.precision}; {clusters} clusters, DDR cap "
+          f"{_gib(cap) if cap else 'none'} GiB")
+    _print_rates(cost.rates)
+
+    plans = search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs)
+    for pol in policies:
+        print(f"\n== {pol}: best layouts on {clusters} clusters ==")
+        if not plans[pol]:
+            print("  nothing fits under the cap")
+            continue
+        print(f"  {'pp':>3} {'dp':>4} {'mb':>2} {'m':>4} {'step s':>8} {'tokens/s':>9} "
+              f"{'peak GiB':>8} {'recompute':>16} {'exposed s':>9} {'bubble s':>8}")
+        for q in plans[pol][: args.top]:
+            lay = q.layout
+            print(f"  {lay.pp:>3} {lay.dp:>4} {lay.micro_batch:>2} {lay.num_micro_batches:>4} "
+                  f"{q.step_s:>8.2f} {q.tokens_per_s:>9.0f} {_gib(q.peak_bytes):>8} "
+                  f"{lay.describe(m.layers):>16} {q.result.comm_exposed_s:>9.3f} "
+                  f"{q.result.bubble_s:>8.2f}")
+    if len(policies) > 1 and plans.get("ratrain") and plans.get("baseline-1f1b"):
+        r, b = plans["ratrain"][0], plans["baseline-1f1b"][0]
+        print(f"\nratrain / baseline-1f1b (best of each): {r.tokens_per_s / b.tokens_per_s:.3f}x")
+
+    if args.scale:
+        _print_scaling(cfg, plans, policies, args.scale, cost, cap)
+    if args.memory_table:
+        _print_memory(cfg, cap, clusters)
+    print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _print_rates(rates: Rates) -> None:
+    for key, unit in (("compute_flops", "flop/s"), ("link_bandwidth", "B/s"),
+                      ("link_latency", "s"), ("mem_bandwidth", "B/s")):
+        src = " ".join(rates.source(key).split())
+        print(f"  {key} = {getattr(rates, key):.4g} {unit}  ({src})")
+
+
+def _print_scaling(cfg, plans, policies, clusters, cost, cap) -> None:
+    tables = {}
+    for pol in policies:
+        if plans[pol]:
+            tables[pol] = scaling(cfg, plans[pol][0].layout, pol, clusters, cost, cap)
+    if not tables:
+        return
+    print("\n== weak scaling (each policy's best layout; dp = clusters // pp; efficiency = "
+          "tokens/s per cluster vs the smallest) ==")
+    head = f"  {'clusters':>8}"
+    for pol in tables:
+        lay = tables[pol][0].plan.layout
+        head += f" | {pol} (pp={lay.pp} m={lay.num_micro_batches})".ljust(34)
+    print(head)
+    for i, n in enumerate(clusters):
+        line = f"  {n:>8}"
+        for rows in tables.values():
+            if i < len(rows):
+                r = rows[i]
+                line += f" | {r.plan.tokens_per_s:>10.0f} tok/s  eff {100 * r.efficiency:5.1f}%"
+                line += " " * 6
+        print(line)
+
+
+def _print_memory(cfg, cap, clusters) -> None:
+    layers = cfg.model.layers
+    pps = sorted({p for p in (1, 2, 4, 8, 16, 20, 32, 40, 64, 80, cfg.parallel.pp)
+                  if p <= layers})
+    print(f"\n== which pipeline depths fit {_gib(cap) if cap else 'no'} GiB (micro_batch 1, "
+          "m >= pp; peak of the fullest stage, GiB) ==")
+    print(f"  {'pp':>3} | {'policy':>13} | {'none':>7} {'selective':>9} {'full':>7} | "
+          "fewest layers recomputed")
+    for pol in ("baseline-1f1b", "ratrain"):
+        for r in memory_table(cfg, pps, pol, cap):
+            rec = "does not fit" if r.recomputed is None else f"{r.recomputed}/{layers}"
+            print(f"  {r.pp:>3} | {pol:>13} | {_gib(r.peak_none):>7} {_gib(r.peak_selective):>9} "
+                  f"{_gib(r.peak_full):>7} | {rec}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The search: which pp x dp layout, micro-batch size and recomputation train a model fastest on
+a given number of clusters without any rank going over its DDR cap.
+
+For each candidate layout (pp, dp = clusters // pp, micro_batch, num_micro_batches chosen to keep
+the global batch), each policy's action lists give each stage's peak memory
+(`ratrain.plan.memory`); the recomputation is the cheapest that fits: none, else `selective`
+(all layers) and `auto` (the fewest layers fully recomputed, per stage) are both tried. The
+fitting candidates are simulated (`ratrain.plan.simulate`) and ranked by tokens/s.
+
+    plans = search(cfg, clusters=1024)                   # {policy: [Plan, ...] best first}
+    rows = scaling(cfg, plans["ratrain"][0].layout, "ratrain", [64, 128, 256, 512, 1024])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ratrain.config import Config
+from ratrain.plan.cost import CostModel, block_kind, block_params
+from ratrain.plan.simulate import (
+    SimResult,
+    fit_recompute,
+    keep_for,
+    peak_memory,
+    policy_steps,
+    simulate,
+    stage_block_names,
+    stage_sizes,
+)
+
+POLICY_NAMES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
+SCALING_CLUSTERS = (64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay a model out: pipeline x data parallel, batch split, recomputation."""
+
+    pp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    recompute: str = "none"  # none | selective | full | auto
+    recompute_layers: tuple[int, ...] | None = None  # auto: fully recomputed layers per stage
+
+    @property
+    def clusters(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.num_micro_batches * self.dp
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers of one replica that recompute (fully for auto/full, selectively otherwise)."""
+        if self.recompute_layers is not None:
+            return sum(self.recompute_layers)
+        return -1  # every layer (selective / full) or none: see `recompute`
+
+    def describe(self, layers: int) -> str:
+        if self.recompute == "auto" and self.recompute_layers is not None:
+            return f"auto: {sum(self.recompute_layers)}/{layers} full"
+        if self.recompute in ("selective", "full"):
+            return f"{self.recompute}: {layers}/{layers}"
+        return f"none: 0/{layers}"
+
+
+@dataclass
+class Plan:
+    """A layout under one policy: the simulated step and the memory against the cap."""
+
+    layout: Layout
+    policy: str
+    result: SimResult | None
+    peaks: tuple[int, ...]  # per stage
+    cap: int | None
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peaks)
+
+    @property
+    def fits(self) -> bool:
+        return self.cap is None or self.peak_bytes <= self.cap
+
+    @property
+    def step_s(self) -> float:
+        return self.result.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.tokens_per_s
+
+
+def cap_bytes(cfg: Config) -> int | None:
+    """The DDR cap of `cfg`'s platform (config override, else the profile's)."""
+    from ratrain.shim.platform import resolve_platform
+
+    return resolve_platform(cfg.platform).ddr_bytes
+
+
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    """`cfg` with the layout's parallel and recompute settings."""
+    par = replace(cfg.parallel, pp=layout.pp, dp=layout.dp, micro_batch=layout.micro_batch,
+                  num_micro_batches=layout.num_micro_batches, layers_per_stage=None)
+    sched = replace(cfg.schedule, recompute=layout.recompute)
+    return replace(cfg, parallel=par, schedule=sched)
+
+
+def candidate_pps(layers: int, clusters: int, extra=()) -> list[int]:
+    """Pipeline depths worth trying: divisors of the cluster count and of the layer count (so
+    stages split evenly or no cluster idles), and any given, up to one layer per stage."""
+    pps = {d for d in range(1, layers + 1) if clusters % d == 0 or layers % d == 0}
+    pps |= {p for p in extra if 1 <= p <= min(layers, clusters)}
+    return sorted(p for p in pps if p <= clusters)
+
+
+def candidate_layouts(cfg: Config, clusters: int, global_batch: int | None = None,
+                      micro_batches=(1, 2), pps=None) -> list[Layout]:
+    """(pp, dp, micro_batch, num_micro_batches) keeping the global batch (sequences; default the
+    config's) as nearly as the layout allows; recomputation is decided later."""
+    g = global_batch or cfg.parallel.global_batch
+    out = []
+    for pp in pps or candidate_pps(cfg.model.layers, clusters, (cfg.parallel.pp,)):
+        dp = clusters // pp
+        if dp < 1:
+            continue
+        for mb in micro_batches:
+            m = max(1, round(g / (mb * dp)))
+            out.append(Layout(pp, dp, mb, m))
+    return out
+
+
+def _static_lower_bound(cfg: Config, blocks) -> int:
+    """The bytes a stage holds whatever the schedule (masters and moments): a quick reject."""
+    return max(sum(12 * block_params(cfg.model, block_kind(b)) for b in names)
+               for names in blocks)
+
+
+def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None = None,
+                cap: int | None = None, recompute=("none", "selective", "auto"), steps: int = 2,
+                send_mode: str = "eager") -> list[Plan]:
+    """The plans of one layout under one policy, one per recompute mode that fits (the first
+    that fits only, when it is `none`); a single non-fitting plan (result None, its least
+    peak) when none fits."""
+    m = cfg.model
+    cost = cost or CostModel.from_config(cfg)
+    cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
+    blocks = stage_block_names(m, layout.pp)
+    if cap is not None and _static_lower_bound(cfg, blocks) > cap:
+        return [Plan(layout, policy, None, (_static_lower_bound(cfg, blocks),), cap)]
+    lists = policy_steps(policy, blocks, layout.num_micro_batches, cfg.precision, m, steps)
+    tokens = layout.global_batch * m.seq_len
+
+    def peaks_for(keep) -> tuple[int, ...]:
+        return tuple(
+            peak_memory(lists, s, names, stage_sizes(m, layout.micro_batch, cfg.precision,
+                                                     names, keep[s]))
+            for s, names in enumerate(blocks)
+        )
+
+    def run(lay: Layout, keep, peaks) -> Plan:
+        res = simulate(lists, blocks, cost, layout.dp, keep, tokens, send_mode)
+        for st, pk in zip(res.ranks, peaks):
+            st.peak_bytes = pk
+        return Plan(lay, policy, res, peaks, cap)
+
+    out: list[Plan] = []
+    least: tuple[int, ...] | None = None
+    for mode in recompute:
+        if mode == "auto":
+            counts, peaks, fits = fit_recompute(lists, blocks, m, layout.micro_batch,
+                                                cfg.precision, cap)
+            keep = keep_for(blocks, "auto", counts)
+            peaks = tuple(peaks)
+            lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
+        else:
+            keep = keep_for(blocks, mode)
+            peaks = peaks_for(keep)
+            fits = cap is None or max(peaks) <= cap
+            lay = replace(layout, recompute=mode)
+        if least is None or max(peaks) < max(least):
+            least = peaks
+        if fits:
+            out.append(run(lay, keep, peaks))
+            if mode == "none":
+                break
+    if not out:
+        return [Plan(layout, policy, None, least or (0,), cap)]
+    return out
+
+
+def search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
+           cap: int | None = -1, global_batch: int | None = None, micro_batches=(1, 2),
+           recompute=("none", "selective", "auto"), pps=None, steps: int = 2,
+           send_mode: str = "eager") -> dict[str, list[Plan]]:
+    """Every fitting plan per policy, fastest first. `cap=-1`: the platform's DDR cap."""
+    cost = cost or CostModel.from_config(cfg)
+    cap = cap_bytes(cfg) if cap == -1 else cap
+    layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps)
+    out = {}
+    for pol in policies:
+        plans = []
+        for lay in layouts:
+            plans += [p for p in plan_layout(cfg, lay, pol, cost, cap, recompute, steps,
+                                             send_mode) if p.result is not None]
+        out[pol] = sorted(plans, key=lambda p: -p.tokens_per_s)
+    return out
+
+
+@dataclass
+class ScalingRow:
+    clusters: int
+    plan: Plan
+    efficiency: float  # tokens/s per cluster relative to the first row
+
+
+def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
+            cost: CostModel | None = None, cap: int | None = -1, steps: int = 2,
+            send_mode: str = "eager") -> list[ScalingRow]:
+    """Weak scaling of one layout: the same pipeline, micro-batches and recomputation per
+    replica, dp = clusters // pp. Efficiency = (tokens/s per cluster) / that of the smallest."""
+    cost = cost or CostModel.from_config(cfg)
+    cap = cap_bytes(cfg) if cap == -1 else cap
+    rows: list[ScalingRow] = []
+    for n in clusters:
+        dp = n // layout.pp
+        if dp < 1:
+            continue
+        lay = replace(layout, dp=dp)
+        blocks = stage_block_names(cfg.model, lay.pp)
+        lists = policy_steps(policy, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
+                             steps)
+        keep = keep_for(blocks, lay.recompute, list(lay.recompute_layers)
+                        if lay.recompute_layers is not None else None)
+        c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision)
+        res = simulate(lists, blocks, c, dp, keep, lay.global_batch * cfg.model.seq_len,
+                       send_mode)
+        peaks = tuple(
+            peak_memory(lists, s, names, stage_sizes(cfg.model, lay.micro_batch, cfg.precision,
+                                                     names, keep[s]))
+            for s, names in enumerate(blocks)
+        )
+        plan = Plan(lay, policy, res, peaks, cap)
+        per = plan.tokens_per_s / lay.clusters
+        base = rows[0].plan.tokens_per_s / rows[0].plan.layout.clusters if rows else per
+        rows.append(ScalingRow(n, plan, per / base))
+    return rows
+
+
+@dataclass
+class MemoryRow:
+    pp: int
+    peak_none: int  # the largest stage's peak without recomputation
+    peak_selective: int
+    peak_full: int  # every layer fully recomputed
+    recomputed: int | None  # fewest layers (one replica) recomputed under the cap; None: no fit
+
+
+def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1,
+                 micro_batch: int = 1, steps: int = 2) -> list[MemoryRow]:
+    """Which pipeline depths fit the cap: per pp, the peak DDR of the fullest stage with no,
+    selective and full recomputation, and the fewest layers `auto` recomputes (m >= pp, so
+    every stage has its full warm-up in flight)."""
+    cap = cap_bytes(cfg) if cap == -1 else cap
+    m = cfg.model
+    rows = []
+    for pp in pps:
+        if pp > m.layers:
+            continue
+        blocks = stage_block_names(m, pp)
+        lists = policy_steps(policy, blocks, max(pp, 1), cfg.precision, m, steps)
+        peaks = {}
+        for mode in ("none", "selective", "full"):
+            keep = keep_for(blocks, mode)
+            peaks[mode] = max(
+                peak_memory(lists, s, names, stage_sizes(m, micro_batch, cfg.precision, names,
+                                                         keep[s]))
+                for s, names in enumerate(blocks)
+            )
+        if cap is not None and peaks["full"] > cap:
+            rec = None
+        else:
+            counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap)
+            rec = sum(counts) if fits else None
+        rows.append(MemoryRow(pp, peaks["none"], peaks["selective"], peaks["full"], rec))
+    return rows
+
+
+__all__ = [
+    "Layout",
+    "MemoryRow",
+    "POLICY_NAMES",
+    "Plan",
+    "SCALING_CLUSTERS",
+    "ScalingRow",
+    "candidate_layouts",
+    "candidate_pps",
+    "cap_bytes",
+    "memory_table",
+    "plan_layout",
+    "scaling",
+    "search",
+    "with_layout",
+]
