@@ -74,7 +74,7 @@ class ExecContext:
         xp=np,
         ledger=None,
         threads: int = 0,
-        attn_block: int = 128,
+        attn_block: int = 64,
         head_chunk_bytes: int = 16 << 20,
     ):
         if precision not in ("fp32", "fp16", "fp64"):

@@ -220,6 +220,14 @@ def _causal_bias(i0, i1, j0, j1, ct, xp):
     return xp.where(cols > rows, NEG_INF, 0.0).astype(ct)  # (bq, bk)
 
 
+TILE_BYTES = 256 << 10  # score tiles of a batch group stay in a core's L2 cache
+
+
+def _batch_groups(B, H, block, itemsize):
+    n = max(1, TILE_BYTES // (H * block * block * itemsize))
+    return [slice(b0, min(b0 + n, B)) for b0 in range(0, B, n)]
+
+
 def flash_attention_forward(q, k, v, xp, block=128, out=None):
     """Causal GQA attention by blocks of `block` queries x `block` keys with an online softmax.
 
@@ -232,7 +240,15 @@ def flash_attention_forward(q, k, v, xp, block=128, out=None):
     scale = 1.0 / math.sqrt(D)
     o = xp.empty((B, H, T, D), ct) if out is None else out
     lse = xp.empty((B, H, T), ct)
-    qg = q.reshape(B, KV, G, T, D)
+    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
+        _flash_fwd_group(q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp)
+    return o, (q, k, v, o, lse, block)
+
+
+def _flash_fwd_group(q, k, v, o, lse, block, scale, xp):
+    B, H, T, D, KV, G = _groups(q, k)
+    ct = q.dtype
+    qg = (q * scale).reshape(B, KV, G, T, D)  # scale folded into q: one pass over q, not s
     og = o.reshape(B, KV, G, T, D)  # splitting an axis is always a view
     lg = lse.reshape(B, KV, G, T)
     kt = k.swapaxes(-1, -2)[:, :, None]  # (B, KV, 1, D, T)
@@ -243,8 +259,7 @@ def flash_attention_forward(q, k, v, xp, block=128, out=None):
         m = l = acc = None
         for j0 in range(0, i1, block):
             j1 = min(j0 + block, i1)
-            s = xp.matmul(qi, kt[..., j0:j1])  # (B, KV, G, bq, bk)
-            s *= scale
+            s = xp.matmul(qi, kt[..., j0:j1])  # scaled scores (B, KV, G, bq, bk)
             bias = _causal_bias(i0, i1, j0, j1, ct, xp)
             if bias is not None:
                 s += bias
@@ -269,7 +284,6 @@ def flash_attention_forward(q, k, v, xp, block=128, out=None):
         xp.log(l, out=l)
         l += m
         lg[:, :, :, i0:i1] = l[..., 0]
-    return o, (q, k, v, o, lse, block)
 
 
 def flash_attention_backward(do, cache, xp):
@@ -281,14 +295,24 @@ def flash_attention_backward(do, cache, xp):
     ct = q.dtype
     scale = 1.0 / math.sqrt(D)
     do = _as(do, ct)
-    delta = (do * o).sum(axis=-1, dtype=ct).reshape(B, KV, G, T, 1)  # rowsum(dO * O)
-    lg = lse.reshape(B, KV, G, T, 1)
-    qg = q.reshape(B, KV, G, T, D)
-    dog = do.reshape(B, KV, G, T, D)
-    dq = xp.zeros((B, H, T, D), ct)
-    dqg = dq.reshape(B, KV, G, T, D)
+    dq = xp.empty((B, H, T, D), ct)
     dk = xp.empty((B, KV, T, D), ct)
     dv = xp.empty((B, KV, T, D), ct)
+    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
+        _flash_bwd_group(do[bs], q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp,
+                         dq[bs], dk[bs], dv[bs])
+    return dq, dk, dv
+
+
+def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
+    B, H, T, D, KV, G = _groups(q, k)
+    ct = q.dtype
+    delta = (do * o).sum(axis=-1, dtype=ct).reshape(B, KV, G, T, 1)  # rowsum(dO * O)
+    lg = lse.reshape(B, KV, G, T, 1)
+    qg = (q * scale).reshape(B, KV, G, T, D)  # scaled q: s = qs k^T, dk = dS^T qs
+    dog = do.reshape(B, KV, G, T, D)
+    dq[...] = 0
+    dqg = dq.reshape(B, KV, G, T, D)
     for j0 in range(0, T, block):
         j1 = min(j0 + block, T)
         kj = k[:, :, None, j0:j1]  # (B, KV, 1, bk, D)
@@ -297,8 +321,7 @@ def flash_attention_backward(do, cache, xp):
         for i0 in range(j0, T, block):  # query blocks that see keys j0:j1
             i1 = min(i0 + block, T)
             qi, doi = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, KV, G, bq, D)
-            s = xp.matmul(qi, kj.swapaxes(-1, -2))  # (B, KV, G, bq, bk)
-            s *= scale
+            s = xp.matmul(qi, kj.swapaxes(-1, -2))  # scaled scores (B, KV, G, bq, bk)
             bias = _causal_bias(i0, i1, j0, j1, ct, xp)
             if bias is not None:
                 s += bias
@@ -312,8 +335,7 @@ def flash_attention_backward(do, cache, xp):
                 dvj += t
             dp = xp.matmul(doi, vj.swapaxes(-1, -2))  # (B, KV, G, bq, bk)
             dp -= delta[:, :, :, i0:i1]
-            dp *= p
-            dp *= scale  # dS
+            dp *= p  # dS / scale (the scale is applied to dq at the end; qs carries it for dk)
             dqg[:, :, :, i0:i1] += xp.matmul(dp, kj)
             t = xp.matmul(dp.swapaxes(-1, -2), qi)  # (B, KV, G, bk, D)
             if dkj is None:
@@ -322,7 +344,7 @@ def flash_attention_backward(do, cache, xp):
                 dkj += t
         dk[:, :, j0:j1] = dkj.sum(axis=2) if G > 1 else dkj[:, :, 0]
         dv[:, :, j0:j1] = dvj.sum(axis=2) if G > 1 else dvj[:, :, 0]
-    return dq, dk, dv
+    dq *= scale
 
 
 # --------------------------------------------------------------------------------------------
