@@ -71,7 +71,12 @@ def embedding_backward(dx, cache, xp, dw=None):
     ids, wshape = cache
     if dw is None:
         dw = xp.zeros(wshape, compute_dtype(dx))
-    xp.add.at(dw, ids.reshape(-1), _as(dx.reshape(-1, wshape[1]), dw.dtype))
+    flat = ids.reshape(-1)
+    order = xp.argsort(flat, kind="stable")  # rows of each token id together, in order
+    sid = flat[order]
+    starts = xp.flatnonzero(xp.concatenate([xp.ones(1, bool), sid[1:] != sid[:-1]]))
+    rows = _as(dx.reshape(-1, wshape[1])[order], dw.dtype)  # (N, C) sorted by id
+    dw[sid[starts]] += xp.add.reduceat(rows, starts, axis=0)  # unique ids: no collisions
     return dw
 
 

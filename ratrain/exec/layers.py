@@ -314,18 +314,28 @@ def layer_backward(dy, cache, p, g, ctx):
         w, wbytes = _gemm_weights(p, ctx)
         with ctx.scratch(SCRATCH_TAG, wbytes):
             parts = ctx.map(run, range(len(chunks)))
-    for part in parts:  # fixed order: deterministic for a given thread count
-        wqkv = part["wqkv"]
-        g["attn.wq"] += wqkv[:HD]
-        g["attn.wk"] += wqkv[HD : HD + KVD]
-        g["attn.wv"] += wqkv[HD + KVD :]
-        g["attn.wo"] += part["wo"]
-        g["mlp.w_gate"] += part["wgu"][:F]
-        g["mlp.w_up"] += part["wgu"][F:]
-        g["mlp.w_down"] += part["wd"]
-        g["attn_norm"] += part["attn_norm"]
-        g["mlp_norm"] += part["mlp_norm"]
+    pairs = [
+        ("attn.wq", "wqkv", 0), ("attn.wk", "wqkv", HD), ("attn.wv", "wqkv", HD + KVD),
+        ("attn.wo", "wo", 0), ("mlp.w_gate", "wgu", 0), ("mlp.w_up", "wgu", F),
+        ("mlp.w_down", "wd", 0), ("attn_norm", "attn_norm", 0), ("mlp_norm", "mlp_norm", 0),
+    ]
+    _accumulate(g, parts, pairs, ctx)
     return dx
+
+
+def _accumulate(g, parts, pairs, ctx):
+    """g[name] += part[key][r0 : r0 + len(g[name])] for every chunk's part, in chunk order (deterministic for a
+    given thread count); the rows of each gradient are split across the threads."""
+    n = len(ctx.split(ctx.threads))
+
+    def add(i):
+        for name, key, r0 in pairs:
+            dst = g[name]
+            a, b = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
+            for part in parts:
+                dst[a:b] += part[key][r0 + a : r0 + b]
+
+    ctx.map(add, range(n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,9 +427,7 @@ def head_backward(dscale, cache, p, g, ctx):
                                       ctx, coef, dx[chunks[i]]),
             range(len(chunks)),
         )
-    for part in parts:
-        g["weight"] += part["weight"]
-        g["norm"] += part["norm"]
+    _accumulate(g, parts, [("weight", "weight", 0), ("norm", "norm", 0)], ctx)
     return dx
 
 
