@@ -357,6 +357,7 @@ def mpi_bcast_op(buf, comm, root=0, **_):
 
 def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledger=None):
     """The all-reduce operation (a generator) for `algo`; `auto` resolved here."""
+    _ufunc(op)  # a bad op fails here, on every rank count
     if algo == "auto":
         algo = choose_algo(buf.nbytes, comm.Get_size(), link)
     if algo == "ring":
@@ -372,6 +373,7 @@ def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledg
 
 def allreduce(buf, comm, algo="auto", op="sum", *, link=None, ledger=None, tag=COLL_TAG):
     """All-reduce `buf` in place over `comm`; returns `buf`."""
+    _ufunc(op)
     if algo == "auto":
         algo = choose_algo(buf.nbytes, comm.Get_size(), link)
     if algo == "tree" and link is None and ledger is None and not LOG_MESSAGES and \

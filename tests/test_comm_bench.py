@@ -1,0 +1,55 @@
+"""`python -m ratrain.comm.bench`: arguments, JSON records, correctness checks."""
+
+import json
+
+import pytest
+from mpi4py import MPI
+
+from ratrain.comm import bench
+
+
+def test_sizes():
+    assert bench.parse_size("8") == 8 and bench.parse_size("256M") == 256 << 20
+    assert bench.parse_size("4KiB") == 4096
+    assert bench.sizes_from("8:128", 4) == [8, 32, 128]
+    assert bench.sizes_from("8,1M", 2) == [8, 1 << 20]
+
+
+def test_bad_arguments_exit_before_work(capsys):
+    for argv in (["--algo", "nccl"], ["--algo", "mpi", "--link"], ["--sizes", "x:y"], ["--iters", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
+
+
+def records(capsys):
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", bench.OPS)
+def test_every_op_reports_and_checks(capsys, op):
+    argv = ["--op", op, "--algo", "ring,tree,mpi", "--sizes", "8,20000", "--iters", "2", "--warmup", "1"]
+    if op == "stream":
+        argv += ["--window", "4"]
+    assert bench.main(argv) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        recs = records(capsys)
+        assert recs and all(r["ok"] for r in recs), recs
+        for r in recs:
+            for key in ("op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"):
+                assert key in r
+            assert r.get("identical", True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_link_and_engine_modes(capsys):
+    argv = ["--op", "allreduce", "--algo", "ring,tree", "--sizes", "64K", "--iters", "2", "--warmup", "0",
+            "--link", "--bandwidth", "1e10", "--latency", "1e-6", "--engine"]
+    assert bench.main(argv) == 0
+    argv = ["--op", "pingpong", "--sizes", "64K", "--iters", "2", "--link", "--bandwidth", "1e9", "--latency", "2e-5"]
+    assert bench.main(argv) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        recs = records(capsys)
+        assert len(recs) == 3 and all(r["ok"] and "model_s" in r for r in recs)
+        assert recs[-1]["time_s"] >= 2e-5 + 65536 / 1e9

@@ -1,0 +1,186 @@
+"""Ring / tree collectives on point-to-point: exact reduction orders, equal on every rank and run.
+
+Single-process tests check the documented orders, the model and the helpers; the MPI tests run
+under `mpirun -n K python -m pytest --with-mpi tests/test_comm_*.py` for any K >= 2.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ratrain.comm import collectives as C
+from ratrain.comm.bench import pattern
+from ratrain.shim.ledger import Ledger
+from ratrain.shim.link import Link
+
+LENGTHS = [1, 2, 3, 5, 7, 13, 64, 1000, 4099, 65537]  # includes primes and n < ranks
+TOL = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}
+
+
+@pytest.fixture
+def comm():
+    c = MPI.COMM_WORLD.Dup()
+    yield c
+    c.Free()
+
+
+def inputs(p, n, dtype, seed=0):
+    """Every rank's input, the same in every process."""
+    return [np.random.default_rng(seed * 1000 + q).standard_normal(n).astype(dtype) for q in range(p)]
+
+
+def same_on_all_ranks(comm, arr) -> bool:
+    digests = comm.allgather(zlib.crc32(np.ascontiguousarray(arr).view(np.uint8)))
+    return len(set(digests)) == 1
+
+
+# -- single process: orders, model, helpers -------------------------------------------------------
+
+
+def test_segments_cover_any_length():
+    for n in (0, 1, 5, 7, 100):
+        for p in (1, 2, 3, 8):
+            b = C.segments(n, p)
+            assert b[0] == 0 and b[-1] == n and len(b) == p + 1
+            sizes = np.diff(b)
+            assert sizes.min() >= 0 and sizes.max() - sizes.min() <= 1
+
+
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_reference_orders_match_a_float64_sum(algo, p):
+    xs = inputs(p, 1001, np.float32)
+    ref = C.reference_allreduce(xs, algo)
+    assert ref.dtype == np.float32
+    np.testing.assert_allclose(ref, np.sum(np.array(xs, np.float64), 0), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_ring_order_is_the_documented_fold():
+    # segment q is x[q+1] + x[q+2] + ... + x[q] (left fold): visible with non-associative values
+    p, n = 3, 3
+    xs = [np.full(n, v, np.float32) for v in (1e8, 1.0, -1e8)]
+    out = C.reference_allreduce(xs, "ring")
+    b = C.segments(n, p)
+    for q in range(p):
+        acc = np.float32(xs[(q + 1) % p][0])
+        for j in range(2, p + 1):
+            acc = np.float32(acc + xs[(q + j) % p][0])
+        assert np.all(out[b[q]:b[q + 1]] == acc)
+
+
+def test_model_and_auto_choice():
+    a, bw = 20e-6, 1e9
+    assert C.model_time("ring", 64 << 20, 4, a, bw) == pytest.approx(6 * (a + (16 << 20) / bw))
+    assert C.model_time("tree", 8, 4, a, bw) == pytest.approx(2 * (a + 8 / bw))
+    assert C.model_time("tree", 8, 5, a, bw) == pytest.approx(4 * (a + 8 / bw))
+    assert C.choose_algo(8, 8) == "tree"
+    assert C.choose_algo(64 << 20, 8) == "ring"
+    assert C.choose_algo(64 << 20, 2, latency=a, bandwidth=bw) == "tree"  # p=2: same bytes, fewer steps
+    link = Link(1e9, 1e-3)  # very slow latency: tree up to larger sizes
+    assert C.choose_algo(1 << 20, 8, link) == "tree"
+
+
+def test_single_rank_and_bad_input():
+    c = MPI.COMM_SELF
+    x = np.arange(5, dtype=np.float32)
+    for algo in ("ring", "tree", "mpi", "auto"):
+        assert np.array_equal(C.allreduce(x.copy(), c, algo), x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        C.allreduce(np.zeros((4, 4), np.float32)[:, 1], c, "ring")
+    with pytest.raises(ValueError, match="algo='nope'"):
+        C.allreduce(x, c, "nope")
+    with pytest.raises(ValueError, match="op="):
+        C.allreduce(x, c, "ring", op="prod")
+
+
+# -- MPI -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_allreduce_exact_order_identical_everywhere_and_rerun(comm, algo, dtype):
+    p, r = comm.Get_size(), comm.Get_rank()
+    for n in LENGTHS:
+        xs = inputs(p, n, dtype, seed=n)
+        x = xs[r].copy()
+        assert C.allreduce(x, comm, algo) is x
+        ref = C.reference_allreduce(xs, algo)
+        assert x.tobytes() == ref.tobytes(), f"n={n}: not the documented {algo} order"
+        np.testing.assert_allclose(x.astype(np.float64), np.sum(np.array(xs, np.float64), 0),
+                                   rtol=TOL[dtype], atol=TOL[dtype] * p)
+        assert same_on_all_ranks(comm, x)
+        again = xs[r].copy()
+        C.allreduce(again, comm, algo)
+        assert again.tobytes() == x.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shapes_auto_mpi_and_ops(comm):
+    p, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(p, 6 * 7, np.float32, seed=3)
+    x = xs[r].reshape(6, 7).copy()
+    C.allreduce(x, comm)  # auto
+    algo = C.choose_algo(x.nbytes, p)
+    assert x.tobytes() == C.reference_allreduce(xs, algo).tobytes()
+    y = xs[r].copy()
+    C.allreduce(y, comm, "mpi")
+    np.testing.assert_allclose(y, x.reshape(-1), rtol=1e-5, atol=1e-5)
+    for op, f in (("max", np.max), ("min", np.min)):
+        for algo in ("ring", "tree"):
+            z = xs[r].copy()
+            C.allreduce(z, comm, algo, op=op)
+            assert np.array_equal(z, f(np.array(xs), 0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_large_and_prime_lengths_exact(comm):
+    p, r = comm.Get_size(), comm.Get_rank()
+    for n, dtype, algo in ((10**7, np.float32, "ring"), (1_000_003, np.float16, "ring"),
+                           (100_003, np.float32, "tree")):
+        x = pattern(r, n, dtype)  # small integers: every order gives the exact sum
+        C.allreduce(x, comm, algo)
+        want = sum(pattern(q, n, np.float64) for q in range(p))
+        assert np.array_equal(x.astype(np.float64), want), (n, dtype, algo)
+        assert same_on_all_ranks(comm, x)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_reduce_scatter_allgather_bcast(comm, dtype):
+    p, r = comm.Get_size(), comm.Get_rank()
+    for n in (1, 3, p + 1, 1000, 4099):
+        xs = inputs(p, n, dtype, seed=7 + n)
+        b = C.segments(n, p)
+        seg = C.reduce_scatter(xs[r].copy(), comm)
+        assert seg.tobytes() == C.reference_allreduce(xs, "ring")[b[r]:b[r + 1]].tobytes()
+        ag = np.zeros(n, dtype)
+        ag[b[r]:b[r + 1]] = xs[r][b[r]:b[r + 1]]
+        C.allgather(ag, comm)
+        assert ag.tobytes() == np.concatenate([xs[q][b[q]:b[q + 1]] for q in range(p)]).tobytes()
+        for root in {0, p - 1, 1 % p}:
+            bc = xs[r].copy()
+            C.bcast(bc, comm, root)
+            assert bc.tobytes() == xs[root].tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+def test_throttled_and_ledger_accounted_runs_give_the_same_bits(comm, algo):
+    p, r = comm.Get_size(), comm.Get_rank()
+    link = Link(2e10, 1e-6, chunk_bytes=4096)  # fast, but many chunks per message
+    ledger = Ledger(rank=r)
+    for n, dtype in ((3, np.float32), (5000, np.float32), (5001, np.float16)):
+        xs = inputs(p, n, dtype, seed=11)
+        x = xs[r].copy()
+        C.allreduce(x, comm, algo, link=link, ledger=ledger)
+        assert x.tobytes() == C.reference_allreduce(xs, algo).tobytes()
+        assert ledger.current == 0  # scratch freed
+    tags = ledger.peak_by_tag()
+    assert any(t.startswith("comm.") for t in tags)
+    if algo == "ring":
+        assert tags["comm.ring"] == -(-5001 // p) * 4  # one float32 segment
+        assert tags["comm.ring.fp32"] == 5001 * 4
+    assert link.bytes_sent > 0

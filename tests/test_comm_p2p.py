@@ -1,0 +1,106 @@
+"""Topology and the pipeline's point-to-point verbs."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ratrain.comm import wire
+from ratrain.comm.engine import CommEngine
+from ratrain.comm.p2p import P2P
+from ratrain.comm.topology import Topology, coords, grid
+from ratrain.shim.ledger import Ledger
+from ratrain.shim.link import Link
+
+
+def test_grid_layout():
+    g = grid(pp=3, dp=2)
+    assert g.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert coords(4, pp=3) == (1, 1)
+
+
+def test_topology_asserts_say_what_is_wrong():
+    with pytest.raises(AssertionError, match=r"world size 1 != pp x dp = 2 x 1"):
+        Topology(MPI.COMM_SELF, 2, 1)
+    with pytest.raises(AssertionError, match="pp must be a positive integer"):
+        Topology(MPI.COMM_SELF, 0, 1)
+
+
+def test_single_stage_verbs_are_no_ops():
+    topo = Topology(MPI.COMM_SELF, 1, 1)
+    p2p = P2P(topo)
+    assert topo.is_first and topo.is_last and topo.prev_rank is None and topo.next_rank is None
+    assert p2p.send_forward(np.zeros(3)) is None and p2p.recv_forward((3,), np.float32) is None
+    assert p2p.send_backward(np.zeros(3)) is None and p2p.recv_backward((3,), np.float32) is None
+    with CommEngine(topo, watchdog_s=10) as eng:
+        p2p = P2P(topo, engine=eng)
+        assert p2p.isend_forward(np.zeros(1)).result() is None
+        assert p2p.irecv_backward(out=np.zeros(1)).result() is None
+    topo.free()
+
+
+def layouts(world):
+    out = [(world, 1), (1, world)]
+    if world % 2 == 0 and world > 2:
+        out.append((2, world // 2))
+    return out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["blocking", "engine", "engine+link"])
+def test_forward_and_backward_chains(mode):
+    world = MPI.COMM_WORLD.Get_size()
+    for pp, dp in layouts(world):
+        topo = Topology(MPI.COMM_WORLD, pp, dp)
+        assert topo.world_rank(topo.stage, topo.replica) == MPI.COMM_WORLD.Get_rank()
+        assert topo.pp_comm.Get_size() == pp and topo.dp_comm.Get_size() == dp
+        eng = None
+        if mode != "blocking":
+            eng = CommEngine(topo, watchdog_s=60,
+                             link=Link(1e10, 1e-6, chunk_bytes=1024) if "link" in mode else None)
+        ledger = Ledger(rank=topo.rank)
+        p2p = P2P(topo, engine=eng, ledger=ledger)
+        shape = (3, 1001)
+        # forward: stage 0 starts with its replica id, each stage adds 1
+        for mb in range(3):
+            x = np.full(shape, float(topo.replica * 100 + mb), np.float32)
+            if not topo.is_first:
+                x = p2p.recv_forward(shape, np.float32)
+                assert ledger.in_use("comm.recv_forward") == x.nbytes
+            y = x + 1
+            p2p.send_forward(y)
+            if not topo.is_first:
+                ledger.free(x)
+            if topo.is_last:
+                assert np.all(y == topo.replica * 100 + mb + pp)
+        # backward, non-blocking when an engine is there
+        buf = np.empty(shape, np.float16)
+        dy = np.full(shape, 1.0, np.float16)
+        if not topo.is_last:
+            dy = (p2p.irecv_backward(out=buf).result() if eng else p2p.recv_backward(out=buf))
+            assert dy is buf
+        if eng:
+            p2p.isend_backward(dy * 2).result()
+        else:
+            p2p.send_backward(dy * 2)
+        if topo.is_first:
+            assert np.all(dy == 2.0 ** (pp - 1))
+        if eng:
+            eng.close()
+        topo.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_log_messages_switch(capfd, monkeypatch):
+    monkeypatch.setattr(wire, "LOG_MESSAGES", True)
+    topo = Topology(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size(), 1)
+    p2p = P2P(topo)
+    if not topo.is_first:
+        p2p.recv_forward((4,), np.float64)
+    p2p.send_forward(np.zeros(4))
+    topo.free()
+    err = capfd.readouterr().err
+    r = MPI.COMM_WORLD.Get_rank()
+    if not topo.is_last:
+        assert f"rank {r} send_forward peer={topo.stage + 1} tag=1 bytes=32" in err
+    if not topo.is_first:
+        assert f"rank {r} recv_forward peer={topo.stage - 1} tag=1 bytes=32" in err
