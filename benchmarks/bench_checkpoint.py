@@ -12,7 +12,8 @@ checkpoint (shard + fsync + rename + manifest + keep), against:
 - `save[plain writer]`: our save with the reference writer (h5py, then SHA-256 by reading the
   file back), to compare hashing after writing with hashing while writing.
 
-Memory: tracemalloc peak (Python and numpy allocations) and the growth of the process's peak
+Cases run interleaved, each on new files after `os.sync()` (no writeback left from the previous
+case), the previous rep's files deleted outside the timing. Memory: tracemalloc peak (Python and numpy allocations) and the growth of the process's peak
 RSS (VmHWM, reset through /proc/self/clear_refs) during one save, against one layer's worth
 (master + m + v of one decoder layer). `--kills N` also runs the SIGKILL crash loop of
 tests/test_checkpoint.py N times. Prints a table and one JSON object per measurement.
@@ -135,6 +136,7 @@ def main(argv=None):
     try:
         for i in range(1, args.reps + 1):  # interleaved, so machine noise hits every case alike
             for name, (fn, clean) in cases.items():
+                os.sync()  # no writeback left over from the previous case
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn(i)
                 times[name].append(time.perf_counter() - t0)
@@ -201,7 +203,7 @@ def main(argv=None):
 
             croot = os.path.join(work, "crash")
             t0 = time.perf_counter()
-            resumed, interrupted = crash_loop(croot, args.kills, seed=3)
+            resumed, interrupted = crash_loop(croot, args.kills, seed=3, max_delay=0.5)
             print(f"crash loop: {args.kills} SIGKILLs, {interrupted} during a save in progress; every "
                   f"restart resumed from the newest committed checkpoint (steps {resumed}); "
                   f"{time.perf_counter() - t0:.1f} s")
