@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         return 2
     from ratrain.comm.abort import abort_on_error
 
-    with abort_on_error(comm):
+    with abort_on_error():
         return Trainer(setup, comm).run()
 
 
