@@ -527,7 +527,8 @@ def save_checkpoint(
         step: the number of completed steps (resume continues with step + 1).
         cfg: the resolved config (stored; `cfg.parallel` gives pp and dp).
         tensors: this rank's {"master"|"m"|"v": {global name: fp32 array}}, e.g.
-            `StageState.state_dict()` (views, not copies: nothing is copied on save).
+            `StageState.state_dict()` (views, not copies: nothing is copied on save); ignored
+            on replicas other than 0.
         state: JSON-able scalar state, the same on every rank: data position, optimizer and
             loss-scaler `state_dict()`s, RNG state. Returned as-is by `load_checkpoint`.
         stage, replica: this rank's place; replica 0 of each stage writes, others only gather.
@@ -568,6 +569,11 @@ def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not os.path.isfile(man):
+        if list_checkpoints(path):
+            raise CheckpointError(
+                f"{path}: a directory of checkpoints, not a checkpoint: give one of its "
+                "ckpt-NNNNNN directories, or use checkpoint.resume=auto with checkpoint.dir set to it"
+            )
         raise CheckpointError(
             f"{man}: missing: the checkpoint was never committed (an interrupted save?)"
         )
@@ -586,6 +592,11 @@ def read_manifest(path: str) -> dict:
     for key in ("step", "files", "topology", "config"):
         if key not in manifest:
             raise CheckpointError(f"{man}: the manifest has no {key!r}")
+    entry_keys = ("file", "stage", "bytes", "sha256", "params")
+    if not isinstance(manifest["files"], list) or not manifest["files"] or not all(
+        isinstance(e, dict) and all(k in e for k in entry_keys) for e in manifest["files"]
+    ):
+        raise CheckpointError(f"{man}: the file list is empty or malformed")
     return manifest
 
 
@@ -640,7 +651,10 @@ def verify_checkpoint(path: str, *, comm=None, checksums: bool = True) -> list[s
     mine = []
     for i, entry in enumerate(manifest["files"]):
         if i % size == rank:
-            mine.extend(_file_problems(path, entry, checksums))
+            try:
+                mine.extend(_file_problems(path, entry, checksums))
+            except OSError as e:  # unreadable: a verdict, and the other ranks must hear it
+                mine.append(f"{os.path.join(path, entry['file'])}: unreadable ({e})")
 
     def merge():
         out = [p for ps in gathered for p in ps]

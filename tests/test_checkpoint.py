@@ -353,6 +353,21 @@ def test_missing_manifest_refused(tmp_path):
         ck.load_checkpoint(path)
 
 
+def test_root_or_bad_manifest_given_as_path(tmp_path):
+    cfg, path = _saved(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="a directory of checkpoints, not a checkpoint"):
+        ck.resolve_resume(CheckpointConfig(resume=str(tmp_path)), "x", cfg.model)
+    man = os.path.join(path, "manifest.json")
+    with open(man, "w") as f:
+        f.write('{"format": "ratrain-checkpoint", "step": 2, "topology": {}, "config": {}, '
+                '"files": [{"file": "shard-s000.h5"}]}')
+    (problem,) = ck.verify_checkpoint(path)
+    assert problem.startswith(man) and "malformed" in problem
+    with open(man, "w") as f:
+        f.write("{not json")
+    assert "not JSON" in ck.verify_checkpoint(path)[0]
+
+
 def test_incompatible_model_names_key_and_values(tmp_path):
     cfg, path = _saved(tmp_path)
     other = make_cfg(hidden=32, ffn_hidden=48).model
