@@ -40,6 +40,8 @@ from concurrent.futures import Future
 from mpi4py import MPI
 
 from . import collectives as coll
+from ratrain.shim.link import fine_sleep
+
 from .progress import Scheduler, Task
 from .wire import recv_op, send_op
 
@@ -197,6 +199,7 @@ class CommEngine:
         self._sched.add(task)
 
     def _loop(self) -> None:
+        fine_sleep()
         sleep = self.poll_s
         while True:
             started = False

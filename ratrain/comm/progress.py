@@ -21,6 +21,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ratrain.shim.link import fine_sleep
+
 Op = Generator[Any, None, Any]
 
 
@@ -37,6 +39,8 @@ def run(gen: Op, poll_s: float | None = None):
     they are tested every `poll_s` seconds with sleeps in between, leaving the core to other
     ranks (used with the link throttle, where ranks mostly wait for their wire slots).
     """
+    if poll_s is not None:
+        fine_sleep()
     try:
         wait = next(gen)
         while True:
@@ -140,6 +144,7 @@ def run_all(ops, poll_s: float | None = 2e-5) -> list:
     results: list = [None] * len(ops)
     errors: list = []
     sched = Scheduler()
+    fine_sleep()
     for i, op in enumerate(ops):
         sched.add(Task(op, lambda v, i=i: results.__setitem__(i, v), errors.append))
     while sched.tasks:

@@ -100,6 +100,7 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
 
     sends = []
     if sbuf is not None:
+        posted = link.clock()  # the latency runs from here, even if the FIFO holds us back
         key = (comm.py2f(), dest, tag)
         fifo = _send_fifo.setdefault(key, deque())
         token = object()
@@ -109,7 +110,7 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
                 yield lambda: fifo[0] is token
             end = None
             for lo, hi in link.chunks(sbuf.size):
-                end = link.reserve(hi - lo, after=end)
+                end = link.reserve(hi - lo, after=end, t0=posted)
                 yield end
                 sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
                 yield from drain(block=False)
