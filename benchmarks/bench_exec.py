@@ -9,8 +9,9 @@ seq 256, micro-batch 8. One timed step = forward + backward of the whole stack (
 excluded (it is the same elementwise AdamW for both sides and not an exec kernel). Flops per
 token: ModelConfig.flops_per_token (6 x matmul parameters + causal attention, fwd + bwd).
 
-The machine is shared: every figure is the median of `--repeats` timed steps after warm-up,
-and the sgemm rate is measured in the same run (median too). PyTorch eager runs transformers'
+The machine may be shared: the timed steps run in interleaved rounds (one sgemm, one step of
+each contender) so that every contender sees the same load, and each figure is the median of
+`--repeats` rounds after `--warmup` rounds. PyTorch eager runs transformers'
 LlamaForCausalLM (sdpa attention) with torch.set_num_threads(threads), same shapes, same step.
 """
 
@@ -33,24 +34,24 @@ BENCH_MODEL = ModelConfig(
 )
 
 
-def sgemm_gflops(threads: int, repeats: int, n: int = 2048) -> float:
-    """Median sgemm rate (GFLOP/s) of (n x n) @ (n x n) with `threads` BLAS threads."""
+def sgemm_step(threads: int, n: int = 2048):
+    """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     c = np.empty((n, n), np.float32)
-    rates = []
-    with _BLAS.limit(threads):
-        np.matmul(a, b, out=c)
-        for _ in range(repeats):
+
+    def step():
+        with _BLAS.limit(threads):
             t = time.perf_counter()
             np.matmul(a, b, out=c)
-            rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return statistics.median(rates)
+            return 2 * n**3 / (time.perf_counter() - t) / 1e9
+
+    return step
 
 
-def ratrain_step_times(precision: str, threads: int, batch: int, repeats: int, warmup: int = 2,
-                       keep: str = "all") -> list[float]:
+def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):
+    """A step function: forward + backward of the whole benchmark model on one micro-batch."""
     m = BENCH_MODEL
     ctx = ExecContext(m, precision, threads=threads)
     blocks = model_blocks(m)
@@ -73,17 +74,11 @@ def ratrain_step_times(precision: str, threads: int, batch: int, repeats: int, w
         L.embed_backward(dx, ce, P[0], G[0], ctx)
         return loss
 
-    times = []
-    for i in range(warmup + repeats):
-        t = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    ctx.close()
-    return times
+    return step
 
 
-def torch_step_times(threads: int, batch: int, repeats: int, warmup: int = 2) -> list[float]:
+def torch_step(threads: int, batch: int):
+    """The same step in PyTorch eager: transformers' LlamaForCausalLM (sdpa attention)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -100,15 +95,14 @@ def torch_step_times(threads: int, batch: int, repeats: int, warmup: int = 2) ->
     ids = torch.randint(0, m.vocab_size, (batch, m.seq_len))
     targets = torch.randint(0, m.vocab_size, (batch, m.seq_len))
     ce = torch.nn.CrossEntropyLoss()
-    times = []
-    for i in range(warmup + repeats):
-        t = time.perf_counter()
+
+    def step():
         logits = model(input_ids=ids).logits
         loss = ce(logits.view(-1, m.vocab_size), targets.view(-1))
         loss.backward()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return times
+        return loss
+
+    return step
 
 
 def main(argv=None) -> dict:
@@ -116,6 +110,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--keep", default="all", choices=L.KEEP)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-fp16", action="store_true")
@@ -126,25 +121,38 @@ def main(argv=None) -> dict:
     flops = m.flops_per_token() * tokens
     res: dict = {"threads": a.threads, "batch": a.batch, "seq_len": m.seq_len,
                  "flops_per_step": flops, "repeats": a.repeats, "keep": a.keep}
-    res["sgemm_gflops"] = sgemm_gflops(a.threads, max(5, a.repeats))
-    print(f"sgemm 2048^3, {a.threads} BLAS threads: {res['sgemm_gflops']:.1f} GFLOP/s (median)")
-
-    def report(name, times):
-        med = statistics.median(times)
-        res[name] = {"step_s": med, "tokens_per_s": tokens / med, "gflops": flops / med / 1e9,
-                     "times": times}
-        print(f"{name:>12}: step {med * 1e3:8.1f} ms  {tokens / med:8.0f} tok/s  "
-              f"{flops / med / 1e9:6.1f} GFLOP/s  (median of {len(times)})")
-
-    report("ratrain_fp32", ratrain_step_times("fp32", a.threads, a.batch, a.repeats, keep=a.keep))
+    steps = {"ratrain_fp32": ratrain_step("fp32", a.threads, a.batch, a.keep)}
     if not a.no_fp16:
-        report("ratrain_fp16",
-               ratrain_step_times("fp16", a.threads, a.batch, a.repeats, keep=a.keep))
+        steps["ratrain_fp16"] = ratrain_step("fp16", a.threads, a.batch, a.keep)
     if not a.no_torch:
         try:
-            report("torch_eager", torch_step_times(a.threads, a.batch, a.repeats))
+            steps["torch_eager"] = torch_step(a.threads, a.batch)
         except ImportError as e:
             print(f"torch eager skipped: {e}")
+    sgemm = sgemm_step(a.threads)
+    times: dict = {k: [] for k in steps}
+    rates = []
+    # Interleaved rounds (sgemm, then one step of each) so that all see the same machine load.
+    for _ in range(a.warmup + a.repeats):
+        rates.append(sgemm())
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    rates = rates[a.warmup:]
+    res["sgemm_gflops"] = statistics.median(rates)
+    res["sgemm_all"] = rates
+    print(f"sgemm 2048^3, {a.threads} BLAS threads: {res['sgemm_gflops']:.1f} GFLOP/s (median)")
+
+    def report(name, ts):
+        med = statistics.median(ts)
+        res[name] = {"step_s": med, "tokens_per_s": tokens / med, "gflops": flops / med / 1e9,
+                     "times": ts}
+        print(f"{name:>12}: step {med * 1e3:8.1f} ms  {tokens / med:8.0f} tok/s  "
+              f"{flops / med / 1e9:6.1f} GFLOP/s  (median of {len(ts)})")
+
+    for name, ts in times.items():
+        report(name, ts[a.warmup:])
     r32 = res["ratrain_fp32"]
     res["fp32_vs_sgemm"] = r32["gflops"] / res["sgemm_gflops"]
     print(f"ratrain fp32 GFLOP/s / sgemm GFLOP/s = {res['fp32_vs_sgemm']:.2f} (target >= 0.60)")

@@ -211,7 +211,7 @@ def test_ledger_scratch_and_cache_tracking():
         peaks = led.peak_by_tag()
         n_w = sum(v.size for k, v in P[1].items() if "norm" not in k)
         assert peaks["scratch.gemm"] == 4 * n_w  # the fp32 copies of the weight views
-        assert peaks[L.WORK_TAG] == L.layer_workspace_nbytes(ctx, 2)
+        assert peaks[L.WORK_TAG] == L.layer_workspace_nbytes(ctx, 2, M.seq_len)
         led.reset_peak()
         n = led.track("activations.mb0.layers.0", *L.cache_arrays(cache))
         assert n == L.cache_nbytes(cache) > x.nbytes

@@ -100,9 +100,19 @@ def _dims(ctx):
     return m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn_hidden
 
 
+def _gemm_weight_nbytes(p, ctx) -> int:
+    """Scratch bytes of `_gemm_weights`: the concatenated copies, and fp32 copies of wo, wd."""
+    C, H, KV, D, F = _dims(ctx)
+    item = (ctx.compute if ctx.on_cpu else ctx.dtype).itemsize
+    n = (H * D + 2 * KV * D + 2 * F) * C
+    if ctx.on_cpu and p["attn.wo"].dtype != ctx.compute:
+        n += p["attn.wo"].size + p["mlp.w_down"].size
+    return n * item
+
+
 def _gemm_weights(p, ctx):
     """fp32 (numpy) or ctx.dtype (cupy) GEMM weights: wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
-    wd; plus the bytes of scratch they take."""
+    wd (account `_gemm_weight_nbytes` under scratch.gemm around their use)."""
     xp = ctx.xp
     C, H, KV, D, F = _dims(ctx)
     wdt = ctx.compute if ctx.on_cpu else ctx.dtype
@@ -127,14 +137,14 @@ def _gemm_weights(p, ctx):
             dst[r0:r1] = src[r0:r1]
 
     ctx.map(fill, range(n))
-    nbytes = sum(dst.nbytes for dst, _ in copies)
-    return {"wqkv": wqkv, "wo": wo, "wgu": wgu, "wd": wd}, nbytes
+    return {"wqkv": wqkv, "wo": wo, "wgu": wgu, "wd": wd}
 
 
-def layer_workspace_nbytes(ctx, batch: int, backward: bool = False) -> int:
-    """An estimate of the transient fp32 workspace of one layer call on `batch` sequences."""
+def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
+    """An estimate of the transient fp32 workspace of one layer call (accounted under
+    scratch.exec while the call runs)."""
     C, H, KV, D, F = _dims(ctx)
-    T = ctx.model.seq_len
+    T = seq_len
     qkv = H * D + 2 * KV * D
     per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
     if backward:
@@ -287,10 +297,10 @@ def layer_forward(x, p, ctx, keep="all"):
     B = x.shape[0]
     chunks = ctx.split(B)
     y = xp.empty(x.shape, ctx.dtype)  # (B, T, C)
-    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, B)):
-        w, wbytes = _gemm_weights(p, ctx)
-        with ctx.scratch(SCRATCH_TAG, wbytes):
-            kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, keep, y[sl]), chunks)
+    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, B, x.shape[1])), \
+            ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
+        w = _gemm_weights(p, ctx)
+        kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, keep, y[sl]), chunks)
     return y, BlockCache("layer", keep, x, chunks, None if keep == "input" else kept)
 
 
@@ -310,10 +320,10 @@ def layer_backward(dy, cache, p, g, ctx):
             kept = cache.parts[i]
         return _layer_bwd_chunk(dy[sl], x[sl], kept, p, w, ctx, dx[sl])
 
-    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, x.shape[0], backward=True)):
-        w, wbytes = _gemm_weights(p, ctx)
-        with ctx.scratch(SCRATCH_TAG, wbytes):
-            parts = ctx.map(run, range(len(chunks)))
+    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
+            ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
+        w = _gemm_weights(p, ctx)
+        parts = ctx.map(run, range(len(chunks)))
     pairs = [
         ("attn.wq", "wqkv", 0), ("attn.wk", "wqkv", HD), ("attn.wv", "wqkv", HD + KVD),
         ("attn.wo", "wo", 0), ("mlp.w_gate", "wgu", 0), ("mlp.w_up", "wgu", F),
