@@ -120,6 +120,9 @@ class ParallelConfig:
 class ScheduleConfig:
     policy: str = "ratrain"
     recompute: str = "none"
+    # ratrain with dp > 1: shard each block's fp32 master and AdamW moments over the replicas
+    # (ZeRO-1 per block; reduce-scatter + all-gather). The other policies never shard.
+    shard_optimizer: bool = True
 
     POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe")
     RECOMPUTE = ("none", "full", "selective", "auto")

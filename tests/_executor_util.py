@@ -32,7 +32,9 @@ def global_batch(cfg, step):
 
 
 def train(cfg, comm=None, steps=None, cap=None, trace=None, data_dp=None):
-    """Train `steps` steps; returns (results, state, executor). `comm`: None for one rank."""
+    """Train `steps` steps; returns (results, state, executor). `comm`: None for one rank.
+    `executor.final_params`: {name: whole fp32 master} after the flush (gathered over dp when
+    the optimizer state is sharded)."""
     from ratrain.lifecycle.executor import Executor
 
     p = cfg.parallel
@@ -57,6 +59,7 @@ def train(cfg, comm=None, steps=None, cap=None, trace=None, data_dp=None):
             sl = slice(replica * m, (replica + 1) * m)
             results.append(ex.run_step(s, (inputs[sl], targets[sl])))
         ex.flush()
+        ex.final_params = ex.full_params()
         if trace:
             ex.write_trace(trace)
     finally:
@@ -73,3 +76,14 @@ def same_global_batch(cfg):
 
     p = cfg.parallel
     return replace(cfg, parallel=replace(p, pp=1, dp=1, num_micro_batches=p.num_micro_batches * p.dp))
+
+
+def params_digest(params):
+    """SHA-256 of {name: array} in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(params[name]).tobytes())
+    return h.hexdigest()

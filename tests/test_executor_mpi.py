@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from tests._executor_util import same_global_batch, tiny_config, train
+from tests._executor_util import params_digest, same_global_batch, tiny_config, train
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
@@ -44,10 +44,10 @@ def test_layout_matches_single_rank(pp, dp):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose([r.grad_norm for r in res], [r.grad_norm for r in ref], rtol=1e-4)
     ref_params = dict(ref_state.named("master"))
-    for name, w in state.named("master"):
+    for name, w in ex.final_params.items():
         np.testing.assert_allclose(w, ref_params[name], rtol=1e-4, atol=1e-5, err_msg=name)
     # replicas of a stage hold identical weights, and every rank knows the same loss
-    hashes = comm.allgather((ex.stage, digest(state.master_buf), [r.loss for r in res]))
+    hashes = comm.allgather((ex.stage, params_digest(ex.final_params), [r.loss for r in res]))
     for stage, h, ls in hashes:
         assert ls == hashes[0][2]
         assert h == next(h2 for s2, h2, _ in hashes if s2 == stage)
@@ -63,8 +63,9 @@ def test_policies_bitwise_equal_2x2(precision):
     out = {}
     for policy in ["baseline-1f1b", "megatron-1f1b", "ratrain"]:
         cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=policy, steps=3)
-        res, state, _ = train(cfg, comm)
-        out[policy] = ([(r.loss, r.grad_norm, r.skipped) for r in res], digest(state.master_buf))
+        res, state, ex = train(cfg, comm)
+        out[policy] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
+                       params_digest(ex.final_params))
     assert out["baseline-1f1b"] == out["megatron-1f1b"] == out["ratrain"]
     comm.Free()
 

@@ -13,9 +13,11 @@ detail:
   multiply-adds. The deviation is round-off (about 1e-7 relative per step); the tests bound it.
 - Clipping is `torch.nn.utils.clip_grad_norm_`: total_norm = sqrt(sum of squares over every
   gradient), clip_coef = max_norm / (total_norm + 1e-6) in fp32, clamped to 1. Here the sum of
-  squares is accumulated per block in float64 (`block_sq_norm`) and the runtime adds the
-  partials in global block order (`global_grad_norm`), so the norm is independent of the
-  pp x dp layout and of the policy. A non-finite norm is also the fp16 overflow signal.
+  squares is accumulated in float64 per (block, dp segment) (`block_sq_norm` over the ring's
+  segment q of the block, computed by replica q) and the runtime adds the partials segment by
+  segment, then block by block in global block order (`global_grad_norm`), so the norm is the
+  same under every policy (sharded or not) and independent of the pipeline split; it changes
+  with dp only by reassociation. A non-finite norm is also the fp16 overflow signal.
 - The clip coefficient and 1/loss_scale are folded into one fp32 `grad_scale` that multiplies
   the gradient before the update (exact: the loss scale is a power of two).
 - `lr_at` is a LambdaLR-style schedule of the 0-based training step (see its docstring).
@@ -69,13 +71,22 @@ def block_sq_norm(grad_flat, xp=None) -> float:
     return float(total)
 
 
-def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0) -> float:
-    """The global gradient norm from per-block sums of squares (`block_sq_norm`), added in the
-    order given (the runtime passes them in global block order). Gradients that still carry
-    the loss scale are unscaled here: norm = sqrt(sum) / loss_scale."""
+def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0,
+                     segments: int = 1) -> float:
+    """The global gradient norm from sums of squares (`block_sq_norm`). `partials` are per
+    (block, dp segment) in global block order, each block's `segments` entries consecutive:
+    each block's segments are added in order, then the block sums in order (with
+    `segments=1`, per-block partials added in order). Gradients that still carry the loss
+    scale are unscaled here: norm = sqrt(sum) / loss_scale."""
+    parts = list(partials)
+    if len(parts) % segments:
+        raise ValueError(f"{len(parts)} partials are not whole blocks of {segments} segments")
     total = 0.0
-    for s in partials:
-        total += s
+    for i in range(0, len(parts), segments):
+        block = 0.0
+        for s in parts[i : i + segments]:
+            block += s
+        total += block
     return math.sqrt(total) / loss_scale
 
 
@@ -154,8 +165,10 @@ class AdamW:
         return max([self._base, *self._block_step.values()])
 
     def decay_ranges(self, state, block: str) -> list[tuple[int, int]]:
-        """Merged (start, stop) ranges within the block's flat slice that get weight decay."""
-        key = (block, id(state))
+        """Merged (start, stop) ranges within the block's held slice (`state.flat`: the whole
+        block, or this replica's segment of it when sharded) that get weight decay."""
+        lo, hi = state.segment(block)
+        key = (block, id(state), lo, hi)
         if key not in self._decay_cache:
             base, _ = state.block_range(block)
             ranges: list[tuple[int, int]] = []
@@ -163,7 +176,9 @@ class AdamW:
                 if not decays(p.name, self.cfg, p):
                     continue
                 a, b = state.param_range(p.name)
-                a, b = a - base, b - base
+                a, b = max(a - base, lo) - lo, min(b - base, hi) - lo  # within the segment
+                if a >= b:
+                    continue
                 if ranges and ranges[-1][1] == a:
                     ranges[-1] = (ranges[-1][0], b)
                 else:
@@ -174,10 +189,14 @@ class AdamW:
     def update_block(self, state, block: str, step: int, lr: float, grad_scale: float = 1.0):
         """Apply AdamW update number `step` (t, 1-based) to `block`'s masters and moments.
 
-        The block's gradient buffer is first multiplied by `grad_scale` (clip coefficient /
-        loss scale) in place, as torch's `unscale_` and `clip_grad_norm_` do, and is used as
-        scratch afterwards: it holds garbage on return (free or re-zero it). One block-sized
-        fp32 scratch is held from the ledger (`scratch.optim`) during the call.
+        The part updated is what the state holds of the block (`state.flat`): the whole block,
+        or, sharded over dp, this replica's segment with the matching gradient segment
+        (`state.grad_segment`); the math is elementwise, so the union of the replicas' segment
+        updates is bitwise the whole-block update. The gradient is first multiplied by
+        `grad_scale` (clip coefficient / loss scale) in place, as torch's `unscale_` and
+        `clip_grad_norm_` do, and is used as scratch afterwards: it holds garbage on return
+        (free or re-zero it). One scratch the size of the updated part is held from the ledger
+        (`scratch.optim`) during the call.
         """
         last = self._block_step.get(block, self._base)
         if step != last + 1:
@@ -188,10 +207,10 @@ class AdamW:
         xp = state.xp
         cfg = self.cfg
         b1, b2 = self.beta1, self.beta2
-        p = state.flat("master", block)  # (n,) fp32
+        p = state.flat("master", block)  # (n,) fp32 (sharded: n = the own segment)
         m = state.flat("m", block)  # (n,)
         v = state.flat("v", block)  # (n,)
-        g = state.grad_flat(block)  # (n,)
+        g = state.grad_segment(block)  # (n,)
         if grad_scale != 1.0:
             g *= np.float32(grad_scale)
 

@@ -15,6 +15,18 @@ Each block is a contiguous slice of the flat buffers, in the order of `BlockSpec
 per-block lifecycle actions (sync, update, materialise) deal with one contiguous range, and
 checkpoints and Hugging Face import/export address parameters by their global names.
 
+Sharded mode (`shard=(q, p)`, ZeRO-1 per block over p data-parallel replicas): replica q holds
+only segment q of each block, `[q*n//p, (q+1)*n//p)` of the block's n elements (exactly the
+segment a ring reduce-scatter leaves on dp rank q, `ratrain.comm.collectives.segments`), of
+the master, m and v; the flat buffers are these segments back to back (same ledger tags, 1/p of
+the bytes). `flat(kind, block)` is then the own segment, `segment(block)` its (lo, hi) within
+the block. Working views are whole-block buffers of their own in fp32 too:
+`materialize_view` casts (fp16) or copies (fp32) the own master segment into the view's
+segment, and the caller all-gathers the rest (this package does no MPI). Gradients are whole
+blocks while backward accumulates; after the reduce-scatter `shrink_grad` keeps only the own
+segment (`grad_segment`). Whole-parameter accessors (`named`, `master`, `state_dict`) refuse in
+sharded mode; `load_named` takes whole parameters and keeps the own segment.
+
     state = StageState(stage_blocks(cfg.model, pp, stage), cfg.precision, ledger, seed=cfg.init.seed)
     state.materialize_view("layers.0")
     p = state.view("layers.0")  # {"attn.wq": (H, H), ...}
@@ -31,6 +43,12 @@ from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 KINDS = ("master", "m", "v")  # the flat fp32 states a stage holds
 
 
+def segment_bounds(n: int, q: int, p: int) -> tuple[int, int]:
+    """Segment q of p of n elements: [q*n//p, (q+1)*n//p), the segment a ring reduce-scatter
+    leaves on rank q (`ratrain.comm.collectives.segments`)."""
+    return q * n // p, (q + 1) * n // p
+
+
 class StageState:
     """Flat fp32 masters, AdamW moments, working views and gradients for one stage's blocks.
 
@@ -43,6 +61,8 @@ class StageState:
             on (seed, global name), so the union of the stages of any split equals pp = 1.
         initial: optional {global name: array} to start from instead (Hugging Face import);
             it must hold every parameter of the stage (extra names are ignored).
+        shard: (q, p): hold only segment q of p of each block's master and moments (see the
+            module); None or p = 1: whole blocks.
     """
 
     def __init__(
@@ -53,6 +73,7 @@ class StageState:
         xp=np,
         seed: int = 1234,
         initial: Mapping[str, np.ndarray] | None = None,
+        shard: tuple[int, int] | None = None,
     ):
         if precision not in ("fp32", "fp16"):
             raise ValueError(f"precision={precision!r} is not one of: fp32, fp16")
@@ -71,28 +92,111 @@ class StageState:
         self._block_range: dict[str, tuple[int, int]] = {}
         self._param_range: dict[str, tuple[int, int]] = {}
         self._spec: dict[str, ParamSpec] = {}
+        self._param_block: dict[str, str] = {}
         off = 0
         for b in self.blocks:
             start = off
             for p in b.params:
                 self._param_range[p.name] = (off, off + p.size)
                 self._spec[p.name] = p
+                self._param_block[p.name] = b.name
                 off += p.size
             self._block_range[b.name] = (start, off)
         self.size = off  # parameters on this stage
+        self._set_shard(*(shard or (0, 1)))
 
-        self.master_buf = ledger.alloc("params.master", (self.size,), np.float32, xp)  # (N,)
-        self.m_buf = ledger.alloc("optim.m", (self.size,), np.float32, xp)  # (N,)
-        self.v_buf = ledger.alloc("optim.v", (self.size,), np.float32, xp)  # (N,)
-        self._views: dict[str, object] = {}  # fp16 only: block -> flat fp16 view
+        n = self.held_size
+        self.master_buf = ledger.alloc("params.master", (n,), np.float32, xp)  # (N/p,)
+        self.m_buf = ledger.alloc("optim.m", (n,), np.float32, xp)  # (N/p,)
+        self.v_buf = ledger.alloc("optim.v", (n,), np.float32, xp)  # (N/p,)
+        self._views: dict[str, object] = {}  # separate views (fp16 or sharded): block -> flat
         self._grads: dict[str, object] = {}  # block -> flat fp32 gradient
+        self._shrunk: set[str] = set()  # blocks whose gradient holds only the own segment
 
         if initial is not None:
             self.load_named(initial)
         else:
             for name, spec in self._spec.items():
-                a, b = self._param_range[name]
-                self.master_buf[a:b] = xp.asarray(init_param(spec, seed).reshape(-1))
+                self._put(self.master_buf, name, init_param(spec, seed))
+
+    def _set_shard(self, q: int, p: int) -> None:
+        """Segment bookkeeping: block -> own (lo, hi) within the block, and its range in the
+        held flat buffers."""
+        if not (isinstance(q, int) and isinstance(p, int) and p >= 1 and 0 <= q < p):
+            raise ValueError(f"shard=({q}, {p}): need 0 <= q < p")
+        self.shard_index, self.num_shards = q, p
+        self._seg: dict[str, tuple[int, int]] = {}
+        self._held_range: dict[str, tuple[int, int]] = {}
+        off = 0
+        for b in self.blocks:
+            a, e = self._block_range[b.name]
+            lo, hi = segment_bounds(e - a, q, p)
+            self._seg[b.name] = (lo, hi)
+            self._held_range[b.name] = (off, off + hi - lo)
+            off += hi - lo
+        self.held_size = off  # elements of each of master, m, v held here
+
+    @property
+    def sharded(self) -> bool:
+        """Whether only this replica's segment of each block's master and moments is held."""
+        return self.num_shards > 1
+
+    @property
+    def separate_views(self) -> bool:
+        """Whether working views are buffers of their own (fp16, or sharded masters)."""
+        return self.precision == "fp16" or self.sharded
+
+    def shard(self, q: int, p: int) -> None:
+        """Turn a whole-block state into a sharded one in place (keep segment q of p of every
+        block's master and moments); views must be dropped and gradients freed first. The
+        whole buffers are freed once the segments are copied (a transient of 12 bytes/param)."""
+        if self.sharded:
+            raise RuntimeError(f"the state is already sharded ({self.shard_index} of "
+                               f"{self.num_shards})")
+        if self._views or self._grads:
+            raise RuntimeError("drop every view and free every gradient before sharding")
+        if p == 1:
+            return
+        old = {k: self.buffer(k) for k in KINDS}
+        old_range = dict(self._block_range)
+        self._set_shard(q, p)
+        for k, tag in (("master", "params.master"), ("m", "optim.m"), ("v", "optim.v")):
+            new = self.ledger.alloc(tag, (self.held_size,), np.float32, self.xp, zero=False)
+            for b in self.block_names:
+                a, _ = old_range[b]
+                lo, hi = self._seg[b]
+                s0, s1 = self._held_range[b]
+                new[s0:s1] = old[k][a + lo : a + hi]
+            setattr(self, f"{k}_buf", new)
+            self.ledger.free(old[k])
+
+    def segment(self, block: str) -> tuple[int, int]:
+        """(lo, hi): the part of the block (element offsets within it) whose master and moments
+        this replica holds; (0, block size) when unsharded."""
+        self.block(block)
+        return self._seg[block]
+
+    def _put(self, buf, name: str, arr) -> None:
+        """Copy a whole parameter's values (any shape with its size) into the held part of the
+        flat buffer `buf` (`master`, `m` or `v`)."""
+        a, b = self._param_range[name]
+        blk = self._param_block[name]
+        base = self._block_range[blk][0]
+        lo, hi = self._seg[blk]
+        i0, i1 = max(a, base + lo), min(b, base + hi)  # the parameter's own elements
+        if i0 >= i1:
+            return
+        h0 = self._held_range[blk][0] + i0 - (base + lo)
+        src = self.xp.asarray(arr, dtype=np.float32).reshape(-1)
+        buf[h0 : h0 + i1 - i0] = src[i0 - a : i1 - a]
+
+    def _need_whole(self, what: str) -> None:
+        if self.sharded:
+            raise RuntimeError(
+                f"{what}: this state holds only segment {self.shard_index} of "
+                f"{self.num_shards} of each block (optimizer state sharded over dp); gather "
+                "whole blocks with Executor.iter_full_state() / full_params()"
+            )
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -142,29 +246,35 @@ class StageState:
     # -- masters and moments --------------------------------------------------------------------
 
     def buffer(self, kind: str):
-        """The whole flat fp32 buffer of `master`, `m` or `v` (shape (N,))."""
+        """The whole flat fp32 buffer of `master`, `m` or `v` (shape (N,); sharded: the own
+        segments of the blocks back to back)."""
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
         return getattr(self, f"{kind}_buf")
 
     def flat(self, kind: str, block: str):
-        """The block's slice of `master`, `m` or `v` (a view, fp32, shape (block size,))."""
+        """The block's slice of `master`, `m` or `v` (a view, fp32); sharded: the own segment
+        only (`segment(block)` says which part of the block)."""
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
-        a, b = self.block_range(block)
+        self.block(block)
+        a, b = self._held_range[block]
         return self.buffer(kind)[a:b]
 
     def master_flat(self, block: str):
         return self.flat("master", block)
 
     def master(self, block: str) -> dict[str, object]:
-        """{local name: fp32 master view (param shape)} of a block."""
+        """{local name: fp32 master view (param shape)} of a block (unsharded only)."""
+        self._need_whole("master()")
         return self._split(block, self.master_buf)
 
     def named(self, kind: str = "master") -> Iterator[tuple[str, object]]:
-        """(global name, view of param shape) of `master`, `m` or `v`, in buffer order."""
+        """(global name, view of param shape) of `master`, `m` or `v`, in buffer order
+        (unsharded only)."""
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
+        self._need_whole("named()")
         buf = self.buffer(kind)
         for name, spec in self._spec.items():
             a, b = self._param_range[name]
@@ -174,40 +284,52 @@ class StageState:
         """(global name, fp32 master view of param shape), in buffer order."""
         return self.named("master")
 
-    def load_named(self, arrays: Mapping[str, np.ndarray], kind: str = "master") -> None:
-        """Copy {global name: array} into `master`, `m` or `v` (import, resume, resharding).
+    def load_named(self, arrays: Mapping[str, np.ndarray], kind: str = "master",
+                   blocks: Iterable[str] | None = None) -> None:
+        """Copy {global name: whole array} into `master`, `m` or `v` (import, resume,
+        resharding); sharded, only the own segment of each block is kept.
 
-        Every parameter of this stage must be present with its exact shape; names of other
-        stages are ignored. Materialised fp16 views are refreshed from the new masters.
+        Every parameter of this stage (of `blocks`, when given) must be present with its exact
+        shape; other names are ignored. Materialised views of the loaded blocks are refreshed
+        from the new masters (sharded: dropped; the schedule gathers them again).
         """
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
-        missing = [n for n in self._spec if n not in arrays]
+        want = set(self.block_names if blocks is None else blocks)
+        for b in want:
+            self.block(b)
+        names = [n for n in self._spec if self._param_block[n] in want]
+        missing = [n for n in names if n not in arrays]
         if missing:
             raise KeyError(
                 f"{kind}: {len(missing)} parameter(s) of this stage missing, first {missing[0]!r}"
             )
-        for name, spec in self._spec.items():
-            arr = arrays[name]
+        for name in names:
+            arr, spec = arrays[name], self._spec[name]
             if tuple(arr.shape) != spec.shape:
                 raise ValueError(
                     f"{kind}: parameter {name!r} has shape {tuple(arr.shape)}, expected "
                     f"{spec.shape}"
                 )
         buf = self.buffer(kind)
-        for name in self._spec:
-            a, b = self._param_range[name]
-            buf[a:b] = self.xp.asarray(arrays[name], dtype=np.float32).reshape(-1)
+        for name in names:
+            self._put(buf, name, arrays[name])
         if kind == "master":
-            for block in list(self._views):
-                self.materialize_view(block)
+            for block in [b for b in self._views if b in want]:
+                if self.sharded:
+                    self.drop_view(block)
+                else:
+                    self.materialize_view(block)
 
     def state_dict(self) -> dict[str, dict[str, object]]:
-        """{"master"|"m"|"v": {global name: view}}: views into the live buffers, not copies."""
+        """{"master"|"m"|"v": {global name: view}}: views into the live buffers, not copies
+        (unsharded only: a sharded state holds segments; see `Executor.iter_full_state`)."""
+        self._need_whole("state_dict()")
         return {kind: dict(self.named(kind)) for kind in KINDS}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        """Inverse of `state_dict` (each kind must cover every parameter of the stage)."""
+        """Inverse of `state_dict` (each kind must cover every parameter of the stage); works
+        sharded too (keeps the own segments)."""
         for kind in KINDS:
             if kind not in state:
                 raise KeyError(f"stage state is missing {kind!r}")
@@ -218,23 +340,27 @@ class StageState:
     def materialize_view(self, block: str):
         """Make the block's working parameter view current; returns it flat.
 
-        fp32: the view is the master slice (nothing is allocated). fp16: allocate
-        `params.view.<block>` on first use and cast the master slice into it (round to nearest).
+        Unsharded fp32: the view is the master slice (nothing is allocated). fp16: allocate
+        `params.view.<block>` on first use and cast the master slice into it (round to
+        nearest). Sharded: allocate the whole-block view (fp16 or fp32) and cast / copy the own
+        master segment into its segment; the other segments are the caller's to all-gather.
         """
         master = self.master_flat(block)
-        if self.precision == "fp32":
+        if not self.separate_views:
             return master
         view = self._views.get(block)
         if view is None:
+            a, b = self._block_range[block]
             view = self.ledger.alloc(
-                f"params.view.{block}", master.shape, np.float16, self.xp, zero=False
+                f"params.view.{block}", (b - a,), self.view_dtype, self.xp, zero=False
             )
             self._views[block] = view
-        view[...] = master  # fp32 -> fp16 cast
+        lo, hi = self._seg[block]
+        view[lo:hi] = master  # fp32 -> fp16 cast (or copy)
         return view
 
     def drop_view(self, block: str) -> None:
-        """Release the block's fp16 view (a no-op in fp32, where the view is the master)."""
+        """Release the block's view (a no-op when the view is the master)."""
         self.block(block)
         view = self._views.pop(block, None)
         if view is not None:
@@ -242,18 +368,18 @@ class StageState:
 
     def has_view(self, block: str) -> bool:
         self.block(block)
-        return self.precision == "fp32" or block in self._views
+        return not self.separate_views or block in self._views
 
     def view_flat(self, block: str):
-        """The block's working view, flat (fp16 must be materialised first)."""
-        if self.precision == "fp32":
+        """The block's working view, flat (a separate view must be materialised first)."""
+        if not self.separate_views:
             return self.master_flat(block)
         try:
             return self._views[block]
         except KeyError:
             self.block(block)
             raise RuntimeError(
-                f"the fp16 view of block {block!r} is not materialised: call "
+                f"the view of block {block!r} is not materialised: call "
                 "materialize_view first (a schedule must materialise a view before use)"
             ) from None
 
@@ -277,6 +403,7 @@ class StageState:
         """Release the block's gradient buffer (a no-op when none is held)."""
         self.block(block)
         g = self._grads.pop(block, None)
+        self._shrunk.discard(block)
         if g is not None:
             self.ledger.free(g)
 
@@ -285,7 +412,10 @@ class StageState:
         return block in self._grads
 
     def grad_flat(self, block: str):
-        """The block's flat fp32 gradient (shape (block size,))."""
+        """The block's whole flat fp32 gradient (shape (block size,))."""
+        if block in self._shrunk:
+            raise RuntimeError(f"the gradient of block {block!r} holds only this replica's "
+                               "segment (after shrink_grad): use grad_segment")
         try:
             return self._grads[block]
         except KeyError:
@@ -293,6 +423,28 @@ class StageState:
             raise RuntimeError(
                 f"the gradient of block {block!r} is not allocated: call alloc_grad first"
             ) from None
+
+    def grad_segment(self, block: str):
+        """The part of the block's gradient matching `flat(kind, block)`: the own segment when
+        sharded (after the reduce-scatter it holds the reduced values), else the whole block."""
+        if block in self._shrunk:
+            return self._grads[block]
+        lo, hi = self.segment(block)
+        return self.grad_flat(block)[lo:hi]
+
+    def shrink_grad(self, block: str):
+        """Sharded, after the reduce-scatter: keep only the own segment of the block's gradient
+        (a segment-sized copy under the same tag; the whole buffer is released). Returns it."""
+        if not self.sharded or block in self._shrunk:
+            return self.grad_segment(block)
+        full = self.grad_flat(block)
+        lo, hi = self._seg[block]
+        g = self.ledger.alloc(f"grads.{block}", (hi - lo,), np.float32, self.xp, zero=False)
+        g[...] = full[lo:hi]
+        self.ledger.free(full)
+        self._grads[block] = g
+        self._shrunk.add(block)
+        return g
 
     def grad(self, block: str) -> dict[str, object]:
         """{local name: fp32 gradient view (param shape)} of a block."""
@@ -315,4 +467,4 @@ class StageState:
         self.ledger.free(self.master_buf, self.m_buf, self.v_buf)
 
 
-__all__ = ["KINDS", "StageState"]
+__all__ = ["KINDS", "StageState", "segment_bounds"]

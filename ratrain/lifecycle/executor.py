@@ -5,6 +5,9 @@
     res.loss, res.grad_norm, res.skipped ...                     # known on every rank
     ex.flush()             # finish deferred lifecycle work: before a checkpoint, eval, the end
     ex.write_trace("trace.json")                                  # collective: every rank calls
+    for block, st in ex.iter_full_state(): ...   # whole fp32 master/m/v per block (collective over dp)
+    ex.load_full_block(block, st)                # the inverse: keep this replica's segment
+    ex.full_params()                             # {name: whole fp32 master} (collective over dp)
 
 Actions go through a `{type: handler}` table. Compute runs on this (the main) thread; every
 message and collective goes through the communication engine (`ratrain.comm`): receives are
@@ -13,12 +16,22 @@ sends and gradient syncs are futures waited on only when their result is needed.
 there is no communication at all and `engine` may be None (no MPI launcher needed).
 
 Numerics are the same under every policy: each block's gradient is summed across replicas by its
-own collective (`SyncGrad` of a bucket submits one per block), the global facts (`GradNorm`) are
-one float64 all-reduce over the world of a vector in which every entry has exactly one non-zero
-contributor (so the reduction is exact): the per-block sums of squares (written by replica 0)
-in global block order, every micro-batch loss of every replica in global micro-batch order, and
-every rank's peak DDR. Every rank then adds them up in the same order, takes the same clip
-coefficient and the same skip decision, and updates its blocks with the same AdamW call.
+own ring collective (`SyncGrad` of a bucket submits one per block; an all-reduce, or under
+`ratrain` with dp > 1 a reduce-scatter, whose segment q is reduced in exactly the all-reduce's
+order), the global facts (`GradNorm`) are one float64 all-reduce over the world of a vector in
+which every entry has exactly one non-zero contributor (so the reduction is exact): the sums of
+squares per (block, dp segment), segment q written by replica q, in global block order, every
+micro-batch loss of every replica in global micro-batch order, and every rank's peak DDR. Every
+rank then adds them up in the same order, takes the same clip coefficient and the same skip
+decision, and updates its blocks (or its segments of them) with the same elementwise AdamW.
+
+Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the executor shards the
+`StageState` it is given (`state.shard(replica, dp)`, unless built with `shard=`); replica q
+keeps segment q of each block's master, m and v, updates it from its reduce-scattered gradient
+segment, and the next step's view is cast from the own master segment and ring all-gathered in
+the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
+(`WaitView`). Whole blocks for checkpoints and hash checks: `iter_full_state`, `full_params`,
+`load_full_block` (collective over the stage's replicas).
 
 Loss scaling: `head_backward` is seeded with loss_scale / (num_micro_batches * dp), gradients
 are summed over replicas, the norm is taken on unscaled gradients, a non-finite norm skips the
@@ -44,6 +57,7 @@ import numpy as np
 from ratrain.exec import layers as L
 from ratrain.exec.optim import AdamW, LossScaler, global_grad_norm, grad_scale_for, lr_at
 from ratrain.exec.optim import block_sq_norm as _sq_norm
+from ratrain.exec.params import KINDS, segment_bounds
 from ratrain.exec.spec import block_cost, stage_blocks
 from ratrain.lifecycle.policies import Policy, StageInfo, as_policy
 from ratrain.lifecycle.schedule import (
@@ -61,6 +75,7 @@ from ratrain.lifecycle.schedule import (
     SyncGrad,
     Update,
     WaitGrad,
+    WaitView,
 )
 from ratrain.lifecycle.validate import check_lifecycle, validate_policy
 from ratrain.plan.memory import StageSizes, choose_recompute, simulate_peak
@@ -131,9 +146,21 @@ class Executor:
         self.global_index = {b: i for i, b in enumerate(x for s in all_blocks for x in s)}
         self.num_global_blocks = len(self.global_index)
 
-        # the schedule
+        # the schedule; sharded optimizer state (ratrain, dp > 1)
         self.policy: Policy = as_policy(policy if policy is not None else cfg.schedule.policy)
-        self.info = StageInfo.from_config(cfg, self.stage, state.blocks)
+        self.info = StageInfo.from_config(cfg, self.stage, state.blocks, self.policy)
+        self.sharded = self.info.sharded
+        if self.sharded and not state.sharded:
+            for b in self.blocks:
+                state.drop_view(b)
+            state.shard(self.replica, self.dp)
+        if state.num_shards != self.info.shards or (
+                state.sharded and state.shard_index != self.replica):
+            raise ValueError(
+                f"rank {self.rank}: the stage state holds segment {state.shard_index} of "
+                f"{state.num_shards}, but policy {self.policy.name} at dp={self.dp} needs "
+                + (f"segment {self.replica} of {self.dp}" if self.sharded else "whole blocks"))
+        self.gathers: dict[str, Future] = {}  # block -> view all-gather in flight
         self._lists = {False: self.policy.build_step(self.info, False)}
         if self.policy.carries(self.info):
             self._lists[True] = self.policy.build_step(self.info, True)
@@ -143,7 +170,7 @@ class Executor:
                              block_bytes=tuple(0 for _ in all_blocks[s])) for s in range(self.pp)]
             validate_policy(self.policy, infos, steps=2)
             check_lifecycle(self._rank_lists(3), self.blocks, self.m, self.stage,
-                            self.info.fp16)
+                            self.info.fp16, self.sharded)
 
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -164,7 +191,8 @@ class Executor:
             RecvBackward: self._recv_backward,
             SendForward: self._send_forward,
             SendBackward: self._send_backward,
-            MaterializeView: lambda a: self.state.materialize_view(a.block),
+            MaterializeView: self._materialize_view,
+            WaitView: self._wait_view,
             DropView: lambda a: self.state.drop_view(a.block),
             AllocGrad: self._alloc_grad,
             FreeGrad: lambda a: self.state.free_grad(a.block),
@@ -181,6 +209,7 @@ class Executor:
         self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.events: list[tuple] = []  # (name, cat, t0, t1, tid, args)
         self.t_origin = time.perf_counter()
+        self.step = -1  # before the first step (measurement may gather views)
         self.keep, self.predicted_peak = self._choose_keep()
         self._reset_step_state()
 
@@ -225,7 +254,7 @@ class Executor:
         self.flush()
         made = [b for b in self.blocks if not self.state.has_view(b)]
         for b in made:
-            self.state.materialize_view(b)
+            self._materialize_now(b)
         losses = np.zeros(len(batches) * self.m * self.dp, np.float64)
         for k, (inputs, targets) in enumerate(batches):
             for mb in range(self.m):
@@ -254,6 +283,63 @@ class Executor:
         self.opt.load_state_dict(sd["opt"])
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
+
+    def iter_full_state(self, kinds=KINDS):
+        """Yield `(block, {kind: {global name: fp32 array of the parameter's shape}})` for each
+        block of this stage in model order, kinds from `("master", "m", "v")`, with the step's
+        deferred work flushed first. Collective over the stage's replicas (every replica of the
+        stage iterates to the end, in the same order); every replica gets the whole block.
+
+        Sharded: each kind of the block is ring all-gathered (through the engine, over
+        `dp_comm`) into a block-sized buffer (ledger `comm.gather.<kind>`), released when the
+        next block is asked for: at most one extra block is held, and the arrays are valid only
+        until then (copy what you keep). Unsharded: views into the live buffers (no copy, no
+        communication)."""
+        self.flush()
+        for k in kinds:
+            if k not in KINDS:
+                raise ValueError(f"kind={k!r} is not one of: {', '.join(KINDS)}")
+        for b in self.blocks:
+            spec = self.state.block(b)
+            base, end = self.state.block_range(b)
+            if not self.sharded:
+                out = {k: {p.name: self.state.buffer(k)[slice(*self.state.param_range(p.name))]
+                           .reshape(p.shape) for p in spec.params} for k in kinds}
+                yield b, out
+                continue
+            lo, hi = self.state.segment(b)
+            bufs = {}
+            try:
+                for k in kinds:
+                    buf = self.ledger.alloc(f"comm.gather.{k}", (end - base,), np.float32,
+                                            self.ctx.xp, zero=False)
+                    bufs[k] = buf
+                    buf[lo:hi] = self.state.flat(k, b)
+                    self.engine.allgather(buf, self.topo.dp_comm).result()
+                out = {}
+                for k, buf in bufs.items():
+                    out[k] = {}
+                    for p in spec.params:
+                        a, e = self.state.param_range(p.name)
+                        out[k][p.name] = buf[a - base : e - base].reshape(p.shape)
+                yield b, out
+            finally:
+                self.ledger.free(*bufs.values())
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """{global name: whole fp32 master (a copy)} of this stage's parameters; collective
+        over the stage's replicas (see `iter_full_state`). For tests and hash checks."""
+        return {name: np.array(a) for _, st in self.iter_full_state(("master",))
+                for name, a in st["master"].items()}
+
+    def load_full_block(self, block: str, arrays) -> None:
+        """Load whole parameters of one block: `arrays` = {kind: {global name: array}} with
+        kinds from `("master", "m", "v")` (each given kind must cover the block's parameters);
+        this replica keeps its segment when sharded. Local (no communication); call between
+        steps after `flush()`; views of the block are refreshed or dropped (the next step
+        makes them)."""
+        for k, named in arrays.items():
+            self.state.load_named(named, k, blocks=[block])
 
     def step_lists(self, steps: int = 2) -> list[tuple]:
         return self._rank_lists(steps)
@@ -459,12 +545,34 @@ class Executor:
         if not self.state.has_grad(a.block):  # tied: the head's backward may have made embed's
             self.state.alloc_grad(a.block)
 
+    def _materialize_view(self, a: MaterializeView) -> None:
+        view = self.state.materialize_view(a.block)
+        if a.gather and self.dp > 1:  # the other replicas' segments, in the engine
+            t0 = time.perf_counter()
+            fut = self.engine.allgather(view, self.topo.dp_comm)
+            self._comm_event(fut, f"allgather {a.block}", t0)
+            self.gathers[a.block] = fut
+
+    def _wait_view(self, a: WaitView) -> None:
+        fut = self.gathers.pop(a.block, None)
+        if fut is not None:
+            fut.result()
+
+    def _materialize_now(self, block: str) -> None:
+        """Make a view outside the schedule (eval, measurement): cast, gather, wait."""
+        self._materialize_view(MaterializeView(block, gather=self.sharded))
+        self._wait_view(WaitView(block))
+
     def _sync_grad(self, a: SyncGrad) -> None:
-        for b in a.blocks:  # one collective per block: the same reduction under every policy
+        for b in a.blocks:  # one ring collective per block: the same order under every policy
             if self.dp > 1:
                 t0 = time.perf_counter()
-                fut = self.engine.allreduce(self.state.grad_flat(b), self.topo.dp_comm)
-                self._comm_event(fut, f"allreduce {b}", t0)
+                g = self.state.grad_flat(b)
+                if a.scatter:  # replica q ends with the reduced segment q
+                    fut = self.engine.reduce_scatter(g, self.topo.dp_comm)
+                else:
+                    fut = self.engine.allreduce(g, self.topo.dp_comm, algo="ring")
+                self._comm_event(fut, f"{'reduce_scatter' if a.scatter else 'allreduce'} {b}", t0)
             else:
                 fut = _done()
             self.syncs[b] = fut
@@ -472,14 +580,19 @@ class Executor:
     def _wait_grad(self, a: WaitGrad) -> None:
         for b in a.blocks:
             self.syncs.pop(b).result()
-            self.sq[b] = _sq_norm(self.state.grad_flat(b), self.ctx.xp)
+            if a.scatter:
+                seg = self.state.shrink_grad(b)  # only the own segment is needed from here
+            else:  # this replica's share of the norm work: its ring segment of the block
+                n = self.state.block(b).size
+                lo, hi = segment_bounds(n, self.replica, self.dp)
+                seg = self.state.grad_flat(b)[lo:hi]
+            self.sq[b] = _sq_norm(seg, self.ctx.xp)
 
     def _grad_norm(self, a: GradNorm) -> None:
-        nb, nl = self.num_global_blocks, self.m * self.dp
+        nb, nl, dp = self.num_global_blocks * self.dp, self.m * self.dp, self.dp
         vec = np.zeros(nb + nl + self.world, np.float64)
-        if self.replica == 0:
-            for b, s in self.sq.items():
-                vec[self.global_index[b]] = s
+        for b, s in self.sq.items():  # (global block, dp segment): one contributor each
+            vec[self.global_index[b] * dp + self.replica] = s
         if self.stage == self.pp - 1:
             for mb, loss in self.losses.items():
                 vec[nb + self.replica * self.m + mb] = loss
@@ -487,7 +600,7 @@ class Executor:
         vec = self._allreduce_world(vec)
 
         loss_scale = self.scaler.scale
-        grad_norm = global_grad_norm(vec[:nb].tolist(), loss_scale)
+        grad_norm = global_grad_norm(vec[:nb].tolist(), loss_scale, segments=dp)
         found_inf = not math.isfinite(grad_norm)
         skipped = self.scaler.update(found_inf)
         lr = lr_at(self.step, self.cfg.optim, self.total_steps)
@@ -584,9 +697,9 @@ class Executor:
                 if kind == "layer" and layer_sizes is not None:
                     act[b], full[b] = dict(layer_sizes), layer_sizes["all"]
                     continue
-                self.state.materialize_view(b)
-                if self.tied and kind == "head":
-                    self.state.materialize_view("embed")
+                self._materialize_now(b)
+                if self.tied and kind == "head" and not self.state.has_view("embed"):
+                    self._materialize_now("embed")
                 p = self._view(b)
                 if kind == "embed":
                     _, c = L.embed_forward(ids, p, ctx)
@@ -604,7 +717,8 @@ class Executor:
                 self.state.drop_view(b)
         params = {b.name: b.size for b in self.state.blocks}
         item = np.dtype(ctx.dtype).itemsize
-        extra = L.layer_workspace_nbytes(ctx, self.micro_batch, backward=True)
+        extra = L.layer_workspace_nbytes(ctx, self.micro_batch, self.cfg.model.seq_len,
+                                          backward=True)
         if self.info.fp16:
             extra += 4 * max(params.values())  # fp32 GEMM copies of a block's weights
         return StageSizes(
@@ -612,7 +726,7 @@ class Executor:
             message_bytes=int(np.prod(shape)) * item,
             static=self.ledger.current - sum(4 * params[b] for b in self.blocks
                                              if self.state.has_grad(b)),
-            extra=extra, keep=keep)
+            extra=extra, keep=keep, shards=self.info.shards)
 
 
 def _category(a) -> str:

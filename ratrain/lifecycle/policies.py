@@ -25,6 +25,16 @@ call, so losses are bitwise identical across policies. What differs is *when*:
   would have been.
   Deferred work carries from step to step: `build_step(..., carry=True)` starts with it and
   `build_flush` finishes it (before a checkpoint, an evaluation or the end of training).
+  With dp > 1 (`StageInfo.shards = dp`, `schedule.shard_optimizer`) ratrain also shards each
+  block's fp32 master and AdamW moments over the replicas (ZeRO-1, per block): the sync is a
+  ring reduce-scatter (replica q keeps the reduced segment q, summed in the all-reduce's exact
+  order), the update runs on the own segment, and the next step's view is cast from the own
+  master segment and ring all-gathered (fp16: a quarter of the all-reduce's bytes): issued at
+  step start with the updates, waited for just before the block's first forward, so the gather
+  of block l+1 runs under the forward of block l. Views are then separate buffers in fp32 too
+  (the master is only a segment), made every step and dropped after the block's last backward.
+  The baseline and Megatron keep whole masters and moments on every replica (GPU-style
+  DeepSpeed / Megatron without ZeRO).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from ratrain.lifecycle.schedule import (
     SyncGrad,
     Update,
     WaitGrad,
+    WaitView,
     add_hooks,
     gpipe,
     one_f_one_b,
@@ -60,10 +71,12 @@ class StageInfo:
     blocks: tuple[str, ...]  # this stage's blocks in model order
     block_bytes: tuple[int, ...]  # fp32 gradient bytes of each block
     precision: str = "fp32"
+    shards: int = 1  # dp segments of each block's master and moments (1: whole on every replica)
 
     @classmethod
-    def from_config(cls, cfg, stage: int, blocks) -> StageInfo:
-        """From a `Config` and the stage's `BlockSpec`s."""
+    def from_config(cls, cfg, stage: int, blocks, policy=None) -> StageInfo:
+        """From a `Config` and the stage's `BlockSpec`s (`policy`: default cfg.schedule.policy)."""
+        pol = as_policy(policy if policy is not None else cfg.schedule.policy)
         return cls(
             pp=cfg.parallel.pp,
             stage=stage,
@@ -71,11 +84,21 @@ class StageInfo:
             blocks=tuple(b.name for b in blocks),
             block_bytes=tuple(4 * b.size for b in blocks),
             precision=cfg.precision,
+            shards=pol.shards(cfg.parallel.dp, cfg.schedule.shard_optimizer),
         )
 
     @property
     def fp16(self) -> bool:
         return self.precision == "fp16"
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
+
+    @property
+    def separate_views(self) -> bool:
+        """Views are buffers of their own (fp16, or a sharded master): made and dropped."""
+        return self.fp16 or self.sharded
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,11 @@ class Policy:
         if self.name not in POLICIES:
             raise ValueError(f"policy {self.name!r} is not one of: {', '.join(POLICIES)}")
 
+    def shards(self, dp: int, enabled: bool = True) -> int:
+        """Segments each block's optimizer state is cut into: dp under `ratrain` (when
+        `enabled`, i.e. `schedule.shard_optimizer`), 1 (whole on every replica) otherwise."""
+        return dp if self.name == "ratrain" and enabled and dp > 1 else 1
+
     def carries(self, info: StageInfo) -> bool:
         """Whether a step leaves lifecycle work or state for the next (see `build_flush`)."""
         return self.name == "ratrain"
@@ -96,6 +124,9 @@ class Policy:
         was not flushed (only `ratrain` carries)."""
         if carry and not self.carries(info):
             raise ValueError(f"policy {self.name} carries nothing between steps")
+        if info.sharded and self.name != "ratrain":
+            raise ValueError(f"policy {self.name} keeps whole optimizer state on every replica "
+                             f"(shards={info.shards}); only ratrain shards it")
         if self.name == "ratrain":
             return _ratrain_step(info, carry)
         order = gpipe if self.name == "gpipe" else one_f_one_b
@@ -151,28 +182,33 @@ def _ratrain_step(info: StageInfo, carry: bool) -> tuple[Action, ...]:
     blocks, m = info.blocks, info.num_micro_batches
     backward_order = tuple(reversed(blocks))
     pipeline = one_f_one_b(info.pp, info.stage, m)
+    sharded, separate = info.sharded, info.separate_views
 
     # step start (the warm-up bubble: the executor has already posted the first receive):
-    # finish the previous step's deferred updates and make this step's views
+    # finish the previous step's deferred updates and make this step's views (sharded: start
+    # their all-gathers, which then run under the updates of the next blocks and the forwards)
     start: list[Action] = []
     for b in blocks:
         if carry:
             start += [Update(b), FreeGrad(b)]
-        if info.fp16 or not carry:  # in fp32 the view is the master: made once
-            start.append(MaterializeView(b))
+        if separate or not carry:  # an unsharded fp32 view is the master: made once
+            start.append(MaterializeView(b, gather=sharded))
 
-    # pipeline: gradients appear at the first backward; each block's sync starts (and its fp16
-    # view goes) right after its last backward
+    # pipeline: a sharded view is waited for just before the block's first forward; gradients
+    # appear at the first backward; each block's sync starts (and its separate view goes)
+    # right after its last backward
+    first_fwd = [(b, WaitView(b)) for b in blocks] if sharded else []
     first_bwd = [(b, AllocGrad(b)) for b in blocks]
     last_bwd = []
     for b in backward_order:
-        last_bwd.append((b, SyncGrad((b,))))
-        if info.fp16:
+        last_bwd.append((b, SyncGrad((b,), scatter=sharded)))
+        if separate:
             last_bwd.append((b, DropView(b)))
-    body = add_hooks(pipeline, bwd_pre={0: first_bwd}, bwd_post={m - 1: last_bwd})
+    body = add_hooks(pipeline, fwd_pre={0: first_fwd}, bwd_pre={0: first_bwd},
+                     bwd_post={m - 1: last_bwd})
 
     # cool-down: wait for the syncs in the order they started; the global facts need every stage
-    end = [WaitGrad((b,)) for b in backward_order] + [GradNorm()]
+    end = [WaitGrad((b,), scatter=sharded) for b in backward_order] + [GradNorm()]
     return tuple(start + list(body) + end)
 
 

@@ -10,6 +10,10 @@ One rank's step is a tuple of actions run in order by the `Executor`:
   (start the data-parallel all-reduce of one or several blocks' gradients in the comm engine,
   non-blocking), `WaitGrad`, `Update` (AdamW of one block); and `GradNorm`, the step's global
   facts (gradient norm in global block order across stages, fp16 overflow flag, the loss).
+  With the optimizer state sharded over the dp replicas (`ratrain`, dp > 1) the sync is a
+  reduce-scatter (`SyncGrad(scatter=True)`, grid `R`), the view is cast from the own master
+  segment and all-gathered (`MaterializeView(gather=True)`, grid `A`) and waited for before the
+  block's first forward (`WaitView`, grid `Y`).
 
 A lifecycle action may also ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
 SyncGrad(("layers.3",))),))`): it runs just before (`pre`) or just after (`post`) that block's part
@@ -112,13 +116,29 @@ def short_block(block: str) -> str:
 
 @dataclass(frozen=True)
 class MaterializeView(Action):
-    """Make the block's working (fp16) view from its fp32 master; in fp32 the view is the master."""
+    """Make the block's working (fp16) view from its fp32 master; in fp32 the view is the master.
+
+    `gather` (optimizer state sharded over the dp replicas): cast this replica's master segment
+    into its segment of the view and start the ring all-gather of the view in the comm engine
+    (non-blocking); `WaitView` completes it."""
 
     block: str
+    gather: bool = False
     code: ClassVar[str] = "V"
 
     def label(self, stage: int) -> str:
-        return f"V{short_block(self.block)}"
+        return f"{'A' if self.gather else 'V'}{short_block(self.block)}"
+
+
+@dataclass(frozen=True)
+class WaitView(Action):
+    """Wait for the block's view all-gather (sharded optimizer state), before its first use."""
+
+    block: str
+    code: ClassVar[str] = "Y"
+
+    def label(self, stage: int) -> str:
+        return f"Y{short_block(self.block)}"
 
 
 @dataclass(frozen=True)
@@ -150,20 +170,26 @@ class FreeGrad(Action):
 
 @dataclass(frozen=True)
 class SyncGrad(Action):
-    """Start the data-parallel sum of these blocks' gradients (one collective per block)."""
+    """Start the data-parallel sum of these blocks' gradients (one ring collective per block).
+
+    `scatter` (optimizer state sharded over the dp replicas): a ring reduce-scatter, after which
+    replica q holds the reduced segment q only (the same per-element order as the all-reduce)."""
 
     blocks: tuple[str, ...]
+    scatter: bool = False
     code: ClassVar[str] = "S"
 
     def label(self, stage: int) -> str:
-        return "S" + ",".join(short_block(b) for b in self.blocks)
+        return ("R" if self.scatter else "S") + ",".join(short_block(b) for b in self.blocks)
 
 
 @dataclass(frozen=True)
 class WaitGrad(Action):
-    """Wait for these blocks' syncs; computes each block's fp64 sum of squares."""
+    """Wait for these blocks' syncs; computes the fp64 sum of squares of this replica's segment
+    of each block. `scatter`: the sync was a reduce-scatter; only the own segment is kept."""
 
     blocks: tuple[str, ...]
+    scatter: bool = False
     code: ClassVar[str] = "W"
 
     def label(self, stage: int) -> str:
@@ -193,7 +219,8 @@ class Update(Action):
 
 COMPUTE = (Forward, Backward)
 P2P = (RecvForward, SendForward, RecvBackward, SendBackward)
-LIFECYCLE = (MaterializeView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm, Update)
+LIFECYCLE = (MaterializeView, WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm,
+             Update)
 
 
 # -- builders -----------------------------------------------------------------------------------
@@ -341,6 +368,7 @@ __all__ = [
     "SyncGrad",
     "Update",
     "WaitGrad",
+    "WaitView",
     "add_hooks",
     "expand",
     "gpipe",

@@ -15,7 +15,10 @@ Three checks, all pure (no MPI):
   allocated before its first backward; its sync starts after its last backward; the wait after
   the sync; the global norm after every block's wait; the update after its wait, the step's
   norm and the last backward, before the block's next forward; the gradient freed only after the
-  update; nothing left pending after the flush.
+  update; nothing left pending after the flush. With the optimizer state sharded over the dp
+  replicas (`sharded=True`) every sync must be a reduce-scatter and every view made by an
+  all-gather (and none otherwise); a gathered view is usable only after its `WaitView`, and the
+  view is never the master (it goes stale at the update, as in fp16).
 
 `validate_policy(policy, info_per_stage)` runs all three over a few steps.
 """
@@ -37,6 +40,7 @@ from ratrain.lifecycle.schedule import (
     SyncGrad,
     Update,
     WaitGrad,
+    WaitView,
     expand,
 )
 
@@ -174,12 +178,16 @@ class _Block:
         self.pending = None  # step whose gradient awaits its update
         self.synced = None  # step last synced
         self.waited = None  # step last waited
+        self.gathering = False  # a view all-gather in flight (sharded)
 
 
-def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) -> None:
+def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
+                    sharded: bool = False) -> None:
     """`steps`: this rank's successive step lists; a trailing list without compute is the flush.
-    In fp32 (`fp16=False`) a materialised view is the master itself, so it never goes stale."""
+    In fp32 (`fp16=False`) and unsharded a materialised view is the master itself, so it never
+    goes stale. `sharded`: masters and moments are cut over the dp replicas (see the module)."""
     st = {b: _Block() for b in blocks}
+    view_is_master = not fp16 and not sharded
     norm_step = None
 
     def fail(k, a, msg):
@@ -194,6 +202,10 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) ->
                 bs = [blk] if blk is not None else (
                     list(e.blocks) if isinstance(e, (SyncGrad, WaitGrad))
                     else [e.block] if hasattr(e, "block") else [])
+                flag = {SyncGrad: "scatter", WaitGrad: "scatter", MaterializeView: "gather"}
+                if type(e) in flag and getattr(e, flag[type(e)]) != sharded:
+                    fail(k, e, f"{flag[type(e)]}={getattr(e, flag[type(e)])} on a stage whose "
+                               f"optimizer state is {'' if sharded else 'not '}sharded")
                 for b in bs:
                     if b not in st:
                         fail(k, e, f"block {b!r} is not on this stage")
@@ -201,6 +213,8 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) ->
                     if isinstance(e, (Forward, Backward)):
                         if x.view is None:
                             fail(k, e, f"view of {b} not materialised")
+                        if x.gathering:
+                            fail(k, e, f"view of {b} used before its all-gather was waited for")
                         if x.view != x.master or x.pending is not None:
                             fail(k, e, f"view of {b} is stale (update pending or view made before it)")
                     if isinstance(e, Forward):
@@ -212,10 +226,19 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) ->
                         if x.bwd == m:
                             x.pending = k
                     elif isinstance(e, MaterializeView):
+                        if x.gathering:
+                            fail(k, e, f"view of {b} made again while its all-gather is in flight")
                         x.view = x.master
+                        x.gathering = e.gather
+                    elif isinstance(e, WaitView):
+                        if not x.gathering:
+                            fail(k, e, f"wait for the view of {b} without an all-gather in flight")
+                        x.gathering = False
                     elif isinstance(e, DropView):
                         if x.view is None:
                             fail(k, e, f"view of {b} dropped twice")
+                        if x.gathering:
+                            fail(k, e, f"view of {b} dropped while its all-gather is in flight")
                         x.view = None
                     elif isinstance(e, AllocGrad):
                         if x.grad is not None:
@@ -241,7 +264,7 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) ->
                             fail(k, e, f"update of {b} without its gradient")
                         x.master += 1
                         x.pending = None
-                        if not fp16 and x.view is not None:
+                        if view_is_master and x.view is not None:
                             x.view = x.master
                     elif isinstance(e, FreeGrad):
                         if x.grad is None or x.pending is not None:
@@ -261,6 +284,8 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True) ->
     for b, x in st.items():
         if x.pending is not None or x.grad is not None:
             raise ScheduleError(f"stage {stage}: {b} left with a pending update or gradient")
+        if x.gathering:
+            raise ScheduleError(f"stage {stage}: {b} left with a view all-gather in flight")
 
 
 def policy_steps(policy, info, steps: int = 3) -> list[tuple]:
@@ -281,7 +306,7 @@ def validate_policy(policy, infos, steps: int = 3) -> None:
         check_pipeline([r[k] for r in per_rank], m)
     simulate([[a for lst in r for a in lst] for r in per_rank])
     for info, r in zip(infos, per_rank):
-        check_lifecycle(r, info.blocks, m, info.stage, info.fp16)
+        check_lifecycle(r, info.blocks, m, info.stage, info.fp16, info.sharded)
 
 
 __all__ = [

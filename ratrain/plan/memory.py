@@ -1,11 +1,14 @@
 """The memory model of one rank: what a stage holds, when, under a lifecycle policy.
 
 A rank holds, on top of its static state (fp32 masters and AdamW moments, 12 bytes per
-parameter), working views (fp16: 2 bytes per parameter while materialised; fp32: none, the view
-is the master), fp32 gradients (4 bytes per parameter while allocated), the activations each
-block keeps per micro-batch in flight (by its recompute mode), the pipeline's message buffers,
-and transients (a recomputed layer's full activations during its backward, the optimizer's
-block-sized scratch). `simulate_peak` plays a rank's action lists (`ratrain.lifecycle`) with
+parameter; with the optimizer state sharded over `shards` dp replicas, 12 bytes per parameter
+of its segment, the largest segment being ceil(n / shards) of a block's n), working views
+(fp16: 2 bytes per parameter while materialised; fp32: none, the view is the master, unless
+sharded: 4), fp32 gradients (4 bytes per parameter while allocated; sharded, only the own
+segment after the block's reduce-scatter is waited for), the activations each block keeps per
+micro-batch in flight (by its recompute mode), the pipeline's message buffers, and transients
+(a recomputed layer's full activations during its backward, the optimizer's scratch of the
+updated part). `simulate_peak` plays a rank's action lists (`ratrain.lifecycle`) with
 these sizes and returns the peak, so the same model serves the executor's `recompute: auto`
 (with activation sizes measured from the kernels' caches) and the planner (with sizes computed
 from shapes by `layer_activation_bytes`).
@@ -30,6 +33,7 @@ from ratrain.lifecycle.schedule import (
     SendBackward,
     SendForward,
     Update,
+    WaitGrad,
     expand,
 )
 
@@ -37,8 +41,16 @@ STATIC_BYTES_PER_PARAM = 12  # fp32 master + AdamW m and v
 GRAD_BYTES_PER_PARAM = 4
 
 
-def view_bytes_per_param(precision: str) -> int:
-    return 2 if precision == "fp16" else 0
+def view_bytes_per_param(precision: str, shards: int = 1) -> int:
+    """Bytes per parameter of a materialised working view (0: the view is the master)."""
+    if precision == "fp16":
+        return 2
+    return 4 if shards > 1 else 0
+
+
+def shard_size(n: int, shards: int = 1) -> int:
+    """The largest dp segment of n elements (the ring's segments differ by at most one)."""
+    return -(-n // shards)
 
 
 def act_itemsize(precision: str) -> int:
@@ -86,6 +98,7 @@ class StageSizes:
     static: int | None = None  # default: 12 bytes per parameter
     extra: int = 0  # anything else resident (scratch reserve, comm buffers)
     keep: dict[str, str] = field(default_factory=dict)  # block -> keep mode ("all" if absent)
+    shards: int = 1  # dp segments of the optimizer state (1: whole blocks on every replica)
 
     def kept(self, block: str) -> int:
         modes = self.act[block]
@@ -94,14 +107,15 @@ class StageSizes:
 
 def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
     """Peak bytes of a rank running `lists` (successive steps) in order, from nothing held."""
-    fp16 = sizes.precision == "fp16"
-    vb = view_bytes_per_param(sizes.precision)
+    shards = sizes.shards
+    separate = sizes.precision == "fp16" or shards > 1  # views are buffers of their own
+    vb = view_bytes_per_param(sizes.precision, shards)
     static = sizes.static if sizes.static is not None else (
-        STATIC_BYTES_PER_PARAM * sum(sizes.params[b] for b in blocks))
+        STATIC_BYTES_PER_PARAM * sum(shard_size(sizes.params[b], shards) for b in blocks))
     cur = static + sizes.extra
     peak = cur
     views: set[str] = set()
-    grads: set[str] = set()
+    grads: dict[str, int] = {}  # block -> bytes held
     msgs = 0
 
     def bump(extra: int = 0):
@@ -118,20 +132,26 @@ def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
                     # a recomputed layer holds its full activations again while it runs backward
                     bump(sizes.full_act.get(blk, 0))
                     cur -= sizes.kept(blk)
-                elif isinstance(e, MaterializeView) and fp16 and e.block not in views:
+                elif isinstance(e, MaterializeView) and separate and e.block not in views:
                     views.add(e.block)
                     cur += vb * sizes.params[e.block]
                 elif isinstance(e, DropView) and e.block in views:
                     views.discard(e.block)
                     cur -= vb * sizes.params[e.block]
                 elif isinstance(e, AllocGrad):
-                    grads.add(e.block)
-                    cur += GRAD_BYTES_PER_PARAM * sizes.params[e.block]
+                    grads[e.block] = GRAD_BYTES_PER_PARAM * sizes.params[e.block]
+                    cur += grads[e.block]
+                elif isinstance(e, WaitGrad) and e.scatter:  # keep the own segment only
+                    for b in e.blocks:
+                        seg = GRAD_BYTES_PER_PARAM * shard_size(sizes.params[b], shards)
+                        if grads.get(b, 0) > seg:
+                            bump(seg)  # the segment's copy, next to the whole buffer
+                            cur -= grads[b] - seg
+                            grads[b] = seg
                 elif isinstance(e, FreeGrad) and e.block in grads:
-                    grads.discard(e.block)
-                    cur -= GRAD_BYTES_PER_PARAM * sizes.params[e.block]
-                elif isinstance(e, Update):
-                    bump(4 * sizes.params[e.block])  # the optimizer's block scratch
+                    cur -= grads.pop(e.block)
+                elif isinstance(e, Update):  # the optimizer's scratch of the updated part
+                    bump(4 * shard_size(sizes.params[e.block], shards))
                 elif isinstance(e, (RecvForward, RecvBackward, SendForward, SendBackward)):
                     # a received input lives until its backward; sends and gradients briefly
                     if isinstance(e, RecvForward):
@@ -168,6 +188,7 @@ __all__ = [
     "act_itemsize",
     "choose_recompute",
     "layer_activation_bytes",
+    "shard_size",
     "simulate_peak",
     "view_bytes_per_param",
 ]
