@@ -9,7 +9,7 @@
 - float16 operands on cupy: a real fp16 GEMM (cuBLAS, fp32 accumulation), result in float32.
 
 The layers avoid needless casts: they convert each fp16 weight view to fp32 once per layer
-call (`ExecContext.gemm_weights`) and pass fp32 operands here, so the tiled path only runs for
+call (`layers._gemm_weights`) and pass fp32 operands here, so the tiled path only runs for
 operands that are needed in fp16 alone.
 """
 
