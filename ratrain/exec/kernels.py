@@ -72,6 +72,9 @@ def embedding_backward(dx, cache, xp, dw=None):
     if dw is None:
         dw = xp.zeros(wshape, compute_dtype(dx))
     flat = ids.reshape(-1)
+    if xp is not np:  # cupy: atomic scatter-add
+        xp.add.at(dw, flat, _as(dx.reshape(-1, wshape[1]), dw.dtype))
+        return dw
     order = xp.argsort(flat, kind="stable")  # rows of each token id together, in order
     sid = flat[order]
     starts = xp.flatnonzero(xp.concatenate([xp.ones(1, bool), sid[1:] != sid[:-1]]))
