@@ -1,0 +1,239 @@
+"""Single-rank training throughput and memory accounting (issue 2's benchmark).
+
+    python -m ratrain.bench                       # fp32, fp16, PyTorch eager, sgemm; 2 threads
+    python -m ratrain.bench --memory              # ledger peak vs measured peak memory growth
+    python -m ratrain.bench --rounds 7 --json out.json
+
+A step is a whole training step through the runtime's own path (`lifecycle.Executor` with
+pp = dp = 1): forward + backward of every block, global-norm clipping, AdamW on fp32 masters
+(and, in fp16, loss scaling and the fp16 views). PyTorch eager runs the same step with
+transformers' LlamaForCausalLM, `clip_grad_norm_` and `torch.optim.AdamW` at the same thread
+count. Model: vocab 256, hidden 512, 8 layers, 8 heads, 8 kv heads, ffn 1376, seq 256,
+micro-batch 8 (2048 tokens per step); flops per token from `ModelConfig.flops_per_token`.
+
+The contenders run in interleaved rounds (one sgemm, then one step of each) so that all see the
+same machine load; figures are medians over rounds and ratios are medians of per-round ratios.
+
+`--memory` checks the DDR ledger against the process: numpy reports its data buffers to
+`tracemalloc`, so the traced peak over a step (minus what was traced before the runtime's
+state existed) is the process's measured peak memory growth, compared with the ledger's peak
+for the same step. The resident-set high-water mark (VmHWM, reset through
+/proc/self/clear_refs) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ratrain.config import load_config
+
+BENCH = [
+    "model.vocab_size=256", "model.hidden=512", "model.layers=8", "model.heads=8",
+    "model.kv_heads=8", "model.ffn_hidden=1376", "model.seq_len=256",
+    "parallel.micro_batch=8", "parallel.num_micro_batches=1", "optim.grad_clip=1.0",
+    "optim.lr=1e-4", "optim.warmup_steps=0", "optim.lr_schedule=constant", "run.steps=1000",
+]
+
+
+def bench_config(precision: str, threads: int, extra=()):
+    return load_config(None, [*BENCH, f"precision={precision}", f"run.threads={threads}", *extra])
+
+
+def runtime_step(cfg):
+    """(step function, executor) for one rank of `cfg`, on a fixed random batch."""
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.params import StageState
+    from ratrain.exec.spec import stage_blocks
+    from ratrain.lifecycle.executor import Executor
+    from ratrain.shim.ledger import Ledger
+
+    ledger = Ledger(None, 0)
+    state = StageState(stage_blocks(cfg.model, 1, 0), cfg.precision, ledger, np, cfg.init.seed)
+    ctx = ExecContext(cfg.model, cfg.precision, np, ledger=ledger, threads=cfg.run.threads)
+    ex = Executor(cfg, None, state, ctx, None, ledger)
+    m, p = cfg.model, cfg.parallel
+    rng = np.random.default_rng(0)
+    shape = (p.num_micro_batches, p.micro_batch, m.seq_len)
+    batch = (rng.integers(0, m.vocab_size, shape), rng.integers(0, m.vocab_size, shape))
+    count = [0]
+
+    def step():
+        res = ex.run_step(count[0], batch)
+        count[0] += 1
+        return res
+
+    return step, ex
+
+
+def torch_step(cfg):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m, p = cfg.model, cfg.parallel
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn_hidden,
+        num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+        max_position_embeddings=m.seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=False)).float().train()
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+    B = p.micro_batch * p.num_micro_batches
+    ids = torch.randint(0, m.vocab_size, (B, m.seq_len))
+    targets = torch.randint(0, m.vocab_size, (B, m.seq_len))
+
+    def step():
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, m.vocab_size), targets.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        return loss
+
+    return step
+
+
+def sgemm_step(threads: int, n: int = 2048):
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+
+    def step():
+        with threadpool_limits(threads, user_api="blas"):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            return 2 * n**3 / (time.perf_counter() - t) / 1e9
+
+    return step
+
+
+def throughput(a) -> dict:
+    cfg32 = bench_config("fp32", a.threads)
+    tokens = cfg32.parallel.global_batch * cfg32.model.seq_len
+    flops = cfg32.model.flops_per_token() * tokens
+    steps = {"ratrain_fp32": runtime_step(cfg32)[0]}
+    if not a.no_fp16:
+        steps["ratrain_fp16"] = runtime_step(bench_config("fp16", a.threads))[0]
+    if not a.no_torch:
+        try:
+            steps["torch_eager"] = torch_step(cfg32)
+        except ImportError as e:
+            print(f"# PyTorch eager skipped: {e}", file=sys.stderr)
+    sgemm = sgemm_step(a.threads)
+    times = {k: [] for k in steps}
+    rates = []
+    for r in range(a.warmup + a.rounds):
+        rate = sgemm()
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            if r >= a.warmup:
+                times[name].append(time.perf_counter() - t)
+        if r >= a.warmup:
+            rates.append(rate)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "threads": a.threads, "tokens_per_step": tokens, "flops_per_step": flops,
+        "rounds": a.rounds, "sgemm_gflops": statistics.median(rates),
+    }
+    for k, v in med.items():
+        out[f"{k}_step_s"] = v
+        out[f"{k}_tokens_per_s"] = tokens / v
+        out[f"{k}_gflops"] = flops / v / 1e9
+    n = len(rates)
+    out["fp32_gflops_over_sgemm"] = statistics.median(
+        flops / times["ratrain_fp32"][i] / 1e9 / rates[i] for i in range(n))
+    if "torch_eager" in times:
+        out["fp32_speed_over_torch"] = statistics.median(
+            times["torch_eager"][i] / times["ratrain_fp32"][i] for i in range(n))
+    if "ratrain_fp16" in times:
+        out["fp16_time_over_fp32"] = statistics.median(
+            times["ratrain_fp16"][i] / times["ratrain_fp32"][i] for i in range(n))
+    return out
+
+
+def _rss_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory(a) -> dict:
+    """Ledger peak over a step vs the traced (tracemalloc) peak of the same step."""
+    import tracemalloc
+
+    out = {}
+    for precision in ("fp32", "fp16"):
+        cfg = bench_config(precision, a.threads, [f"schedule.recompute={a.recompute}"])
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        step, ex = runtime_step(cfg)
+        step()  # warm-up: the first step allocates what later steps reuse
+        ex.ledger.reset_peak()
+        ledger0 = ex.ledger.current
+        traced0 = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.reset_peak()
+        _reset_hwm()
+        rss0 = _rss_hwm()
+        res = step()
+        traced_peak = tracemalloc.get_traced_memory()[1] - base
+        hwm = _rss_hwm()
+        tracemalloc.stop()
+        ledger_peak = res.local_peak_ddr_bytes
+        out[precision] = {
+            "ledger_peak_bytes": ledger_peak,
+            "traced_peak_growth_bytes": traced_peak,
+            "ledger_over_traced": ledger_peak / traced_peak,
+            "ledger_growth_bytes": ledger_peak - ledger0,
+            "traced_growth_bytes": traced_peak - traced0,
+            "rss_hwm_growth_bytes": hwm - rss0,
+        }
+        del step, ex
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ratrain.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-fp16", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="the memory-accounting check only")
+    ap.add_argument("--recompute", default="none", help="schedule.recompute for --memory")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    out = memory(a) if a.memory else throughput(a)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
