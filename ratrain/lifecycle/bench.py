@@ -1,11 +1,12 @@
 """Look at and time the lifecycle policies.
 
-    python -m ratrain.lifecycle.bench grid --pp 4 --m 6 --policy ratrain     # step x rank grid
-    python -m ratrain.lifecycle.bench memory --config jobs/llama2-7b.yaml --pp 8 --m 16
+    python -m ratrain.lifecycle.bench grid --pp 4 --m 6 --policy ratrain [--dp 2]  # step x rank grid
+    python -m ratrain.lifecycle.bench memory --config jobs/llama2-7b.yaml --pp 8 --m 16 --dp 64
     mpirun -n 4 python -m ratrain.lifecycle.bench time --pp 2 --dp 2 --bandwidth 2e8
 
 `grid` prints the schedule (one step after a previous one, so deferred work shows). `memory`
-prints the memory model's peak per stage and policy (activation sizes from shapes). `time` trains
+prints the memory model's peak per stage and policy (activation sizes from shapes); `--dp`
+gives `ratrain` its sharded optimizer state (the other policies keep whole state). `time` trains
 a small model for a few steps under each policy in the same session, the link throttled through
 the shim (`--bandwidth` B/s, `--latency` s) and compute paced to `--compute-flops` per rank (so
 timings hold with more ranks than cores), and prints the median step time per policy.
@@ -23,14 +24,14 @@ from ratrain.lifecycle.policies import POLICIES, Policy, StageInfo
 from ratrain.lifecycle.validate import policy_steps, validate_policy
 
 
-def _infos(model, pp, m, precision, layers_per_stage=None):
+def _infos(model, pp, m, precision, layers_per_stage=None, shards=1):
     from ratrain.exec.spec import stage_blocks
 
     out = []
     for s in range(pp):
         blocks = stage_blocks(model, pp, s, layers_per_stage)
         out.append(StageInfo(pp, s, m, tuple(b.name for b in blocks),
-                             tuple(4 * b.size for b in blocks), precision))
+                             tuple(4 * b.size for b in blocks), precision, shards))
     return out
 
 
@@ -38,18 +39,20 @@ def cmd_grid(args) -> None:
     from ratrain.config import ModelConfig
 
     model = ModelConfig(layers=args.layers)
-    infos = _infos(model, args.pp, args.m, args.precision)
     pol = Policy(args.policy, bucket_bytes=args.bucket_bytes)
+    infos = _infos(model, args.pp, args.m, args.precision, shards=pol.shards(args.dp))
     validate_policy(pol, infos)
     lists = [policy_steps(pol, i, 2)[1] for i in infos]
-    print(f"# {args.policy}, pp={args.pp}, m={args.m}, {args.precision} (a step after a step)")
+    print(f"# {args.policy}, pp={args.pp}, dp={args.dp}, m={args.m}, {args.precision} "
+          "(a step after a step)")
     print(grid(lists, [i.blocks for i in infos], f=1, b=args.b, lifecycle=not args.compute_only))
 
 
 def cmd_memory(args) -> None:
     from ratrain.config import load_config
     from ratrain.exec.spec import stage_blocks
-    from ratrain.plan.memory import StageSizes, layer_activation_bytes, simulate_peak
+    from ratrain.plan.memory import (StageSizes, choose_recompute, layer_activation_bytes,
+                                     simulate_peak)
 
     cfg = load_config(args.config, args.set)
     model, prec = cfg.model, cfg.precision
@@ -58,10 +61,11 @@ def cmd_memory(args) -> None:
     rows = []
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
         pol = Policy(policy)
+        shards = pol.shards(args.dp, cfg.schedule.shard_optimizer)
         for s in range(args.pp):
             blocks = stage_blocks(model, args.pp, s)
             info = StageInfo(args.pp, s, args.m, tuple(b.name for b in blocks),
-                             tuple(4 * b.size for b in blocks), prec)
+                             tuple(4 * b.size for b in blocks), prec, shards)
             act, full = {}, {}
             for b in blocks:
                 if b.kind == "layer":
@@ -74,9 +78,18 @@ def cmd_memory(args) -> None:
                 full[b.name] = act[b.name]["all"]
             sizes = StageSizes(prec, {b.name: b.size for b in blocks}, act, full,
                                mb * model.seq_len * model.hidden * item,
-                               keep={b.name: args.keep for b in blocks if b.kind == "layer"})
+                               keep={b.name: args.keep for b in blocks if b.kind == "layer"},
+                               shards=shards)
             peak = simulate_peak(policy_steps(pol, info, 2)[:2], info.blocks, sizes)
-            rows.append({"policy": policy, "stage": s, "peak_GiB": round(peak / 2**30, 3)})
+            row = {"policy": policy, "stage": s, "dp": args.dp, "shards": shards,
+                   "peak_GiB": round(peak / 2**30, 3), "peak_MiB": round(peak / 2**20, 2)}
+            if args.cap_gib:  # the fewest layers recomputed (keep=input) under the cap
+                keep, kpeak = choose_recompute(int(args.cap_gib * 2**30), sizes,
+                                               policy_steps(pol, info, 2)[:2], info.blocks)
+                row["recomputed"] = sum(k == "input" for k in keep.values())
+                row["layers"] = len(keep)
+                row["auto_peak_GiB"] = round(kpeak / 2**30, 3)
+            rows.append(row)
     for r in rows:
         print(json.dumps(r))
 
@@ -165,6 +178,7 @@ def main(argv=None) -> int:
     g.add_argument("--m", type=int, default=6)
     g.add_argument("--layers", type=int, default=8)
     g.add_argument("--policy", choices=POLICIES, default="ratrain")
+    g.add_argument("--dp", type=int, default=1, help="replicas (ratrain shards over them)")
     g.add_argument("--precision", choices=("fp32", "fp16"), default="fp16")
     g.add_argument("--bucket-bytes", type=int, default=2**20)
     g.add_argument("--b", type=int, default=1, help="ticks per backward")
@@ -175,6 +189,9 @@ def main(argv=None) -> int:
     mm.add_argument("--pp", type=int, default=4)
     mm.add_argument("--m", type=int, default=8)
     mm.add_argument("--keep", default="all", choices=("all", "selective", "input"))
+    mm.add_argument("--dp", type=int, default=1, help="replicas (ratrain shards over them)")
+    mm.add_argument("--cap-gib", type=float, default=0.0,
+                    help="also choose the fewest layers to recompute under this cap (GiB)")
     t = sub.add_parser("time")
     for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
                  ("micro_batch", 2), ("steps", 5)):
