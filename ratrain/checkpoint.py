@@ -221,6 +221,60 @@ def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+class StateStream:
+    """A shard's state delivered block by block instead of as one mapping.
+
+    For sharded optimizer state (`ratrain` at dp > 1) the whole parameters exist only while a
+    block is gathered: `blocks` yields `(block, {kind: {global name: fp32 array}})` in model
+    order (e.g. `Executor.iter_full_state()`), each block's arrays valid until the next is
+    asked for. `shapes` gives every parameter's shape up front, in the order the blocks deliver
+    them, so the file layout is fixed before any byte is written; at most one block is held.
+    """
+
+    def __init__(self, shapes: Mapping[str, Any], kinds: Iterable[str], blocks):
+        self.shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+        self.kinds = tuple(k for k in KINDS if k in set(kinds))
+        self._blocks = blocks
+
+    def drain(self) -> None:
+        """Run the stream without writing (a replica that does not write still takes part in
+        the collectives that produce each block)."""
+        for _ in self._blocks:
+            pass
+
+    def items(self):
+        """(kind, name, array) in file order: by parameter, master / m / v within one."""
+        seen = []
+        for block, arrays in self._blocks:
+            names = list(arrays[self.kinds[0]])
+            for name in names:
+                for k in self.kinds:
+                    a = arrays[k][name]
+                    if tuple(a.shape) != self.shapes.get(name):
+                        raise CheckpointError(
+                            f"save_checkpoint: block {block!r} gave {k}[{name!r}] of shape "
+                            f"{tuple(a.shape)}, expected {self.shapes.get(name)}")
+                    yield k, name, a
+            seen.extend(names)
+        if seen != list(self.shapes):
+            raise CheckpointError("save_checkpoint: the block stream did not deliver every "
+                                  "parameter of the shard in order")
+
+
+class _MappingStream(StateStream):
+    """A mapping {kind: {name: array}} seen as a stream (one block holding everything)."""
+
+    def __init__(self, tensors: Mapping[str, Mapping[str, Any]], names: list[str]):
+        shapes = {n: tensors["master"][n].shape for n in names}
+        super().__init__(shapes, tensors, [("*", tensors)])
+
+
+def _stream(tensors) -> StateStream:
+    if isinstance(tensors, StateStream):
+        return tensors
+    return _MappingStream(tensors, _shard_plan(tensors))
+
+
 def _shard_plan(tensors: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The parameter names of a shard (order of `tensors['master']`), checked across kinds."""
     if "master" not in tensors:
@@ -265,21 +319,18 @@ def _raw_dcpl():
     return dcpl
 
 
-def _write_shard_fast(tmp: str, step, stage, cfg, tensors, names, state_json) -> tuple[int, str]:
+def _write_shard_fast(tmp: str, step, stage, cfg, stream: StateStream, state_json) -> tuple[int, str]:
     """Write a shard to `tmp`: layout with h5py, bytes with pwrite, SHA-256 alongside; fsync."""
-    regions = []  # (file offset, kind, name)
+    offsets = {}  # (kind, name) -> file offset
     with h5py.File(tmp, "w") as f:
         _write_attrs(f, step, stage, cfg, state_json)
-        for name in names:  # by parameter: master, m, v of one layer lie together
-            for kind, group in KINDS.items():
-                if kind not in tensors:
-                    continue
-                shape = tuple(tensors[kind][name].shape)
-                ds = f.create_dataset(f"{group}/{name}", shape=shape, dtype=np.float32, dcpl=_raw_dcpl())
+        for name, shape in stream.shapes.items():  # by parameter: master, m, v lie together
+            for kind in stream.kinds:
+                ds = f.create_dataset(f"{KINDS[kind]}/{name}", shape=shape, dtype=np.float32,
+                                      dcpl=_raw_dcpl())
                 off = ds.id.get_offset()
                 if off is not None:  # None: an empty dataset (no storage)
-                    regions.append((off, kind, name))
-    regions.sort()
+                    offsets[kind, name] = off
 
     h = hashlib.sha256()
     chunks: queue.Queue = queue.Queue()  # views of caller memory: unbounded costs no memory
@@ -293,11 +344,23 @@ def _write_shard_fast(tmp: str, step, stage, cfg, tensors, names, state_json) ->
     thread = threading.Thread(target=hasher, name="ckpt-sha256", daemon=True)
     thread.start()
     fd = os.open(tmp, os.O_RDWR)
+    rehash = False
     try:
         size = os.fstat(fd).st_size
         pos = flushed = 0
-        for off, kind, name in regions:
-            src = tensors[kind][name]
+        for kind, name, src in stream.items():
+            off = offsets.get((kind, name))
+            if off is None:
+                continue
+            if off < pos:
+                # HDF5 packs datasets under 2 KiB into a small-data block laid out early, so
+                # a streamed shard of a tiny model can deliver one behind the write position:
+                # write it where it belongs and hash the finished file instead.
+                a = _host(src)
+                if os.pwrite(fd, memoryview(a.reshape(-1)).cast("B"), off) != a.nbytes:
+                    raise CheckpointError(f"{tmp}: short write: disk full?")
+                rehash = True
+                continue
             a = _host(src)
             copied = not (isinstance(src, np.ndarray) and np.may_share_memory(a, src))
             if off > pos:  # HDF5 metadata between datasets
@@ -315,14 +378,18 @@ def _write_shard_fast(tmp: str, step, stage, cfg, tensors, names, state_json) ->
                     os.posix_fadvise(fd, flushed, off + i + len(c) - flushed, os.POSIX_FADV_DONTNEED)
                     flushed = off + i + len(c)
             pos = off + len(mv)
-            if copied:  # keep at most one copied parameter alive: let the hasher catch up
-                chunks.join()
+            if copied or not isinstance(stream, _MappingStream):
+                chunks.join()  # keep at most one copied / streamed parameter alive
         if size > pos:
             chunks.put(os.pread(fd, size - pos, pos))
         chunks.put(None)
         os.fsync(fd)  # overlaps the hasher's tail
         thread.join()
         size = max(size, pos)
+        if rehash:
+            h = hashlib.sha256()
+            for i in range(0, size, _CHUNK):
+                h.update(os.pread(fd, min(_CHUNK, size - i), i))
     finally:
         os.close(fd)
         if thread.is_alive():  # an error above: stop the hasher
@@ -331,14 +398,12 @@ def _write_shard_fast(tmp: str, step, stage, cfg, tensors, names, state_json) ->
     return size, h.hexdigest()
 
 
-def _write_shard_plain(tmp: str, step, stage, cfg, tensors, names, state_json) -> tuple[int, str]:
+def _write_shard_plain(tmp: str, step, stage, cfg, stream: StateStream, state_json) -> tuple[int, str]:
     """Reference writer: h5py writes the datasets, then the file is hashed by reading it."""
     with h5py.File(tmp, "w") as f:
         _write_attrs(f, step, stage, cfg, state_json)
-        for name in names:
-            for kind, group in KINDS.items():
-                if kind in tensors:
-                    f.create_dataset(f"{group}/{name}", data=_host(tensors[kind][name]))
+        for kind, name, src in stream.items():
+            f.create_dataset(f"{KINDS[kind]}/{name}", data=_host(src))
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -352,13 +417,13 @@ def write_shard(path, step, stage, cfg, tensors, state=None, *, writer: str = "f
 
     Returns its manifest entry: {"file", "stage", "bytes", "sha256", "kinds", "params"}.
     """
-    names = _shard_plan(tensors)
+    stream = _stream(tensors)
     fname = shard_name(stage)
     final = os.path.join(path, fname)
     tmp = os.path.join(path, f".{fname}.tmp")
     fn = {"fast": _write_shard_fast, "plain": _write_shard_plain}[writer]
     try:
-        size, sha = fn(tmp, step, stage, cfg, tensors, names, _state_json(state))
+        size, sha = fn(tmp, step, stage, cfg, stream, _state_json(state))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -370,8 +435,8 @@ def write_shard(path, step, stage, cfg, tensors, state=None, *, writer: str = "f
         "stage": int(stage),
         "bytes": int(size),
         "sha256": sha,
-        "kinds": [k for k in KINDS if k in tensors],
-        "params": {n: list(tensors["master"][n].shape) for n in names},
+        "kinds": list(stream.kinds),
+        "params": {n: list(shape) for n, shape in stream.shapes.items()},
     }
 
 
@@ -510,7 +575,7 @@ def save_checkpoint(
     root: str,
     step: int,
     cfg: Config,
-    tensors: Mapping[str, Mapping[str, Any]],
+    tensors: Mapping[str, Mapping[str, Any]] | StateStream | None,
     state: Mapping | None = None,
     *,
     stage: int = 0,
@@ -526,7 +591,8 @@ def save_checkpoint(
         root: the checkpoints directory (`checkpoint_root(cfg.checkpoint, cfg.run.dir)`).
         step: the number of completed steps (resume continues with step + 1).
         cfg: the resolved config (stored; `cfg.parallel` gives pp and dp).
-        tensors: this rank's {"master"|"m"|"v": {global name: fp32 array}}, e.g.
+        tensors: a `StateStream` (block by block), or this rank's
+            {"master"|"m"|"v": {global name: fp32 array}}, e.g.
             `StageState.state_dict()` (views, not copies: nothing is copied on save); ignored
             on replicas other than 0.
         state: JSON-able scalar state, the same on every rank: data position, optimizer and
@@ -549,6 +615,8 @@ def save_checkpoint(
             entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
             error = f"rank {rank} (stage {stage}): {type(e).__name__}: {e}"
+    if isinstance(tensors, StateStream):
+        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
     try:
         digest = hashlib.sha256(_state_json(state).encode()).hexdigest()
     except TypeError as e:

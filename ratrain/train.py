@@ -150,6 +150,7 @@ class Trainer:
         from ratrain.exec.params import StageState
         from ratrain.exec.spec import stage_blocks
         from ratrain.lifecycle.executor import Executor
+        from ratrain.lifecycle.policies import as_policy
         from ratrain.shim.ledger import Ledger
         from ratrain.shim.link import Link
         from ratrain.shim.platform import resolve_platform
@@ -163,7 +164,12 @@ class Trainer:
         self.ledger = Ledger(self.profile.ddr_bytes, self.rank)
         self.xp = np
         blocks = stage_blocks(cfg.model, p.pp, self.topo.stage, p.layers_per_stage)
-        self.state = StageState(blocks, cfg.precision, self.ledger, self.xp, cfg.init.seed)
+        # ratrain at dp > 1 shards masters and moments over the replicas: build the state
+        # sharded from the start, so the whole stage's state is never allocated here
+        shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
+        shard = (self.topo.replica, shards) if shards > 1 else None
+        self.state = StageState(blocks, cfg.precision, self.ledger, self.xp, cfg.init.seed,
+                                shard=shard)
         self.start_step = 0
         self.resume_state = None
         if setup.resume:
@@ -185,9 +191,17 @@ class Trainer:
         self.metrics = None
 
     def _load_checkpoint(self, path: str) -> None:
+        """Read this stage's parameters; a sharded state keeps only its segment, one block at a
+        time (so never more than one extra block is held)."""
         from ratrain.checkpoint import load_checkpoint
 
-        ck = load_checkpoint(path, self.state.names, out=self.state.state_dict())
+        if not self.state.sharded:
+            ck = load_checkpoint(path, self.state.names, out=self.state.state_dict())
+        else:
+            for b in self.state.blocks:
+                ck = load_checkpoint(path, [p.name for p in b.params])
+                for kind in ("master", "m", "v"):
+                    self.state.load_named(ck[kind], kind, blocks=[b.name])
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
 
@@ -254,15 +268,22 @@ class Trainer:
             print(f"step {n:>5d} | eval loss {loss:.4f}", flush=True)
 
     def _save(self, n: int) -> None:
-        from ratrain.checkpoint import checkpoint_root, save_checkpoint
+        from ratrain.checkpoint import StateStream, checkpoint_root, save_checkpoint
 
         cfg = self.cfg
         self.executor.flush()  # deferred updates applied: the saved masters are step n's
+        if self.executor.sharded:
+            # Each replica holds a segment of every block: gather one block at a time while
+            # replica 0 writes it (every replica of the stage takes part in the gathers).
+            shapes = {p.name: p.shape for b in self.state.blocks for p in b.params}
+            tensors = StateStream(shapes, ("master", "m", "v"), self.executor.iter_full_state())
+        else:
+            tensors = self.state.state_dict()
         save_checkpoint(
             checkpoint_root(cfg.checkpoint, cfg.run.dir),
             n,
             cfg,
-            self.state.state_dict(),
+            tensors,
             {"executor": self.executor.state_dict(), "data": self.train_ds.state_dict(n)},
             stage=self.topo.stage,
             replica=self.topo.replica,
