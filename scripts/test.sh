@@ -19,6 +19,6 @@ export PYTHONHASHSEED=0
 .venv/bin/python -m pytest -q "$@"
 for n in 2 3 4; do
   echo "== MPI tests on $n ranks"
-  .venv/bin/mpirun -n "$n" --oversubscribe .venv/bin/python -m pytest -q --with-mpi --only-mpi \
+  .venv/bin/mpirun -n "$n" --oversubscribe .venv/bin/python -m pytest -q --with-mpi -m mpi \
     -p no:cacheprovider "$@"
 done
