@@ -123,9 +123,10 @@ def main(argv=None) -> int:
         f"run.dir={os.path.join(a.out, 'ratrain')}",
         "run.log_interval=10",
         "checkpoint.resume=never",
+        "data.eval_interval=0",
         *a.ratrain_args,
     ]
-    cmd = [sys.executable, "-m", "ratrain.train"]
+    cmd = [sys.executable, "-m", "ratrain.train", "--config", "jobs/tiny.yaml"]
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True)
