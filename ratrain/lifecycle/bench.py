@@ -3,6 +3,7 @@
     python -m ratrain.lifecycle.bench grid --pp 4 --m 6 --policy ratrain [--dp 2]  # step x rank grid
     python -m ratrain.lifecycle.bench memory --config jobs/llama2-7b.yaml --pp 8 --m 16 --dp 64
     mpirun -n 4 python -m ratrain.lifecycle.bench time --pp 2 --dp 2 --bandwidth 2e8
+    mpirun -n 8 python -m ratrain.lifecycle.bench time --config jobs/bench-lifecycle.yaml --rounds 3
 
 `grid` prints the schedule (one step after a previous one, so deferred work shows). `memory`
 prints the memory model's peak per stage and policy (activation sizes from shapes); `--dp`
@@ -10,6 +11,12 @@ gives `ratrain` its sharded optimizer state (the other policies keep whole state
 a small model for a few steps under each policy in the same session, the link throttled through
 the shim (`--bandwidth` B/s, `--latency` s) and compute paced to `--compute-flops` per rank (so
 timings hold with more ranks than cores), and prints the median step time per policy.
+`time --config JOB` instead runs the job file as the trainer wires it (its DDR cap with
+`recompute: auto`, link throttle, compute and DDR pacing from `platform`; `--pp/--dp/--m/--steps`
+and `--set` override it), the policies in `--rounds` rotated rounds, and prints per policy the
+median step time after `--skip` steps, peak DDR, layers recomputed, the paced compute of the
+busiest rank and the 1F1B ideal `(m + p - 1) / m` x it, ratios, and stage 0's time per kind of
+action (scripts/bench-lifecycle.sh, docs/bench/lifecycle.md).
 """
 
 from __future__ import annotations
@@ -169,6 +176,152 @@ def cmd_time(args) -> None:
                               "bandwidth": args.bandwidth, **r}))
 
 
+def _breakdown(events, t_from: float, steps: int) -> dict:
+    """Seconds per step this rank spent in each kind of action (timeline events from t_from):
+    forward / backward compute (paced, recompute included), waits for the neighbours'
+    messages (pipeline bubbles + exposed p2p), the wait for gradient syncs (exposed
+    data-parallel comm), the global facts (waits for the slowest stage), updates, view casts
+    and view gathers."""
+    import re
+
+    kinds = (("fwd", r"\d+F"), ("bwd", r"\d+B"), ("recv", r"r[fb]\d"), ("wait_sync", r"W"),
+             ("norm", r"N"), ("update", r"U"), ("view", r"[VA]"), ("wait_view", r"Y"))
+    out = dict.fromkeys((k for k, _ in kinds), 0.0)
+    for name, _cat, t0, t1, tid, _args in events:
+        if tid != 0 or t0 < t_from:
+            continue
+        for k, rx in kinds:
+            if re.match(rx, name):
+                out[k] += t1 - t0
+                break
+    return {k: round(v / steps, 4) for k, v in out.items()}
+
+
+def _job_run(cfg, comm, steps: int, skip: int) -> dict:
+    """Train `cfg` for `steps` steps (random tokens) as `python -m ratrain.train` wires it (DDR
+    cap, link throttle and compute / DDR pacing from `cfg.platform`); timings over the steps
+    after the first `skip`. Collective; every rank returns the same dict."""
+    import time
+
+    import numpy as np
+
+    from ratrain.comm.engine import CommEngine
+    from ratrain.comm.topology import Topology
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.params import StageState
+    from ratrain.exec.spec import stage_blocks
+    from ratrain.lifecycle.executor import Executor
+    from ratrain.lifecycle.policies import as_policy
+    from ratrain.shim.ledger import Ledger
+    from ratrain.shim.link import Link
+    from ratrain.shim.platform import resolve_platform
+
+    p = cfg.parallel
+    topo = Topology(comm, p.pp, p.dp)
+    profile = resolve_platform(cfg.platform)
+    ledger = Ledger(profile.ddr_bytes, comm.Get_rank())
+    engine = CommEngine(topo, watchdog_s=120, link=Link.from_profile(profile), ledger=ledger)
+    shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
+    state = StageState(stage_blocks(cfg.model, p.pp, topo.stage, p.layers_per_stage),
+                       cfg.precision, ledger, np, cfg.init.seed,
+                       shard=(topo.replica, shards) if shards > 1 else None)
+    ctx = ExecContext(cfg.model, cfg.precision, np, ledger=ledger, threads=cfg.run.threads or 1)
+    ex = Executor(cfg, topo, state, ctx, engine, ledger)
+    pacer = ex.pacer
+    times, peaks = [], []
+    t_win = c_win = m_win = 0.0
+    for s in range(steps):
+        if s == skip:
+            comm.Barrier()  # the measured window starts together
+            t_win = time.perf_counter()
+            c_win = pacer.compute_target_s if pacer else 0.0
+            m_win = pacer.memory_target_s if pacer else 0.0
+        res = ex.run_step(s, _batch(cfg, s, topo.replica))
+        if s >= skip:
+            times.append(res.step_time_s)
+            peaks.append(res.peak_ddr_bytes)
+    comm.Barrier()
+    n = steps - skip
+    window = (time.perf_counter() - t_win) / n
+    mine = {
+        "window": window,
+        "median": statistics.median(times),
+        "compute": ((pacer.compute_target_s - c_win) / n) if pacer else 0.0,
+        "memory": ((pacer.memory_target_s - m_win) / n) if pacer else 0.0,
+        "busy": pacer.busy_s / max(pacer.compute_target_s + pacer.memory_target_s, 1e-9)
+        if pacer else 0.0,
+        "overruns": pacer.overruns if pacer else 0,
+        "recomputed": sum(k == "input" for k in ex.keep.values()) if topo.replica == 0 else 0,
+        "layers": len(ex.keep) if topo.replica == 0 else 0,
+        "predicted": ex.predicted_peak,
+        "stage": topo.stage,
+        "breakdown": _breakdown(ex.events, t_win, n),
+        "reports": ex.reports_loss,
+    }
+    ex.flush()
+    engine.close()
+    topo.free()
+    rows = comm.allgather(mine)
+    rep = next(r for r in rows if r["reports"])
+    return {
+        "step_s": round(rep["median"], 4),  # the trainer's step_time_s (its reporting rank)
+        "window_step_s": round(max(r["window"] for r in rows), 4),
+        "loss": res.loss,
+        "peak_ddr_MiB": round(max(peaks) / 2**20, 2),
+        "predicted_peak_MiB": round(max(r["predicted"] for r in rows) / 2**20, 2),
+        "recomputed": f"{sum(r['recomputed'] for r in rows)}/{sum(r['layers'] for r in rows)}",
+        "recomputed_per_stage": [r["recomputed"] for r in rows if r["layers"]],
+        "compute_s": round(max(r["compute"] for r in rows), 4),  # paced compute, busiest rank
+        "update_view_s": round(max(r["memory"] for r in rows), 4),  # paced DDR-bound work
+        "overruns": sum(r["overruns"] for r in rows),
+        "host_busy": round(max(r["busy"] for r in rows), 3),  # real / paced time, worst rank
+        "stage0": rows[0]["breakdown"],
+    }
+
+
+def cmd_job(args) -> None:
+    """`time --config`: each policy on the job's own config, in rounds (rotated order)."""
+    from mpi4py import MPI
+
+    from ratrain.config import load_config
+
+    comm = MPI.COMM_WORLD
+    sets = list(args.set)
+    for key, val in (("parallel.pp", args.pp), ("parallel.dp", args.dp),
+                     ("parallel.num_micro_batches", args.m), ("run.steps", args.steps)):
+        if val is not None:
+            sets.append(f"{key}={val}")
+    policies = args.policies.split(",")
+    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
+    for r in range(args.rounds):
+        order = policies[r % len(policies):] + policies[:r % len(policies)]
+        for pol in order:
+            cfg = load_config(args.config, [*sets, f"schedule.policy={pol}"])
+            cfg.check_world(comm.Get_size())
+            runs[pol].append(_job_run(cfg, comm, cfg.run.steps, args.skip))
+    if comm.Get_rank() != 0:
+        return
+    p = cfg.parallel
+    out = {}
+    for pol, rs in runs.items():
+        r = dict(rs[-1])
+        r["step_s"] = round(statistics.median(x["step_s"] for x in rs), 4)
+        r["window_step_s"] = round(statistics.median(x["window_step_s"] for x in rs), 4)
+        r["rounds"] = [x["step_s"] for x in rs]
+        # the 1F1B ideal: (m + p - 1) / m x the busiest rank's paced compute of a step
+        r["ideal_1f1b_s"] = round((p.num_micro_batches + p.pp - 1) / p.num_micro_batches
+                                  * r["compute_s"], 4)
+        out[pol] = r
+    for pol, r in out.items():
+        for other in ("baseline-1f1b", "megatron-1f1b"):
+            if other in out and other != pol:
+                r[f"speedup_vs_{other.split('-')[0]}"] = round(out[other]["step_s"] / r["step_s"], 3)
+        r["vs_ideal"] = round(r["step_s"] / r["ideal_1f1b_s"], 3) if r["ideal_1f1b_s"] else None
+        print(json.dumps({"policy": pol, "pp": p.pp, "dp": p.dp, "m": p.num_micro_batches,
+                          "cap_MiB": round((cfg.platform.ddr_bytes or 0) / 2**20, 2), **r}),
+              flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ratrain.lifecycle.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,7 +348,14 @@ def main(argv=None) -> int:
     t = sub.add_parser("time")
     for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
                  ("micro_batch", 2), ("steps", 5)):
-        t.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+        t.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
+                       help=f"default {v} (with --config: the job's)")
+    t.add_argument("--config", default="",
+                   help="time this job file as the trainer runs it (cap, link, pacing from its "
+                        "platform section); --pp/--dp/--m/--steps override it")
+    t.add_argument("--set", action="append", default=[], help="section.key=value (--config)")
+    t.add_argument("--rounds", type=int, default=1, help="rounds of all policies (--config)")
+    t.add_argument("--skip", type=int, default=2, help="first steps not timed (--config)")
     t.add_argument("--precision", choices=("fp32", "fp16"), default="fp32")
     t.add_argument("--bandwidth", type=float, default=0.0)
     t.add_argument("--latency", type=float, default=20e-6)
@@ -204,6 +364,14 @@ def main(argv=None) -> int:
     t.add_argument("--policies", default="baseline-1f1b,megatron-1f1b,ratrain")
     t.add_argument("--trace", default="")
     args = ap.parse_args(argv)
+    if args.cmd == "time" and args.config:
+        cmd_job(args)
+        return 0
+    if args.cmd == "time":
+        for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
+                     ("micro_batch", 2), ("steps", 5)):
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     {"grid": cmd_grid, "memory": cmd_memory, "time": cmd_time}[args.cmd](args)
     return 0
 

@@ -80,6 +80,9 @@ from ratrain.lifecycle.schedule import (
 from ratrain.lifecycle.validate import check_lifecycle, validate_policy
 from ratrain.plan.memory import StageSizes, choose_recompute, simulate_peak
 
+# DDR bytes an AdamW update moves per parameter (read master, grad, m, v; write master, m, v),
+# as `ratrain.plan.cost` counts them: the pacer pads an update to these bytes / DDR bandwidth
+ADAMW_BYTES_PER_PARAM = 28
 RECOMPUTE_KEEP = {"none": "all", "full": "input", "selective": "selective"}
 MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
 
@@ -546,7 +549,8 @@ class Executor:
             self.state.alloc_grad(a.block)
 
     def _materialize_view(self, a: MaterializeView) -> None:
-        view = self.state.materialize_view(a.block)
+        with self._pace_memory(self._view_bytes(a.block)):
+            view = self.state.materialize_view(a.block)
         if a.gather and self.dp > 1:  # the other replicas' segments, in the engine
             t0 = time.perf_counter()
             fut = self.engine.allgather(view, self.topo.dp_comm)
@@ -625,7 +629,23 @@ class Executor:
     def _update(self, a: Update) -> None:
         pend = self._pending
         if not pend.skipped:
-            self.opt.update_block(self.state, a.block, pend.t, pend.lr, pend.grad_scale)
+            lo, hi = self.state.segment(a.block)
+            with self._pace_memory(ADAMW_BYTES_PER_PARAM * (hi - lo)):
+                self.opt.update_block(self.state, a.block, pend.t, pend.lr, pend.grad_scale)
+
+    def _view_bytes(self, block: str) -> int:
+        """DDR bytes a view's cast moves: read the own fp32 master segment, write the view's
+        segment (0 when the view is the master itself)."""
+        if not self.state.separate_views:
+            return 0
+        lo, hi = self.state.segment(block)
+        return (4 + np.dtype(self.state.view_dtype).itemsize) * (hi - lo)
+
+    def _pace_memory(self, nbytes: int):
+        """Pad memory-bound lifecycle work to nbytes / the profile's DDR bandwidth (emulate)."""
+        if self.pacer is None or not nbytes:
+            return contextlib.nullcontext()
+        return self.pacer.memory(nbytes)
 
     def _allreduce_world(self, vec):
         if self.world == 1:
