@@ -266,3 +266,23 @@ def test_loss_scaler_matches_grad_scaler():
         ts.update()
         assert ours.update(bad) == (not stepped)
         assert ours.scale == ts.get_scale()
+
+
+def test_parallel_adam_halves_equal_one_pass():
+    """The two-thread split of a large update is bitwise the single-pass update."""
+    from ratrain.exec import optim as O
+
+    n = O._PARALLEL_MIN + 12345
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(n, dtype=np.float32) for _ in range(4)]
+    v0 = np.abs(arrays[2])
+    one = [a.copy() for a in (arrays[0], arrays[1], v0, arrays[3])]
+    two = [a.copy() for a in one]
+    consts = (0.9, 0.95, 1e-3 / 0.1, 0.05**0.5, 1e-8)
+    O._adam_core(np, *one, np.empty(n, np.float32), *consts)
+    h = n // 2
+    t = np.empty(n, np.float32)
+    for s in (slice(0, h), slice(h, n)):
+        O._pool().submit(O._adam_core, np, *(a[s] for a in two), t[s], *consts).result()
+    for a, b in zip(one, two):
+        assert np.array_equal(a, b)

@@ -222,32 +222,19 @@ class AdamW:
 
         t = state.ledger.alloc("scratch.optim", p.shape, np.float32, xp, zero=False)
         try:
-            # m = lerp(m, g, 1 - b1), torch's two formulas on either side of weight 0.5.
-            w = np.float32(1 - b1)
-            xp.subtract(g, m, out=t)  # g - m
-            if w < 0.5:
-                t *= w
-                m += t
-            else:
-                t *= np.float32(1) - w
-                xp.subtract(g, t, out=m)
-            # v = v * b2 + ((1 - b2) * g) * g
-            v *= np.float32(b2)
-            xp.multiply(g, np.float32(1 - b2), out=t)
-            t *= g
-            v += t
             bias_correction1 = 1 - b1**step
             bias_correction2 = 1 - b2**step
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = bias_correction2**0.5
-            # denom = sqrt(v) / sqrt(bc2) + eps
-            xp.sqrt(v, out=t)
-            t /= np.float32(bias_correction2_sqrt)
-            t += np.float32(cfg.eps)
-            # p += (-step_size * m) / denom   (the gradient buffer is free now: scratch)
-            xp.multiply(m, np.float32(-step_size), out=g)
-            g /= t
-            p += g
+            consts = (b1, b2, lr / bias_correction1, bias_correction2**0.5, cfg.eps)
+            n = p.shape[0]
+            if xp is np and n >= _PARALLEL_MIN:
+                # elementwise: two halves on two threads (numpy releases the GIL) give bitwise
+                # the same result as one pass
+                h = n // 2
+                parts = [slice(0, h), slice(h, n)]
+                list(_pool().map(lambda s: _adam_core(xp, p[s], m[s], v[s], g[s], t[s], *consts),
+                                 parts))
+            else:
+                _adam_core(xp, p, m, v, g, t, *consts)
         finally:
             state.ledger.free(t)
         self._block_step[block] = step
@@ -270,6 +257,46 @@ class AdamW:
 # --------------------------------------------------------------------------------------------
 # Dynamic loss scaling
 # --------------------------------------------------------------------------------------------
+
+
+_PARALLEL_MIN = 1 << 18  # elements below which one thread updates the whole range
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="ratrain-adamw")
+    return _POOL
+
+
+def _adam_core(xp, p, m, v, g, t, b1, b2, step_size, bias_correction2_sqrt, eps):
+    """The Adam step on flat fp32 ranges, in torch's op order (`t` is scratch; `g` is used as
+    scratch once m and v are updated)."""
+    # m = lerp(m, g, 1 - b1), torch's two formulas on either side of weight 0.5.
+    w = np.float32(1 - b1)
+    xp.subtract(g, m, out=t)  # g - m
+    if w < 0.5:
+        t *= w
+        m += t
+    else:
+        t *= np.float32(1) - w
+        xp.subtract(g, t, out=m)
+    # v = v * b2 + ((1 - b2) * g) * g
+    v *= np.float32(b2)
+    xp.multiply(g, np.float32(1 - b2), out=t)
+    t *= g
+    v += t
+    # denom = sqrt(v) / sqrt(bc2) + eps
+    xp.sqrt(v, out=t)
+    t /= np.float32(bias_correction2_sqrt)
+    t += np.float32(eps)
+    # p += (-step_size * m) / denom
+    xp.multiply(m, np.float32(-step_size), out=g)
+    g /= t
+    p += g
 
 
 class LossScaler:
