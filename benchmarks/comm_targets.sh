@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The communication targets, measured in one go (docs/bench/comm.md). Run from the repo root:
+# The communication targets, measured in one go (docs/BENCHMARKS.md (Communication)). Run from the repo root:
 #   bash benchmarks/comm_targets.sh > /tmp/comm_targets.jsonl
 # Open MPI, oversubscribed ranks: --mca mpi_yield_when_idle 1 (a waiting rank yields its core).
 set -euo pipefail
