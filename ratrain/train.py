@@ -209,8 +209,10 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        os.makedirs(cfg.run.dir, exist_ok=True) if self.rank == 0 else None
-        self.comm.Barrier() if self.comm.Get_size() > 1 else None
+        if self.rank == 0:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+        if self.comm.Get_size() > 1:
+            self.comm.Barrier()  # the run directory exists before any rank writes into it
         if self.rank == 0:
             write_atomic(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
             self._banner()
