@@ -13,6 +13,10 @@ micro-batch 8 (2048 tokens per step); flops per token from `ModelConfig.flops_pe
 
 The contenders run in interleaved rounds (one sgemm, then one step of each) so that all see the
 same machine load; figures are medians over rounds and ratios are medians of per-round ratios.
+ratrain runs in this process with its host allocator settings (`ratrain.shim.allocator`, as
+`python -m ratrain.train` runs); PyTorch runs in a child process of its own with the default
+allocator, as a PyTorch user runs it (`--torch-malloc tuned` gives it ratrain's settings too, for
+comparison; it then gains about 5%).
 
 `--memory` checks the DDR ledger against the process: numpy reports its data buffers to
 `tracemalloc`, so the traced peak over a step (minus what was traced before the runtime's
@@ -25,13 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
 
 from ratrain.config import load_config
+from ratrain.shim import allocator
 
 BENCH = [
     "model.vocab_size=256", "model.hidden=512", "model.layers=8", "model.heads=8",
@@ -102,6 +109,42 @@ def torch_step(cfg):
     return step
 
 
+def torch_worker(threads: int) -> int:
+    """The child process of `torch_remote`: one step per line read, its time printed."""
+    step = torch_step(bench_config("fp32", threads))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        t = time.perf_counter()
+        step()
+        print(f"{time.perf_counter() - t!r}", flush=True)
+    return 0
+
+
+def torch_remote(threads: int, malloc: str):
+    """A step function that runs one PyTorch eager step in a child process (its own
+    allocator: `malloc` = `default` or `tuned`) and returns the child's own step time."""
+    env = dict(os.environ, RATRAIN_MALLOC=malloc)
+    code = ("import sys; from ratrain.bench import torch_worker; "
+            + ("from ratrain.shim import allocator; allocator.tune(); " if malloc == "tuned" else "")
+            + f"sys.exit(torch_worker({threads}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    first = proc.stdout.readline().strip()
+    if first != "ready":
+        proc.kill()
+        raise ImportError(f"the PyTorch worker did not start (exit {proc.wait()}): {first!r}")
+
+    def step():
+        proc.stdin.write("step\n")
+        proc.stdin.flush()
+        return float(proc.stdout.readline())
+
+    step.close = lambda: (proc.stdin.close(), proc.wait())
+    return step
+
+
 def sgemm_step(threads: int, n: int = 2048):
     from threadpoolctl import threadpool_limits
 
@@ -126,27 +169,38 @@ def throughput(a) -> dict:
     steps = {"ratrain_fp32": runtime_step(cfg32)[0]}
     if not a.no_fp16:
         steps["ratrain_fp16"] = runtime_step(bench_config("fp16", a.threads))[0]
+    remote = {}
     if not a.no_torch:
         try:
-            steps["torch_eager"] = torch_step(cfg32)
+            import torch  # noqa: F401  (present? the worker imports it again)
+
+            remote["torch_eager"] = torch_remote(a.threads, a.torch_malloc)
         except ImportError as e:
             print(f"# PyTorch eager skipped: {e}", file=sys.stderr)
+    steps.update(remote)
     sgemm = sgemm_step(a.threads)
     times = {k: [] for k in steps}
     rates = []
-    for r in range(a.warmup + a.rounds):
-        rate = sgemm()
-        for name, step in steps.items():
-            t = time.perf_counter()
-            step()
+    try:
+        for r in range(a.warmup + a.rounds):
+            rate = sgemm()
+            for name, step in steps.items():
+                t = time.perf_counter()
+                inner = step()
+                took = inner if name in remote else time.perf_counter() - t
+                if r >= a.warmup:
+                    times[name].append(took)
             if r >= a.warmup:
-                times[name].append(time.perf_counter() - t)
-        if r >= a.warmup:
-            rates.append(rate)
+                rates.append(rate)
+    finally:
+        for step in remote.values():
+            step.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
         "threads": a.threads, "tokens_per_step": tokens, "flops_per_step": flops,
         "rounds": a.rounds, "sgemm_gflops": statistics.median(rates),
+        "ratrain_malloc": "tuned" if allocator.tuned() else "default",
+        "torch_malloc": a.torch_malloc,
     }
     for k, v in med.items():
         out[f"{k}_step_s"] = v
@@ -224,8 +278,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fp16", action="store_true")
     ap.add_argument("--memory", action="store_true", help="the memory-accounting check only")
     ap.add_argument("--recompute", default="none", help="schedule.recompute for --memory")
+    ap.add_argument("--torch-malloc", choices=("default", "tuned"), default="default",
+                    help="the PyTorch process's allocator (default: as PyTorch users run it)")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    allocator.tune()
     out = memory(a) if a.memory else throughput(a)
     text = json.dumps(out, indent=1)
     print(text)

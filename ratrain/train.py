@@ -316,6 +316,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from mpi4py import MPI
 
+    from ratrain.shim import allocator
+
+    allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
+
     comm = MPI.COMM_WORLD
     try:
         setup = startup(args, comm)
