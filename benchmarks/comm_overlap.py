@@ -18,7 +18,8 @@ from threadpoolctl import threadpool_limits
 
 from ratrain.comm.bench import parse_size
 from ratrain.comm.engine import CommEngine
-from ratrain.shim.link import Link
+from ratrain.shim.link import DEFAULT_CHUNK_BYTES, Link
+from ratrain.shim import allocator
 
 
 def main():
@@ -30,10 +31,14 @@ def main():
     ap.add_argument("--link", action="store_true")
     ap.add_argument("--bandwidth", type=float, default=1e9)
     ap.add_argument("--latency", type=float, default=20e-6)
+    ap.add_argument("--chunk-bytes", type=int, default=0, help="the link's chunk (0: its default)")
     a = ap.parse_args()
+    allocator.tune()  # as python -m ratrain.train runs
     comm = MPI.COMM_WORLD
     r = comm.Get_rank()
-    link = Link(a.bandwidth, a.latency) if a.link else None
+    link = None
+    if a.link:
+        link = Link(a.bandwidth, a.latency, chunk_bytes=a.chunk_bytes or DEFAULT_CHUNK_BYTES)
     buf = np.ones(parse_size(a.bytes) // 4, np.float32)
     x = np.random.default_rng(r).standard_normal((a.gemm, a.gemm)).astype(np.float32)
 

@@ -104,3 +104,51 @@ def test_log_messages_switch(capfd, monkeypatch):
         assert f"rank {r} send_forward peer={topo.stage + 1} tag=1 bytes=32" in err
     if not topo.is_first:
         assert f"rank {r} recv_forward peer={topo.stage - 1} tag=1 bytes=32" in err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_throttled_messages_arrive_whole_in_order_and_never_early():
+    """The last chunk of a throttled message goes out at its slot's start and a zero-byte end
+    marker at its end: messages of every size still arrive intact and in order, and none
+    completes before latency + bytes / bandwidth."""
+    from ratrain.comm.progress import run
+
+    comm = MPI.COMM_WORLD
+    r = comm.Get_rank()
+    link = Link(1e8, 1e-3, chunk_bytes=4096)  # 100 MB/s, 1 ms: far slower than the host
+    sizes = [0, 5, 4096, 70_001]
+    if r == 0:
+        for n in sizes:
+            run(wire.send_op(np.arange(n, dtype=np.uint8), 1, 3, comm, link), 2e-5)
+    elif r == 1:
+        for n in sizes:
+            out = np.zeros(n, np.uint8)
+            run(wire.recv_op(out, 0, 3, comm, link), 2e-5)
+            assert np.array_equal(out, np.arange(n, dtype=np.uint8))
+    comm.Barrier()
+    n = 200_000
+    model = link.message_time(n)
+    if r == 0:
+        comm.Barrier()
+        run(wire.send_op(np.ones(n, np.uint8), 1, 4, comm, link), 2e-5)
+    elif r == 1:
+        out = np.zeros(n, np.uint8)
+        comm.Barrier()
+        t = MPI.Wtime()
+        run(wire.recv_op(out, 0, 4, comm, link), 2e-5)
+        took = MPI.Wtime() - t
+        assert out.all()
+        assert took >= model - 2e-4, (took, model)  # unthrottled it would take ~0.1 ms
+    else:
+        comm.Barrier()
+
+
+def test_a_deadline_is_never_met_early():
+    import time
+
+    from ratrain.comm.progress import Deadline, sleep_until
+
+    for dt in (0.0, 5e-5, 3e-4, 2e-3):
+        t = Deadline(time.perf_counter() + dt)
+        sleep_until(t)
+        assert time.perf_counter() >= t

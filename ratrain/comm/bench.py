@@ -216,6 +216,9 @@ class Runner:
 
 def main(argv=None) -> int:
     a = _args(argv)
+    from ratrain.shim import allocator
+
+    allocator.tune()  # the process keeps freed memory, as python -m ratrain.train does
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
     if a.op in ("pingpong", "stream") and p < 2:

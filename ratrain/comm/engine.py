@@ -42,7 +42,7 @@ from mpi4py import MPI
 from . import collectives as coll
 from ratrain.shim.link import fine_sleep
 
-from .progress import Scheduler, Task
+from .progress import Deadline, Scheduler, Task, sleep_until
 from .wire import recv_op, send_op
 
 COLL_TAG_BASE = 20000
@@ -224,6 +224,9 @@ class CommEngine:
             wait = sleep
             if timer is not None:
                 wait = min(wait, max(0.0, timer - time.perf_counter()))
+                if isinstance(timer, Deadline) and timer - time.perf_counter() <= sleep:
+                    sleep_until(timer)  # a message's end: met closely (spins its last SPIN_S)
+                    continue
             if wait > 0:
                 self._wake.wait(wait)
                 self._wake.clear()

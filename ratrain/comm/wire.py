@@ -5,7 +5,11 @@ Every byte ratrain moves between ranks goes through `send_op`, `recv_op` or `exc
 (`MPI.BYTE`), so float16 needs no MPI datatype. Without a link a message is one Isend / Irecv.
 With a link (`ratrain.shim.link.Link`) the sender cuts it into the link's chunks and hands each
 to MPI when its slot on the emulated wire ends; the receiver posts one Irecv per chunk, so a
-collective can reduce chunk j while chunk j+1 is still on the wire (`on_chunk`).
+collective can reduce chunk j while chunk j+1 is still on the wire (`on_chunk`). The last chunk
+is handed to MPI when its slot *starts*, so that the host's own copy of it overlaps its slot,
+and a zero-byte end marker follows when the slot ends (a `progress.Deadline`, met closely): the
+message completes at max(model, host) time instead of model + one chunk's host copy, and never
+before latency + bytes / bandwidth.
 
 Message order: MPI keeps messages of one (communicator, peer, tag) in order. A throttled message
 is several MPI messages posted over time, so throttled sends to the same (communicator, peer,
@@ -23,9 +27,13 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
+from .progress import Deadline
+
 LOG_MESSAGES = os.environ.get("RATRAIN_LOG_MESSAGES", "0") not in ("", "0")
 
 _send_fifo: dict[tuple, deque] = {}
+_END = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes)
+_END_RECV = np.empty(0, np.uint8)
 
 
 def as_bytes(arr: np.ndarray) -> np.ndarray:
@@ -84,10 +92,11 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
         return
 
     # -- throttled: chunks, each released when its slot on the emulated wire ends --------------
-    pending: deque = deque()  # (request, lo, hi) of receive chunks, in order
+    pending: deque = deque()  # (request, lo, hi) of receive chunks, in order, then the end
     if rbuf is not None:
         for lo, hi in link.chunks(rbuf.size):
             pending.append((comm.Irecv([rbuf[lo:hi], MPI.BYTE], source, tag), lo // item, hi // item))
+        pending.append((comm.Irecv([_END_RECV, MPI.BYTE], source, tag), 0, 0))
 
     def drain(block: bool):
         while pending and (block or pending[0][0].Test()):
@@ -109,10 +118,17 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
             if fifo[0] is not token:
                 yield lambda: fifo[0] is token
             end = None
-            for lo, hi in link.chunks(sbuf.size):
+            chunks = link.chunks(sbuf.size)
+            for i, (lo, hi) in enumerate(chunks):
                 end = link.reserve(hi - lo, after=end, t0=posted)
-                yield end
-                sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
+                if i < len(chunks) - 1:
+                    yield end
+                    sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
+                else:  # the last chunk crosses during its slot; the end marker ends the message
+                    yield end - link.transfer_time(hi - lo)
+                    sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
+                    yield Deadline(end)
+                    sends.append(comm.Isend([_END, MPI.BYTE], dest, tag))
                 yield from drain(block=False)
         finally:
             fifo.remove(token)

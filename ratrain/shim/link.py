@@ -84,6 +84,10 @@ class Link:
         """Emulated time of one isolated message: (latency + n / bandwidth) x time_scale."""
         return self._lat + nbytes * self._s_per_byte
 
+    def transfer_time(self, nbytes: int) -> float:
+        """Emulated wire time of `nbytes` (no latency), x time_scale."""
+        return nbytes * self._s_per_byte
+
     def chunks(self, nbytes: int) -> list[tuple[int, int]]:
         """Byte ranges [lo, hi) a message of `nbytes` is cut into (one empty chunk for 0 bytes)."""
         c = self.chunk_bytes
