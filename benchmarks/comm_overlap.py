@@ -18,7 +18,7 @@ from threadpoolctl import threadpool_limits
 
 from ratrain.comm.bench import parse_size
 from ratrain.comm.engine import CommEngine
-from ratrain.shim.link import DEFAULT_CHUNK_BYTES, Link
+from ratrain.shim.link import Link
 from ratrain.shim import allocator
 
 
@@ -38,7 +38,7 @@ def main():
     r = comm.Get_rank()
     link = None
     if a.link:
-        link = Link(a.bandwidth, a.latency, chunk_bytes=a.chunk_bytes or DEFAULT_CHUNK_BYTES)
+        link = Link(a.bandwidth, a.latency, chunk_bytes=a.chunk_bytes or None)
     buf = np.ones(parse_size(a.bytes) // 4, np.float32)
     x = np.random.default_rng(r).standard_normal((a.gemm, a.gemm)).astype(np.float32)
 

@@ -102,3 +102,15 @@ def test_pacer_is_off_unless_emulating():
     with pacer.compute(1e12):
         pass
     assert slept == []
+
+
+def test_automatic_chunk_is_about_a_millisecond_of_wire_between_256k_and_1m():
+    from ratrain.shim.link import auto_chunk_bytes
+
+    assert auto_chunk_bytes(1e9) == 1 << 20  # 1 GB/s: ~1 ms = 1 MiB, a power of two
+    assert auto_chunk_bytes(5e8) == 1 << 19
+    assert auto_chunk_bytes(1e8) == 256 * 1024  # slow links keep fine-grained sharing
+    assert auto_chunk_bytes(6.25e9, time_scale=2400) == 256 * 1024  # the lifecycle job's link
+    assert auto_chunk_bytes(1e12) == 1 << 20
+    assert Link(1e9).chunk_bytes == 1 << 20
+    assert Link(1e9, chunk_bytes=4096).chunk_bytes == 4096

@@ -108,7 +108,7 @@ def _args(argv=None):
 def make_link(a):
     if not a.link:
         return None
-    from ratrain.shim.link import DEFAULT_CHUNK_BYTES, Link
+    from ratrain.shim.link import Link
     from ratrain.shim.platform import load_profile
 
     prof = load_profile(a.profile)
@@ -116,7 +116,7 @@ def make_link(a):
     lat = a.latency if a.latency is not None else (prof.link_latency or 0.0)
     if not bw:
         raise SystemExit(f"--link: profile {a.profile!r} has no link bandwidth; pass --bandwidth")
-    return Link(bw, lat, a.time_scale, a.chunk_bytes or DEFAULT_CHUNK_BYTES)
+    return Link(bw, lat, a.time_scale, a.chunk_bytes or None)
 
 
 class Runner:

@@ -19,10 +19,24 @@ lets its engine wait) until then. The link is thread-safe.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
-DEFAULT_CHUNK_BYTES = 256 * 1024
+DEFAULT_CHUNK_BYTES = 256 * 1024  # the smallest automatic chunk
+MAX_CHUNK_BYTES = 1 << 20  # the largest automatic chunk
+CHUNK_SLOT_S = 1e-3  # automatic chunks: about this much emulated wire time each
+
+
+def auto_chunk_bytes(bandwidth: float, time_scale: float = 1.0) -> int:
+    """The chunk a link uses unless told: about `CHUNK_SLOT_S` of emulated wire time, between
+    256 KiB and 1 MiB, the nearest power of two. Each chunk costs the host a wake-up, an MPI message and
+    Python work, so fast links get the larger chunks (measured at 1 GB/s: 1 MiB chunks cut the
+    communication engine's CPU per 64 MiB all-reduce from ~53 to ~40 ms); slow links keep 256 KiB
+    so that a short message never waits long behind another message's chunk (fair sharing)."""
+    c = bandwidth / time_scale * CHUNK_SLOT_S
+    c = 1 << max(0, round(math.log2(c))) if c >= 1 else 1  # a power of two, so that power-of-
+    return max(DEFAULT_CHUNK_BYTES, min(MAX_CHUNK_BYTES, c))  # two messages are whole chunks
 
 _fine = threading.local()
 
@@ -50,13 +64,15 @@ class Link:
         bandwidth: float,
         latency: float = 0.0,
         time_scale: float = 1.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         clock=time.perf_counter,
     ):
         if not bandwidth or bandwidth <= 0:
             raise ValueError(f"link bandwidth must be > 0 B/s, got {bandwidth!r}")
         if latency < 0 or time_scale <= 0:
             raise ValueError(f"link latency must be >= 0 and time_scale > 0 ({latency}, {time_scale})")
+        if chunk_bytes is None:
+            chunk_bytes = auto_chunk_bytes(bandwidth, time_scale)
         if chunk_bytes < 8 or chunk_bytes % 8:
             raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
         self.bandwidth = float(bandwidth)
@@ -72,7 +88,7 @@ class Link:
         self.messages = 0
 
     @classmethod
-    def from_profile(cls, profile, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Link | None:
+    def from_profile(cls, profile, chunk_bytes: int | None = None) -> Link | None:
         """The throttle for `profile`, or None when emulation is off or the link is not modelled."""
         if not profile.emulate or not profile.link_bandwidth:
             return None
@@ -124,4 +140,4 @@ class Link:
         )
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Link", "fine_sleep"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Link", "auto_chunk_bytes", "fine_sleep"]
