@@ -42,7 +42,7 @@ from mpi4py import MPI
 from . import collectives as coll
 from ratrain.shim.link import fine_sleep
 
-from .progress import Deadline, Scheduler, Task, sleep_until
+from .progress import SPIN_S, Deadline, Scheduler, Task, sleep_until
 from .wire import recv_op, send_op
 
 COLL_TAG_BASE = 20000
@@ -220,6 +220,16 @@ class CommEngine:
                 continue
             if progressed or started:
                 sleep = self.poll_s
+                continue
+            if timer is not None and not self._sched.polling:
+                # every task waits for a clock time (throttled chunks): sleep to the earliest
+                # instead of polling; a new submission wakes the loop early
+                dt = timer - time.perf_counter()
+                if isinstance(timer, Deadline) and dt <= SPIN_S:
+                    sleep_until(timer)  # a message's end: met closely
+                elif dt > 0:
+                    self._wake.wait(dt - SPIN_S if isinstance(timer, Deadline) else dt)
+                    self._wake.clear()
                 continue
             wait = sleep
             if timer is not None:

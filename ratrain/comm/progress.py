@@ -144,6 +144,7 @@ class Scheduler:
 
     def __init__(self):
         self.tasks: list[Task] = []
+        self.polling = False
 
     def add(self, task: Task) -> None:
         self._advance(task)
@@ -165,6 +166,8 @@ class Scheduler:
                 progressed = True
             elif isinstance(task.wait, float):
                 timer = task.wait if timer is None else min(timer, task.wait)
+        # whether some task waits on requests or a condition (to be polled), not only on timers
+        self.polling = any(not isinstance(t.wait, float) for t in self.tasks)
         return progressed, timer
 
     def _advance(self, task: Task) -> None:
