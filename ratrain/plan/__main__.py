@@ -194,12 +194,13 @@ def _print_memory(cfg, cap, clusters) -> None:
     layers = cfg.model.layers
     pps = sorted({p for p in (1, 2, 4, 8, 16, 20, 32, 40, 64, 80, cfg.parallel.pp)
                   if p <= layers})
-    print(f"\n== which pipeline depths fit {_gib(cap) if cap else 'no'} GiB (micro_batch 1, "
+    print(f"\n== which pipeline depths fit {_gib(cap) if cap else 'no'} GiB at {clusters} clusters "
+          "(dp = clusters // pp, ratrain sharding its optimizer state over dp; micro_batch 1, "
           "m >= pp; peak of the fullest stage, GiB) ==")
     print(f"  {'pp':>3} | {'policy':>13} | {'none':>7} {'selective':>9} {'full':>7} | "
           "fewest layers recomputed")
     for pol in ("baseline-1f1b", "ratrain"):
-        for r in memory_table(cfg, pps, pol, cap):
+        for r in memory_table(cfg, pps, pol, cap, clusters=clusters):
             rec = "does not fit" if r.recomputed is None else f"{r.recomputed}/{layers}"
             print(f"  {r.pp:>3} | {pol:>13} | {_gib(r.peak_none):>7} {_gib(r.peak_selective):>9} "
                   f"{_gib(r.peak_full):>7} | {rec}")

@@ -251,15 +251,31 @@ class CostModel:
 
     # -- memory-bound lifecycle work ---------------------------------------------------------------
 
-    def update_time(self, kind: str) -> float:
-        """AdamW of one block (fp32 masters and moments)."""
-        return ADAMW_BYTES_PER_PARAM * self.block_params(kind) / self.rates.mem_bandwidth
+    def update_time(self, kind: str, shards: int = 1) -> float:
+        """AdamW of one block (fp32 masters and moments), or of this replica's segment of it
+        (the largest, ceil(n / shards)) when the optimizer state is sharded."""
+        n = -(-self.block_params(kind) // shards)
+        return ADAMW_BYTES_PER_PARAM * n / self.rates.mem_bandwidth
 
-    def view_time(self, kind: str) -> float:
-        """Materialise one block's fp16 working view (0 in fp32: the view is the master)."""
+    def view_time(self, kind: str, shards: int = 1) -> float:
+        """Materialise one block's fp16 working view (0 in fp32: the view is the master), or
+        cast this replica's segment of it when sharded (the rest arrives by all-gather)."""
         if self.precision != "fp16":
             return 0.0
-        return VIEW_BYTES_PER_PARAM * self.block_params(kind) / self.rates.mem_bandwidth
+        n = -(-self.block_params(kind) // shards)
+        return VIEW_BYTES_PER_PARAM * n / self.rates.mem_bandwidth
+
+    def view_bytes(self, kind: str) -> int:
+        """Bytes of one block's working view (fp16, or the fp32 copy when sharded in fp32):
+        what the sharded view all-gather assembles."""
+        return (2 if self.precision == "fp16" else 4) * self.block_params(kind)
+
+    def ring_half_terms(self, nbytes: float, p: int):
+        """(latency part, wire bytes) of one ring reduce-scatter or all-gather of `nbytes`
+        across `p` ranks: (p-1) a and (p-1) n / p (half a ring all-reduce)."""
+        if p <= 1:
+            return 0.0, 0.0
+        return (p - 1) * self.rates.link_latency, (p - 1) * nbytes / p
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,6 +22,7 @@ from ratrain.plan.simulate import (
     fit_recompute,
     keep_for,
     peak_memory,
+    plan_shards,
     policy_steps,
     simulate,
     stage_block_names,
@@ -132,9 +133,10 @@ def candidate_layouts(cfg: Config, clusters: int, global_batch: int | None = Non
     return out
 
 
-def _static_lower_bound(cfg: Config, blocks) -> int:
-    """The bytes a stage holds whatever the schedule (masters and moments): a quick reject."""
-    return max(sum(12 * block_params(cfg.model, block_kind(b)) for b in names)
+def _static_lower_bound(cfg: Config, blocks, shards: int = 1) -> int:
+    """The bytes a stage holds whatever the schedule (masters and moments, this replica's
+    segment of them when sharded): a quick reject."""
+    return max(sum(12 * -(-block_params(cfg.model, block_kind(b)) // shards) for b in names)
                for names in blocks)
 
 
@@ -148,20 +150,23 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     cost = cost or CostModel.from_config(cfg)
     cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
     blocks = stage_block_names(m, layout.pp)
-    if cap is not None and _static_lower_bound(cfg, blocks) > cap:
-        return [Plan(layout, policy, None, (_static_lower_bound(cfg, blocks),), cap)]
-    lists = policy_steps(policy, blocks, layout.num_micro_batches, cfg.precision, m, steps)
+    shards = plan_shards(cfg, policy, layout.dp)
+    low = _static_lower_bound(cfg, blocks, shards)
+    if cap is not None and low > cap:
+        return [Plan(layout, policy, None, (low,), cap)]
+    lists = policy_steps(policy, blocks, layout.num_micro_batches, cfg.precision, m, steps,
+                         shards)
     tokens = layout.global_batch * m.seq_len
 
     def peaks_for(keep) -> tuple[int, ...]:
         return tuple(
             peak_memory(lists, s, names, stage_sizes(m, layout.micro_batch, cfg.precision,
-                                                     names, keep[s]))
+                                                     names, keep[s], shards))
             for s, names in enumerate(blocks)
         )
 
     def run(lay: Layout, keep, peaks) -> Plan:
-        res = simulate(lists, blocks, cost, layout.dp, keep, tokens, send_mode)
+        res = simulate(lists, blocks, cost, layout.dp, keep, tokens, send_mode, shards=shards)
         for st, pk in zip(res.ranks, peaks):
             st.peak_bytes = pk
         return Plan(lay, policy, res, peaks, cap)
@@ -171,7 +176,7 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     for mode in recompute:
         if mode == "auto":
             counts, peaks, fits = fit_recompute(lists, blocks, m, layout.micro_batch,
-                                                cfg.precision, cap)
+                                                cfg.precision, cap, shards)
             keep = keep_for(blocks, "auto", counts)
             peaks = tuple(peaks)
             lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
@@ -230,16 +235,17 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
             continue
         lay = replace(layout, dp=dp)
         blocks = stage_block_names(cfg.model, lay.pp)
+        shards = plan_shards(cfg, policy, dp)
         lists = policy_steps(policy, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
-                             steps)
+                             steps, shards)
         keep = keep_for(blocks, lay.recompute, list(lay.recompute_layers)
                         if lay.recompute_layers is not None else None)
         c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision)
         res = simulate(lists, blocks, c, dp, keep, lay.global_batch * cfg.model.seq_len,
-                       send_mode)
+                       send_mode, shards=shards)
         peaks = tuple(
             peak_memory(lists, s, names, stage_sizes(cfg.model, lay.micro_batch, cfg.precision,
-                                                     names, keep[s]))
+                                                     names, keep[s], shards))
             for s, names in enumerate(blocks)
         )
         plan = Plan(lay, policy, res, peaks, cap)
@@ -259,10 +265,12 @@ class MemoryRow:
 
 
 def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1,
-                 micro_batch: int = 1, steps: int = 2) -> list[MemoryRow]:
+                 micro_batch: int = 1, steps: int = 2,
+                 clusters: int | None = None) -> list[MemoryRow]:
     """Which pipeline depths fit the cap: per pp, the peak DDR of the fullest stage with no,
     selective and full recomputation, and the fewest layers `auto` recomputes (m >= pp, so
-    every stage has its full warm-up in flight)."""
+    every stage has its full warm-up in flight). With `clusters`, dp = clusters // pp and
+    `ratrain` shards its optimizer state over it (as the runtime does); else dp = 1."""
     cap = cap_bytes(cfg) if cap == -1 else cap
     m = cfg.model
     rows = []
@@ -270,19 +278,21 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
         if pp > m.layers:
             continue
         blocks = stage_block_names(m, pp)
-        lists = policy_steps(policy, blocks, max(pp, 1), cfg.precision, m, steps)
+        shards = plan_shards(cfg, policy, max(1, clusters // pp) if clusters else 1)
+        lists = policy_steps(policy, blocks, max(pp, 1), cfg.precision, m, steps, shards)
         peaks = {}
         for mode in ("none", "selective", "full"):
             keep = keep_for(blocks, mode)
             peaks[mode] = max(
                 peak_memory(lists, s, names, stage_sizes(m, micro_batch, cfg.precision, names,
-                                                         keep[s]))
+                                                         keep[s], shards))
                 for s, names in enumerate(blocks)
             )
         if cap is not None and peaks["full"] > cap:
             rec = None
         else:
-            counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap)
+            counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap,
+                                            shards)
             rec = sum(counts) if fits else None
         rows.append(MemoryRow(pp, peaks["none"], peaks["selective"], peaks["full"], rec))
     return rows

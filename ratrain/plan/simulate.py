@@ -52,6 +52,7 @@ from ratrain.lifecycle.schedule import (
     SyncGrad,
     Update,
     WaitGrad,
+    WaitView,
     expand,
     gpipe,
     one_f_one_b,
@@ -121,7 +122,7 @@ class SimResult:
 
 
 def stage_sizes(model: ModelConfig, micro_batch: int, precision: str, blocks,
-                keep: dict[str, str] | None = None):
+                keep: dict[str, str] | None = None, shards: int = 1):
     """`ratrain.plan.memory.StageSizes` of one stage on the platform, from shapes.
 
     Layers keep `memory.layer_activation_bytes` per micro-batch (and hold their full activations
@@ -146,7 +147,7 @@ def stage_sizes(model: ModelConfig, micro_batch: int, precision: str, blocks,
         else:
             act[b] = {"all": 8 * tokens}  # int64 token ids
     return StageSizes(precision=precision, params=params, act=act, full_act=full,
-                      message_bytes=x, keep=dict(keep or {}))
+                      message_bytes=x, keep=dict(keep or {}), shards=shards)
 
 
 def peak_memory(step_lists, stage: int, blocks, sizes) -> int:
@@ -158,14 +159,14 @@ def peak_memory(step_lists, stage: int, blocks, sizes) -> int:
 
 
 def fit_recompute(step_lists, blocks, model: ModelConfig, micro_batch: int, precision: str,
-                  cap: int | None):
+                  cap: int | None, shards: int = 1):
     """Per stage, the fewest layers fully recomputed whose peak fits `cap`
     (`ratrain.plan.memory.choose_recompute`). Returns (counts, peaks, fits)."""
     from ratrain.plan.memory import choose_recompute
 
     counts, peaks, fits = [], [], True
     for s, names in enumerate(blocks):
-        sizes = stage_sizes(model, micro_batch, precision, names)
+        sizes = stage_sizes(model, micro_batch, precision, names, shards=shards)
         keep, peak = choose_recompute(cap, sizes, [lists[s] for lists in step_lists], names)
         counts.append(sum(1 for k in keep.values() if k == "input"))
         peaks.append(peak)
@@ -180,17 +181,19 @@ def fit_recompute(step_lists, blocks, model: ModelConfig, micro_batch: int, prec
 
 @dataclass
 class _Item:
-    kind: str  # busy | send | recv | sync | wait | norm | end
+    kind: str  # busy | send | recv | sync | wait | gather | waitview | norm | end
     dur: float = 0.0
     parts: dict | None = None  # busy: {"compute"|"recompute"|"update"|"view": seconds}
     key: tuple = ()  # send / recv: the message's channel key
     peer: int = -1  # send: destination stage
-    blocks: tuple = ()  # sync / wait
+    blocks: tuple = ()  # sync / wait / gather / waitview
     step: int = 0
     label: str = ""
+    op: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state)
 
 
-def _items(actions, stage: int, pp: int, blocks, keep, cost, step: int) -> list[_Item]:
+def _items(actions, stage: int, pp: int, blocks, keep, cost, step: int,
+           shards: int = 1) -> list[_Item]:
     out: list[_Item] = []
 
     def busy(cat: str, dur: float, label: str, extra: float = 0.0):
@@ -206,11 +209,16 @@ def _items(actions, stage: int, pp: int, blocks, keep, cost, step: int) -> list[
 
     def lifecycle(ev):
         if isinstance(ev, Update):
-            busy("update", cost.update_time(block_kind(ev.block)), ev.label(stage))
+            busy("update", cost.update_time(block_kind(ev.block), shards), ev.label(stage))
         elif isinstance(ev, MaterializeView):
-            busy("view", cost.view_time(block_kind(ev.block)), ev.label(stage))
+            busy("view", cost.view_time(block_kind(ev.block), shards), ev.label(stage))
+            if ev.gather:  # sharded: the rest of the view comes by ring all-gather
+                out.append(_Item("gather", blocks=(ev.block,), step=step, label=ev.label(stage)))
+        elif isinstance(ev, WaitView):
+            out.append(_Item("waitview", blocks=(ev.block,), step=step, label=ev.label(stage)))
         elif isinstance(ev, SyncGrad):
-            out.append(_Item("sync", blocks=ev.blocks, step=step, label=ev.label(stage)))
+            out.append(_Item("sync", blocks=ev.blocks, step=step, label=ev.label(stage),
+                             op="scatter" if ev.scatter else "allreduce"))
         elif isinstance(ev, WaitGrad):
             out.append(_Item("wait", blocks=ev.blocks, step=step, label=ev.label(stage)))
         elif isinstance(ev, GradNorm):
@@ -305,10 +313,12 @@ class _Rank:
         self.busy: dict[int, dict[str, float]] = {}  # step -> category -> s
         self.comm: dict[int, float] = {}  # step -> exposed comm s
         self.end: dict[int, float] = {}  # step -> time its items finished
-        self.engine_q: list[tuple[int, str]] = []
+        self.engine_q: list[tuple[int, str, str]] = []  # (step, block, allreduce|scatter|gather)
         self.engine_busy = False
         self.engine_s = 0.0
         self.synced: set[tuple[int, str]] = set()
+        self.gathered: dict[str, int] = {}  # block -> view all-gathers finished
+        self.views_used: dict[str, int] = {}  # block -> WaitViews passed
         self.norm_done: dict[int, float] = {}
 
 
@@ -373,9 +383,15 @@ class _Sim:
         rk = self.ranks[r]
         if rk.engine_busy or not rk.engine_q:
             return
-        step, block = rk.engine_q.pop(0)
+        step, block, op = rk.engine_q.pop(0)
         rk.engine_busy = True
-        lat, wire = self.cost.allreduce_terms(self.cost.grad_bytes(block_kind(block)), self.dp)
+        kind = block_kind(block)
+        if op == "allreduce":
+            lat, wire = self.cost.allreduce_terms(self.cost.grad_bytes(kind), self.dp)
+        elif op == "scatter":
+            lat, wire = self.cost.ring_half_terms(self.cost.grad_bytes(kind), self.dp)
+        else:  # gather: the block's view
+            lat, wire = self.cost.ring_half_terms(self.cost.view_bytes(kind), self.dp)
         start = t
 
         def on_wire(t2):
@@ -384,8 +400,13 @@ class _Sim:
         def on_done(t3):
             rk.engine_busy = False
             rk.engine_s += t3 - start
-            rk.synced.add((step, block))
-            self.wake(("sync", r, step, block))
+            if op == "gather":
+                n = rk.gathered.get(block, 0)
+                rk.gathered[block] = n + 1
+                self.wake(("view", r, block, n))
+            else:
+                rk.synced.add((step, block))
+                self.wake(("sync", r, step, block))
             self._engine_next(t3, r)
 
         self.at(t + lat, on_wire)
@@ -443,9 +464,20 @@ class _Sim:
                 self._unblock(rk, t, it.step, self.sent.get(it.key))
                 rk.pc += 1
                 continue
-            if it.kind == "sync":
-                rk.engine_q.extend((it.step, b) for b in it.blocks)
+            if it.kind in ("sync", "gather"):
+                op = it.op if it.kind == "sync" else "gather"
+                rk.engine_q.extend((it.step, b, op) for b in it.blocks)
                 self._engine_next(t, r)
+                rk.pc += 1
+                continue
+            if it.kind == "waitview":
+                b = it.blocks[0]
+                n = rk.views_used.get(b, 0)
+                if rk.gathered.get(b, 0) <= n:
+                    self._block(rk, t, ("view", r, b, n), r)
+                    return
+                rk.views_used[b] = n + 1
+                self._unblock(rk, t, it.step, -math.inf)
                 rk.pc += 1
                 continue
             if it.kind == "wait":
@@ -505,13 +537,15 @@ def simulate(
     send_mode: str = "eager",
     mem=None,
     timeline: bool = False,
+    shards: int = 1,
 ) -> SimResult:
     """Simulate consecutive steps of one replica's pipeline.
 
     `step_lists[k][s]`: the actions of stage `s` in step `k` (one step or several, run back to
     back); `blocks[s]`: stage s's block names; `keep[s]`: block -> "all" | "selective" | "input";
     `cost`: a `CostModel` (or the same methods); `mem`: (model, micro_batch, precision) for
-    peak memory figures (`stage_sizes`), or None. The step time is that of the last step, measured between the
+    peak memory figures (`stage_sizes`), or None; `shards`: the dp segments of the optimizer
+    state the lists were built for (updates, casts and view all-gathers of a segment). The step time is that of the last step, measured between the
     moments the last rank finished the step before and this one (the whole run for one step).
     """
     if send_mode not in SEND_MODES:
@@ -522,7 +556,7 @@ def simulate(
     for s in range(pp):
         items: list[_Item] = []
         for k, lists in enumerate(step_lists):
-            items += _items(lists[s], s, pp, blocks[s], keep[s], cost, k)
+            items += _items(lists[s], s, pp, blocks[s], keep[s], cost, k, shards)
         ranks.append(_Rank(s, items))
     sim = _Sim(ranks, cost, dp, send_mode, timeline)
     sim.run()
@@ -545,7 +579,7 @@ def simulate(
         )
         st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s)
         if mem is not None:
-            sizes = stage_sizes(*mem, blocks[s], keep[s])
+            sizes = stage_sizes(*mem, blocks[s], keep[s], shards=shards)
             st.peak_bytes = peak_memory(step_lists, s, blocks[s], sizes)
         stats.append(st)
     return SimResult(step_s, tokens_per_step, stats, sim.timeline or [])
@@ -566,7 +600,7 @@ def stage_block_names(model: ModelConfig, pp: int, layers_per_stage=None) -> lis
 
 
 def policy_steps(policy: str, blocks, m: int, precision: str, model: ModelConfig | None = None,
-                 steps: int = 2):
+                 steps: int = 2, shards: int = 1):
     """`steps` consecutive steps of every stage under `policy` (a policy name or "1f1b-bare" /
     "gpipe-bare": the pipeline order alone, no lifecycle actions)."""
     pp = len(blocks)
@@ -580,7 +614,7 @@ def policy_steps(policy: str, blocks, m: int, precision: str, model: ModelConfig
     infos = []
     for s in range(pp):
         sizes = tuple(4 * block_params(model, block_kind(b)) if model else 0 for b in blocks[s])
-        infos.append(StageInfo(pp, s, m, tuple(blocks[s]), sizes, precision))
+        infos.append(StageInfo(pp, s, m, tuple(blocks[s]), sizes, precision, shards))
     out = []
     for k in range(steps):
         carry = k > 0 and pol.carries(infos[0])
@@ -623,11 +657,20 @@ def simulate_config(
     m, p = cfg.model, cfg.parallel
     policy = policy or cfg.schedule.policy
     blocks = stage_block_names(m, p.pp, p.layers_per_stage)
-    lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, steps)
+    shards = plan_shards(cfg, policy, p.dp)
+    lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, steps, shards)
     keep = keep_for(blocks, cfg.schedule.recompute, recompute_layers)
     mem = (m, p.micro_batch, cfg.precision) if with_memory else None
     tokens = p.global_batch * m.seq_len
-    return simulate(lists, blocks, cost, p.dp, keep, tokens, send_mode, mem)
+    return simulate(lists, blocks, cost, p.dp, keep, tokens, send_mode, mem, shards=shards)
+
+
+def plan_shards(cfg: Config, policy: str, dp: int) -> int:
+    """The dp segments of the optimizer state `policy` uses at `dp` replicas, as the runtime
+    does (`ratrain` with `schedule.shard_optimizer`: dp; otherwise 1)."""
+    if policy in ("1f1b-bare", "gpipe-bare"):
+        return 1
+    return Policy(policy).shards(dp, cfg.schedule.shard_optimizer)
 
 
 __all__ = [
@@ -636,6 +679,7 @@ __all__ = [
     "SimResult",
     "keep_for",
     "fit_recompute",
+    "plan_shards",
     "peak_memory",
     "policy_steps",
     "simulate",
