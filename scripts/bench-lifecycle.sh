@@ -44,7 +44,7 @@ PYEOF
 if [[ $PART == main || $PART == all ]]; then
   # the speed target: the job as written, ROUNDS rounds of the three policies (rotated order)
   bench 8 --rounds "$ROUNDS" --steps "$STEPS" --skip 2 | tee "$OUT/main.jsonl"
-  summary "$OUT/main.jsonl" "bench-lifecycle.yaml (pp 4 x dp 2, m 8, cap 10.31 MiB)"
+  summary "$OUT/main.jsonl" "bench-lifecycle.yaml (pp 2 x dp 4, m 4, cap 11.64 MiB)"
 fi
 
 if [[ $PART == memory || $PART == all ]]; then
@@ -65,7 +65,7 @@ fi
 
 if [[ $PART == sweep || $PART == all ]]; then
   # the ratios beyond one job: pp {2,4} x dp {1,2} x m {4,8,16}, no binding cap (the job's cap
-  # is derived for pp 4 x dp 2; here only placement and overlap differ), fewer steps
+  # is derived for its own layout; here only placement, sharding and overlap differ)
   : > "$OUT/sweep.jsonl"
   for pp in 2 4; do for dp in 1 2; do for m in 4 8 16; do
     bench $((pp * dp)) --pp $pp --dp $dp --m $m --set platform.ddr_bytes=21474836480 \
