@@ -35,6 +35,7 @@ import h5py
 import numpy as np
 
 from ratrain import checkpoint as ck
+from ratrain.bench import proc_status_kib, reset_hwm
 from ratrain.config import config_from_dict
 from ratrain.exec.spec import model_blocks
 
@@ -72,23 +73,6 @@ def plain_h5py(path, tensors, sync=True):
                 f.create_dataset(f"{group}/{name}", data=tensors[kind][name])
     if sync:
         fsync_path(path)
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_hwm():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def main(argv=None):
@@ -169,12 +153,12 @@ def main(argv=None):
         root = os.path.join(work, "mem")
         ck.save_checkpoint(root, 1, cfg, tensors, {}, log=lambda m: None)  # warm imports
         have_hwm = reset_hwm()
-        rss0 = rss_kib("VmRSS")
+        rss0 = proc_status_kib("VmRSS")
         tracemalloc.start()
         ck.save_checkpoint(root, 2, cfg, tensors, {}, log=lambda m: None)
         _, tm_peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        hwm = rss_kib("VmHWM") if have_hwm else 0
+        hwm = proc_status_kib("VmHWM") if have_hwm else 0
         mem = {"case": "memory", "tracemalloc_peak_bytes": tm_peak,
                "rss_peak_growth_bytes": (hwm - rss0) * 1024 if have_hwm else None,
                "one_layer_bytes": one_layer, "checkpoint_bytes": total}

@@ -25,29 +25,14 @@ import time
 import numpy as np
 
 from ratrain.config import ModelConfig
+from ratrain.bench import sgemm_step
 from ratrain.exec import layers as L
-from ratrain.exec.context import ExecContext, _BLAS
+from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import init_param, model_blocks
 
 BENCH_MODEL = ModelConfig(
     vocab_size=256, hidden=512, layers=8, heads=8, kv_heads=8, ffn_hidden=1376, seq_len=256
 )
-
-
-def sgemm_step(threads: int, n: int = 2048):
-    """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-
-    def step():
-        with _BLAS.limit(threads):
-            t = time.perf_counter()
-            np.matmul(a, b, out=c)
-            return 2 * n**3 / (time.perf_counter() - t) / 1e9
-
-    return step
 
 
 def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):

@@ -146,7 +146,8 @@ def torch_remote(threads: int, malloc: str):
 
 
 def sgemm_step(threads: int, n: int = 2048):
-    from threadpoolctl import threadpool_limits
+    """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
+    from ratrain.exec.context import _BLAS
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
@@ -154,7 +155,7 @@ def sgemm_step(threads: int, n: int = 2048):
     c = np.empty((n, n), np.float32)
 
     def step():
-        with threadpool_limits(threads, user_api="blas"):
+        with _BLAS.limit(threads):
             t = time.perf_counter()
             np.matmul(a, b, out=c)
             return 2 * n**3 / (time.perf_counter() - t) / 1e9
@@ -218,15 +219,20 @@ def throughput(a) -> dict:
     return out
 
 
-def _rss_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+def proc_status_kib(field: str) -> int:
+    """A KiB figure of /proc/self/status (`VmRSS`, `VmHWM`, ...); 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return 0
 
 
-def _reset_hwm() -> bool:
+def reset_hwm() -> bool:
+    """Reset the resident-set high-water mark (VmHWM); False where the kernel does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -250,11 +256,11 @@ def memory(a) -> dict:
         ledger0 = ex.ledger.current
         traced0 = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.reset_peak()
-        _reset_hwm()
-        rss0 = _rss_hwm()
+        reset_hwm()
+        rss0 = proc_status_kib("VmHWM") * 1024
         res = step()
         traced_peak = tracemalloc.get_traced_memory()[1] - base
-        hwm = _rss_hwm()
+        hwm = proc_status_kib("VmHWM") * 1024
         tracemalloc.stop()
         ledger_peak = res.local_peak_ddr_bytes
         out[precision] = {

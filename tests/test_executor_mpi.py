@@ -12,19 +12,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from tests._executor_util import params_digest, same_global_batch, tiny_config, train
+from tests._executor_util import group, params_digest, same_global_batch, tiny_config, train
 
 MPI = pytest.importorskip("mpi4py.MPI")
-
-
-def group(n):
-    """A communicator of n ranks for this rank (None if it sits out), and the world."""
-    world = MPI.COMM_WORLD
-    if world.Get_size() < n:
-        pytest.skip(f"needs {n} ranks")
-    color = world.Get_rank() // n if world.Get_rank() < (world.Get_size() // n) * n else MPI.UNDEFINED
-    sub = world.Split(color if color != MPI.UNDEFINED else MPI.UNDEFINED, world.Get_rank())
-    return sub
 
 
 def digest(a):

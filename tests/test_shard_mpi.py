@@ -10,18 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests._executor_util import global_batch, params_digest, tiny_config, train
+from tests._executor_util import global_batch, group, params_digest, tiny_config, train
 
 MPI = pytest.importorskip("mpi4py.MPI")
-
-
-def group(n):
-    """A communicator of n ranks for this rank (COMM_NULL if it sits out)."""
-    world = MPI.COMM_WORLD
-    if world.Get_size() < n:
-        pytest.skip(f"needs {n} ranks")
-    color = world.Get_rank() // n if world.Get_rank() < (world.Get_size() // n) * n else MPI.UNDEFINED
-    return world.Split(color, world.Get_rank())
 
 
 @pytest.mark.mpi(min_size=2)

@@ -30,7 +30,9 @@ versions against it bitwise.
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
@@ -196,10 +198,12 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
     # nothing to receive, on fewer elements than ranks, counts as done)
     total = [b[plan[k][3] + 1] - b[plan[k][3]] for k in range(K)]
     done = [0 if total[k] else x.size for k in range(K)]
-    posted: list = []  # (request, k, lo, hi) of posted receives, in order
+    posted: deque = deque()  # (request, k, lo, hi) of posted receives, in order
     si = ri = 0  # next send, next receive to post
     send_reqs = []
-    landed: list[list] = [[] for _ in range(K)]  # per step: (watermark, clock) as chunks land
+    # per step, as its chunks land: the watermark and when it was seen (both ascending)
+    landed_hi: list[list[int]] = [[] for _ in range(K)]
+    landed_t: list[list[float]] = [[] for _ in range(K)]
     t_start = link.clock()
     end = None  # release time of the last chunk handed to the link
     started = -1  # the step whose first chunk was handed last
@@ -223,7 +227,7 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
 
     def land():  # process the receives that have completed, in order
         while posted and posted[0][0].Test():
-            _, k, lo, hi = posted.pop(0)
+            _, k, lo, hi = posted.popleft()
             acc = plan[k][4]
             if acc is not None:
                 q = plan[k][3]
@@ -232,13 +236,14 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
                 if k == p - 2 and w is not x:  # this rank's segment is final: round it once
                     x[b[q] + lo : b[q] + hi] = a[lo:hi]
             done[k] = hi
-            landed[k].append((hi, link.clock()))
+            landed_hi[k].append(hi)
+            landed_t[k].append(link.clock())
         post()
 
     def ready_at(k, hi):  # when the data of step k's send chunk ending at `hi` was seen ready
-        if k == 0:
+        if k == 0 or not landed_hi[k - 1]:
             return t_start
-        return next(t for h, t in landed[k - 1] if h >= hi) if landed[k - 1] else t_start
+        return landed_t[k - 1][bisect.bisect_left(landed_hi[k - 1], hi)]
 
     post()
     while si < len(sends) or posted:

@@ -221,22 +221,17 @@ class CommEngine:
             if progressed or started:
                 sleep = self.poll_s
                 continue
-            if timer is not None and not self._sched.polling:
-                # every task waits for a clock time (throttled chunks): sleep to the earliest
-                # instead of polling; a new submission wakes the loop early
-                dt = timer - time.perf_counter()
-                if isinstance(timer, Deadline) and dt <= SPIN_S:
-                    sleep_until(timer)  # a message's end: met closely
-                elif dt > 0:
-                    self._wake.wait(dt - SPIN_S if isinstance(timer, Deadline) else dt)
-                    self._wake.clear()
-                continue
+            polling = self._sched.polling  # some task waits on requests, not only on a timer
             wait = sleep
             if timer is not None:
-                wait = min(wait, max(0.0, timer - time.perf_counter()))
-                if isinstance(timer, Deadline) and timer - time.perf_counter() <= sleep:
+                dt = timer - time.perf_counter()
+                if isinstance(timer, Deadline) and dt <= (sleep if polling else SPIN_S):
                     sleep_until(timer)  # a message's end: met closely (spins its last SPIN_S)
                     continue
+                if not polling:  # only timers: sleep to the earliest (a submission wakes us)
+                    wait = dt - SPIN_S if isinstance(timer, Deadline) else dt
+                else:
+                    wait = min(wait, max(0.0, dt))
             if wait > 0:
                 self._wake.wait(wait)
                 self._wake.clear()

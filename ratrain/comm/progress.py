@@ -17,6 +17,7 @@ together and share the link.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Generator
@@ -68,16 +69,12 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-_spare: list[bool] = []
-
-
+@functools.cache
 def spare_core() -> bool:
     """Whether every rank of this node has a core of its own (then waiting ranks may spin).
     Decided once per process."""
-    if not _spare:
-        n = local_ranks()
-        _spare.append(n is not None and n <= cores())
-    return _spare[0]
+    n = local_ranks()
+    return n is not None and n <= cores()
 
 
 def run(gen: Op, poll_s: float | None = None):

@@ -32,8 +32,7 @@ from .progress import Deadline
 LOG_MESSAGES = os.environ.get("RATRAIN_LOG_MESSAGES", "0") not in ("", "0")
 
 _send_fifo: dict[tuple, deque] = {}
-_END = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes)
-_END_RECV = np.empty(0, np.uint8)
+_END = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes: one buffer serves all)
 
 
 def as_bytes(arr: np.ndarray) -> np.ndarray:
@@ -96,7 +95,7 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
     if rbuf is not None:
         for lo, hi in link.chunks(rbuf.size):
             pending.append((comm.Irecv([rbuf[lo:hi], MPI.BYTE], source, tag), lo // item, hi // item))
-        pending.append((comm.Irecv([_END_RECV, MPI.BYTE], source, tag), 0, 0))
+        pending.append((comm.Irecv([_END, MPI.BYTE], source, tag), 0, 0))
 
     def drain(block: bool):
         while pending and (block or pending[0][0].Test()):

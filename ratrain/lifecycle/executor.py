@@ -78,11 +78,9 @@ from ratrain.lifecycle.schedule import (
     WaitView,
 )
 from ratrain.lifecycle.validate import check_lifecycle, validate_policy
+from ratrain.plan.cost import ADAMW_BYTES_PER_PARAM  # the pacer pads an update to these / DDR
 from ratrain.plan.memory import StageSizes, choose_recompute, simulate_peak
 
-# DDR bytes an AdamW update moves per parameter (read master, grad, m, v; write master, m, v),
-# as `ratrain.plan.cost` counts them: the pacer pads an update to these bytes / DDR bandwidth
-ADAMW_BYTES_PER_PARAM = 28
 RECOMPUTE_KEEP = {"none": "all", "full": "input", "selective": "selective"}
 MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
 

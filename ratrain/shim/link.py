@@ -29,14 +29,14 @@ CHUNK_SLOT_S = 1e-3  # automatic chunks: about this much emulated wire time each
 
 
 def auto_chunk_bytes(bandwidth: float, time_scale: float = 1.0) -> int:
-    """The chunk a link uses unless told: about `CHUNK_SLOT_S` of emulated wire time, between
-    256 KiB and 1 MiB, the nearest power of two. Each chunk costs the host a wake-up, an MPI message and
-    Python work, so fast links get the larger chunks (measured at 1 GB/s: 1 MiB chunks cut the
-    communication engine's CPU per 64 MiB all-reduce from ~53 to ~40 ms); slow links keep 256 KiB
-    so that a short message never waits long behind another message's chunk (fair sharing)."""
-    c = bandwidth / time_scale * CHUNK_SLOT_S
-    c = 1 << max(0, round(math.log2(c))) if c >= 1 else 1  # a power of two, so that power-of-
-    return max(DEFAULT_CHUNK_BYTES, min(MAX_CHUNK_BYTES, c))  # two messages are whole chunks
+    """The chunk a link uses unless told: about `CHUNK_SLOT_S` of emulated wire time, the
+    nearest power of two (so that power-of-two messages are whole chunks) between 256 KiB and
+    1 MiB. Each chunk costs the host a wake-up, an MPI message and Python work, so fast links
+    get the larger chunks (measured at 1 GB/s: 1 MiB chunks cut the communication engine's CPU
+    per 64 MiB all-reduce from ~53 to ~40 ms); slow links keep 256 KiB so that a short message
+    never waits long behind another message's chunk (fair sharing)."""
+    c = 1 << max(0, round(math.log2(max(1.0, bandwidth / time_scale * CHUNK_SLOT_S))))
+    return max(DEFAULT_CHUNK_BYTES, min(MAX_CHUNK_BYTES, c))
 
 _fine = threading.local()
 
