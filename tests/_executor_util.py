@@ -88,15 +88,3 @@ def params_digest(params):
         h.update(np.ascontiguousarray(params[name]).tobytes())
     return h.hexdigest()
 
-
-def group(n):
-    """A communicator of n ranks of MPI.COMM_WORLD for this rank (COMM_NULL if it sits out:
-    the ranks beyond the last whole group). Skips the test when the world has fewer than n."""
-    import pytest
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    if world.Get_size() < n:
-        pytest.skip(f"needs {n} ranks")
-    color = world.Get_rank() // n if world.Get_rank() < (world.Get_size() // n) * n else MPI.UNDEFINED
-    return world.Split(color, world.Get_rank())

@@ -2,11 +2,9 @@
 
 import ctypes.util
 import os
-import resource
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from ratrain.shim import allocator
@@ -62,6 +60,3 @@ def test_tune_is_idempotent():
     first = allocator.tune()
     assert allocator.tune() is first
     assert allocator.tuned() is first
-    x = np.arange(1 << 20, dtype=np.float32)  # the process still allocates normally
-    assert float(x.sum()) == pytest.approx((1 << 20) * ((1 << 20) - 1) / 2)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0

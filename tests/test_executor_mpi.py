@@ -7,26 +7,18 @@ Each test splits the world into groups of pp * dp ranks (ranks left over sit it 
 compares against a one-rank run of the same global batch computed locally.
 """
 
-import hashlib
 
 import numpy as np
 import pytest
 
-from tests._executor_util import group, params_digest, same_global_batch, tiny_config, train
+from tests._executor_util import params_digest, same_global_batch, tiny_config, train
 
-MPI = pytest.importorskip("mpi4py.MPI")
-
-
-def digest(a):
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("pp,dp", [(2, 1), (1, 2), (2, 2)])
-def test_layout_matches_single_rank(pp, dp):
-    comm = group(pp * dp)
-    if comm == MPI.COMM_NULL:
-        return
+def test_layout_matches_single_rank(pp, dp, mpi_group):
+    comm = mpi_group(pp * dp)
     cfg = tiny_config(pp=pp, dp=dp, m=3, policy="ratrain", steps=3)
     res, state, ex = train(cfg, comm)
     ref, ref_state, _ = train(same_global_batch(cfg))
@@ -41,15 +33,12 @@ def test_layout_matches_single_rank(pp, dp):
     for stage, h, ls in hashes:
         assert ls == hashes[0][2]
         assert h == next(h2 for s2, h2, _ in hashes if s2 == stage)
-    comm.Free()
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_policies_bitwise_equal_2x2(precision):
-    comm = group(4)
-    if comm == MPI.COMM_NULL:
-        return
+def test_policies_bitwise_equal_2x2(precision, mpi_group):
+    comm = mpi_group(4)
     out = {}
     for policy in ["baseline-1f1b", "megatron-1f1b", "ratrain"]:
         cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=policy, steps=3)
@@ -57,16 +46,12 @@ def test_policies_bitwise_equal_2x2(precision):
         out[policy] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
                        params_digest(ex.final_params))
     assert out["baseline-1f1b"] == out["megatron-1f1b"] == out["ratrain"]
-    comm.Free()
 
 
 @pytest.mark.mpi(min_size=3)
-def test_three_stages_fewer_micro_batches_than_stages():
-    comm = group(3)
-    if comm == MPI.COMM_NULL:
-        return
+def test_three_stages_fewer_micro_batches_than_stages(mpi_group):
+    comm = mpi_group(3)
     cfg = tiny_config(pp=3, dp=1, m=2, precision="fp16", policy="ratrain", steps=2)
     res, state, _ = train(cfg, comm)
     ref, _, _ = train(same_global_batch(cfg))
     np.testing.assert_allclose([r.loss for r in res], [r.loss for r in ref], rtol=1e-3)
-    comm.Free()

@@ -10,20 +10,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests._executor_util import global_batch, group, params_digest, tiny_config, train
+from tests._executor_util import global_batch, params_digest, tiny_config, train
 
-MPI = pytest.importorskip("mpi4py.MPI")
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_reduce_scatter_segment_is_the_allreduce(p):
+def test_reduce_scatter_segment_is_the_allreduce(p, mpi_group):
     from ratrain.comm import collectives as coll
     from ratrain.comm.engine import CommEngine
 
-    comm = group(p)
-    if comm == MPI.COMM_NULL:
-        return
+    comm = mpi_group(p)
     r = comm.Get_rank()
     with CommEngine(comm, watchdog_s=60) as engine:
         for n in (1, p + 1, 1000, 4099):
@@ -38,7 +35,6 @@ def test_reduce_scatter_segment_is_the_allreduce(p):
             engine.allreduce(ref2, comm, algo="ring").result()
             assert ref2.tobytes() == ref.tobytes()
             assert buf[b[r]:b[r + 1]].tobytes() == ref[b[r]:b[r + 1]].tobytes()
-    comm.Free()
 
 
 def _run(comm, precision, pp, dp, policy, steps=3, **kw):
@@ -52,10 +48,8 @@ def _run(comm, precision, pp, dp, policy, steps=3, **kw):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("pp,dp", [(1, 2), (2, 2), (1, 3)])
-def test_sharded_ratrain_equals_baseline_bitwise(pp, dp, precision):
-    comm = group(pp * dp)
-    if comm == MPI.COMM_NULL:
-        return
+def test_sharded_ratrain_equals_baseline_bitwise(pp, dp, precision, mpi_group):
+    comm = mpi_group(pp * dp)
     out = {}
     for policy in ("baseline-1f1b", "ratrain"):
         res, state, ex = _run(comm, precision, pp, dp, policy, weight_decay=0.1,
@@ -70,14 +64,11 @@ def test_sharded_ratrain_equals_baseline_bitwise(pp, dp, precision):
     digests = comm.allgather((comm.Get_rank() % pp, out["ratrain"][1]))
     for stage, d in digests:
         assert d == next(d2 for s2, d2 in digests if s2 == stage)
-    comm.Free()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_fp16_overflow_skips_identically():
-    comm = group(2)
-    if comm == MPI.COMM_NULL:
-        return
+def test_fp16_overflow_skips_identically(mpi_group):
+    comm = mpi_group(2)
     out = {}
     for policy in ("baseline-1f1b", "ratrain"):
         res, _, ex = _run(comm, "fp16", 1, 2, policy, steps=4, loss_scale_init=2.0 ** 20)
@@ -85,15 +76,12 @@ def test_fp16_overflow_skips_identically():
                        params_digest(ex.final_params), [r.skipped for r in res])
     assert out["ratrain"] == out["baseline-1f1b"]
     assert any(out["ratrain"][2]) and not all(out["ratrain"][2])  # skipped and applied steps
-    comm.Free()
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_sharded_peak_below_baseline_at_dp2(precision):
-    comm = group(2)
-    if comm == MPI.COMM_NULL:
-        return
+def test_sharded_peak_below_baseline_at_dp2(precision, mpi_group):
+    comm = mpi_group(2)
     peak = {}
     for policy in ("baseline-1f1b", "ratrain"):
         res, state, ex = _run(comm, precision, 1, 2, policy)
@@ -103,7 +91,6 @@ def test_sharded_peak_below_baseline_at_dp2(precision):
             assert state.master_buf.size in (n // 2, n - n // 2)
     assert peak["ratrain"][0] < peak["baseline-1f1b"][0]
     assert peak["ratrain"][1] < peak["baseline-1f1b"][1]  # the model sees it too
-    comm.Free()
 
 
 def _executor(cfg, comm, topo, engine, policy=None):
@@ -129,15 +116,13 @@ def _step(ex, cfg, s):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_full_state_out_and_back_in(precision):
+def test_full_state_out_and_back_in(precision, mpi_group):
     """Gather whole blocks after 2 steps, load them into fresh executors (sharded ratrain and
     whole-state baseline), take step 3: both equal the uninterrupted run bitwise."""
     from ratrain.comm.engine import CommEngine
     from ratrain.comm.topology import Topology
 
-    comm = group(4)
-    if comm == MPI.COMM_NULL:
-        return
+    comm = mpi_group(4)
     cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy="ratrain", steps=3)
     ref, _, ref_ex = train(cfg, comm)
     topo = Topology(comm, 2, 2)
@@ -165,4 +150,3 @@ def test_full_state_out_and_back_in(precision):
     finally:
         engine.close()
         topo.free()
-    comm.Free()

@@ -1,0 +1,51 @@
+"""Shared fixtures and the `timing` marker.
+
+`timing`: a wall-clock upper bound (something finishes within N seconds, runs at least X% of a
+rate). Such checks fail on a loaded machine without anything being wrong, so the test command
+skips them; run them on a quiet host with `pytest --timing`. Lower bounds (never faster than
+the link model) cannot flake and stay in the plain tests.
+
+`mpi_group(n)`: a communicator of `n` ranks of MPI.COMM_WORLD for an MPI test (pytest-mpi's
+`@pytest.mark.mpi(min_size=n)`); it is freed after the test whatever happens, the test is skipped
+when the world has fewer than `n` ranks, and ranks beyond the last whole group of `n` (they sit
+the test out) are reported as skipped, not passed.
+"""
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--timing", action="store_true", default=False,
+                     help="also run the wall-clock upper-bound checks (a quiet machine)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--timing"):
+        return
+    skip = pytest.mark.skip(reason="wall-clock upper bound: run with --timing on a quiet host")
+    for item in items:
+        if "timing" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def mpi_group():
+    from mpi4py import MPI  # only MPI tests ask for this fixture
+
+    made = []
+
+    def group(n: int):
+        world = MPI.COMM_WORLD
+        if world.Get_size() < n:
+            pytest.skip(f"needs {n} ranks (the world has {world.Get_size()})")
+        rank = world.Get_rank()
+        whole = (world.Get_size() // n) * n
+        comm = world.Split(rank // n if rank < whole else MPI.UNDEFINED, rank)  # collective
+        if comm == MPI.COMM_NULL:
+            pytest.skip(f"rank {rank} sits out: the test runs on groups of {n} ranks")
+        made.append(comm)
+        return comm
+
+    yield group
+    for comm in made:
+        comm.Free()
