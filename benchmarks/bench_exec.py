@@ -26,7 +26,7 @@ import numpy as np
 
 from ratrain.config import ModelConfig
 from ratrain.bench import sgemm_step
-from ratrain.exec import layers as L
+from ratrain.exec import layers
 from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import init_param, model_blocks
 
@@ -47,16 +47,16 @@ def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):
     targets = rng.integers(0, m.vocab_size, (batch, m.seq_len))
 
     def step():
-        x, ce = L.embed_forward(ids, P[0], ctx)
+        x, ce = layers.embed_forward(ids, P[0], ctx)
         caches = []
         for i in range(m.layers):
-            x, c = L.layer_forward(x, P[1 + i], ctx, keep)
+            x, c = layers.layer_forward(x, P[1 + i], ctx, keep)
             caches.append(c)
-        loss, ch = L.head_forward(x, targets, P[-1], ctx)
-        dx = L.head_backward(1.0, ch, P[-1], G[-1], ctx)
+        loss, ch = layers.head_forward(x, targets, P[-1], ctx)
+        dx = layers.head_backward(1.0, ch, P[-1], G[-1], ctx)
         for i in reversed(range(m.layers)):
-            dx = L.layer_backward(dx, caches[i], P[1 + i], G[1 + i], ctx)
-        L.embed_backward(dx, ce, P[0], G[0], ctx)
+            dx = layers.layer_backward(dx, caches[i], P[1 + i], G[1 + i], ctx)
+        layers.embed_backward(dx, ce, P[0], G[0], ctx)
         return loss
 
     return step
@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--keep", default="all", choices=L.KEEP)
+    ap.add_argument("--keep", default="all", choices=layers.KEEP)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-fp16", action="store_true")
     ap.add_argument("--json", default="")

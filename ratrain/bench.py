@@ -38,6 +38,8 @@ import time
 import numpy as np
 
 from ratrain.config import load_config
+from ratrain.exec.context import BLAS
+from ratrain.lifecycle.rank import build_rank
 from ratrain.shim import allocator
 
 BENCH = [
@@ -54,16 +56,7 @@ def bench_config(precision: str, threads: int, extra=()):
 
 def runtime_step(cfg):
     """(step function, executor) for one rank of `cfg`, on a fixed random batch."""
-    from ratrain.exec.context import ExecContext
-    from ratrain.exec.params import StageState
-    from ratrain.exec.spec import stage_blocks
-    from ratrain.lifecycle.executor import Executor
-    from ratrain.shim.ledger import Ledger
-
-    ledger = Ledger(None, 0)
-    state = StageState(stage_blocks(cfg.model, 1, 0), cfg.precision, ledger, np, cfg.init.seed)
-    ctx = ExecContext(cfg.model, cfg.precision, np, ledger=ledger, threads=cfg.run.threads)
-    ex = Executor(cfg, None, state, ctx, None, ledger)
+    ex = build_rank(cfg).executor
     m, p = cfg.model, cfg.parallel
     rng = np.random.default_rng(0)
     shape = (p.num_micro_batches, p.micro_batch, m.seq_len)
@@ -147,15 +140,13 @@ def torch_remote(threads: int, malloc: str):
 
 def sgemm_step(threads: int, n: int = 2048):
     """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
-    from ratrain.exec.context import _BLAS
-
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     c = np.empty((n, n), np.float32)
 
     def step():
-        with _BLAS.limit(threads):
+        with BLAS.limit(threads):
             t = time.perf_counter()
             np.matmul(a, b, out=c)
             return 2 * n**3 / (time.perf_counter() - t) / 1e9

@@ -18,9 +18,22 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
+from ratrain.checkpoint import (
+    StateStream,
+    checkpoint_root,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from ratrain.comm.abort import abort_on_error
 from ratrain.config import Config, ConfigError, config_from_dict, load_config
+from ratrain.data import check_data, eval_batches, open_datasets
+from ratrain.exec.params import BUFFERS
+from ratrain.fileio import atomic_write
+from ratrain.hf import check_hf, hf_model_config, load_hf_params
+from ratrain.lifecycle.rank import build_rank
+from ratrain.metrics import MetricsWriter
+from ratrain.shim import allocator
 
 
 class StartupError(RuntimeError):
@@ -72,8 +85,6 @@ def resolve_config(args) -> Config:
     cfg = load_config(args.config, args.overrides)
     if cfg.init.from_hf:
         # The model section comes from the checkpoint's config.json (seq_len stays ours).
-        from ratrain.hf import hf_model_config
-
         hf_model = hf_model_config(cfg.init.from_hf)
         data = cfg.to_dict()
         seq_len = data["model"]["seq_len"]
@@ -93,15 +104,9 @@ class Setup:
 def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     agree(comm, cfg.check_world, comm.Get_size())
-    from ratrain.data import check_data
-
     data_paths = agree(comm, check_data, cfg, comm)
     if cfg.init.from_hf:
-        from ratrain.hf import check_hf
-
         agree(comm, check_hf, cfg.init.from_hf, cfg.model)
-    from ratrain.checkpoint import resolve_resume
-
     resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     return Setup(cfg, data_paths, resume)
 
@@ -111,97 +116,47 @@ def startup(args, comm) -> Setup:
 # --------------------------------------------------------------------------------------------
 
 
-def local_threads(cfg: Config, comm) -> int:
-    """Compute threads per rank: run.threads, or the node's cores shared among its ranks."""
-    if cfg.run.threads:
-        return cfg.run.threads
-    from mpi4py import MPI
-
-    from ratrain.exec.context import auto_threads
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        cores = os.cpu_count() or 1
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm.Get_size() > 1 else None
-    per_node = node.Get_size() if node is not None else 1
-    if node is not None:
-        node.Free()
-    return max(1, min(auto_threads(), cores // per_node))
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Trainer:
     """One rank's training loop."""
 
     def __init__(self, setup: Setup, comm):
-        from ratrain.comm.engine import CommEngine
-        from ratrain.comm.topology import Topology
-        from ratrain.data import open_datasets
-        from ratrain.exec.context import ExecContext
-        from ratrain.exec.params import StageState
-        from ratrain.exec.spec import stage_blocks
-        from ratrain.lifecycle.executor import Executor
-        from ratrain.lifecycle.policies import as_policy
-        from ratrain.shim.ledger import Ledger
-        from ratrain.shim.link import Link
-        from ratrain.shim.platform import resolve_platform
-
         cfg = self.cfg = setup.cfg
         self.comm = comm
         self.rank = comm.Get_rank()
-        p = cfg.parallel
-        self.topo = Topology(comm, p.pp, p.dp)
-        self.profile = resolve_platform(cfg.platform)
-        self.ledger = Ledger(self.profile.ddr_bytes, self.rank)
-        self.xp = np
-        blocks = stage_blocks(cfg.model, p.pp, self.topo.stage, p.layers_per_stage)
-        # ratrain at dp > 1 shards masters and moments over the replicas: build the state
-        # sharded from the start, so the whole stage's state is never allocated here
-        shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
-        shard = (self.topo.replica, shards) if shards > 1 else None
-        self.state = StageState(blocks, cfg.precision, self.ledger, self.xp, cfg.init.seed,
-                                shard=shard)
         self.start_step = 0
         self.resume_state = None
-        if setup.resume:
-            self._load_checkpoint(setup.resume)
-        elif cfg.init.from_hf:
-            from ratrain.hf import load_hf_params
-
-            self.state.load_named(load_hf_params(cfg.init.from_hf, cfg.model, names=self.state.names))
-        self.ctx = ExecContext(
-            cfg.model, cfg.precision, self.xp, ledger=self.ledger, threads=local_threads(cfg, comm)
-        )
-        link = Link.from_profile(self.profile)  # None unless platform.emulate
-        self.engine = CommEngine(self.topo, link=link, ledger=self.ledger) if p.pp * p.dp > 1 else None
-        self.executor = Executor(cfg, self.topo, self.state, self.ctx, self.engine, self.ledger)
+        self.parts = build_rank(cfg, comm if comm.Get_size() > 1 else None,
+                                load=lambda state: self._load_weights(state, setup.resume))
+        self.topo, self.profile = self.parts.topo, self.parts.profile
+        self.state, self.executor = self.parts.state, self.parts.executor
         if self.resume_state is not None:
             self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
         self.writes_metrics = self.executor.reports_loss
         self.metrics = None
 
-    def _load_checkpoint(self, path: str) -> None:
+    @property
+    def replica(self) -> int:
+        return self.topo.replica if self.topo is not None else 0
+
+    def _load_weights(self, state, resume: str | None) -> None:
+        """The starting weights: a checkpoint to resume, or an imported Hugging Face model."""
+        if resume:
+            self._load_checkpoint(state, resume)
+        elif self.cfg.init.from_hf:
+            state.load_named(load_hf_params(self.cfg.init.from_hf, self.cfg.model,
+                                            names=state.names))
+
+    def _load_checkpoint(self, state, path: str) -> None:
         """Read this stage's parameters; a sharded state keeps only its segment, one block at a
         time (so never more than one extra block is held)."""
-        from ratrain.checkpoint import load_checkpoint
-
-        if not self.state.sharded:
-            ck = load_checkpoint(path, self.state.names, out=self.state.state_dict())
+        if not state.sharded:
+            ck = load_checkpoint(path, state.names, out=state.state_dict())
         else:
-            for b in self.state.blocks:
+            for b in state.blocks:
                 ck = load_checkpoint(path, [p.name for p in b.params])
-                for kind in ("master", "m", "v"):
-                    self.state.load_named(ck[kind], kind, blocks=[b.name])
+                for buf in BUFFERS:
+                    state.load_named(ck[buf], buf, blocks=[b.name])
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
 
@@ -214,11 +169,9 @@ class Trainer:
         if self.comm.Get_size() > 1:
             self.comm.Barrier()  # the run directory exists before any rank writes into it
         if self.rank == 0:
-            write_atomic(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
+            atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
             self._banner()
         if self.writes_metrics:
-            from ratrain.metrics import MetricsWriter
-
             self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps, self.start_step)
         fpt = cfg.model.flops_per_token()
         tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_len
@@ -254,31 +207,28 @@ class Trainer:
 
     def _batch(self, step: int):
         """This rank's micro-batches: inputs on the first stage, targets on the last."""
-        topo = self.topo
-        if not (topo.is_first or topo.is_last):
+        ex = self.executor
+        first, last = ex.stage == 0, ex.stage == ex.pp - 1
+        if not (first or last):
             return None
-        inputs, targets = self.train_ds.batch_for_step(step, topo.replica)
-        return (inputs if topo.is_first else None, targets if topo.is_last else None)
+        inputs, targets = self.train_ds.batch_for_step(step, self.replica)
+        return (inputs if first else None, targets if last else None)
 
     def _eval(self, n: int) -> None:
-        from ratrain.data import eval_batches
-
-        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.topo.replica)
+        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
         loss = self.executor.eval_loss(batches)
         if self.metrics is not None:
             self.metrics.write_event({"step": n, "eval_loss": loss})
             print(f"step {n:>5d} | eval loss {loss:.4f}", flush=True)
 
     def _save(self, n: int) -> None:
-        from ratrain.checkpoint import StateStream, checkpoint_root, save_checkpoint
-
         cfg = self.cfg
         self.executor.flush()  # deferred updates applied: the saved masters are step n's
         if self.executor.sharded:
             # Each replica holds a segment of every block: gather one block at a time while
             # replica 0 writes it (every replica of the stage takes part in the gathers).
             shapes = {p.name: p.shape for b in self.state.blocks for p in b.params}
-            tensors = StateStream(shapes, ("master", "m", "v"), self.executor.iter_full_state())
+            tensors = StateStream(shapes, BUFFERS, self.executor.iter_full_state())
         else:
             tensors = self.state.state_dict()
         save_checkpoint(
@@ -287,8 +237,8 @@ class Trainer:
             cfg,
             tensors,
             {"executor": self.executor.state_dict(), "data": self.train_ds.state_dict(n)},
-            stage=self.topo.stage,
-            replica=self.topo.replica,
+            stage=self.executor.stage,
+            replica=self.replica,
             comm=self.comm if self.comm.Get_size() > 1 else None,
             log=(lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None),
         )
@@ -308,15 +258,12 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        if self.engine is not None:
-            self.engine.close()
+        self.parts.close()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpi4py import MPI
-
-    from ratrain.shim import allocator
+    from mpi4py import MPI  # after the arguments: --help needs no MPI
 
     allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
 
@@ -327,8 +274,6 @@ def main(argv=None) -> int:
         if comm.Get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    from ratrain.comm.abort import abort_on_error
-
     with abort_on_error():
         return Trainer(setup, comm).run()
 

@@ -2,11 +2,16 @@
 
 import numpy as np
 
-from ratrain.config import Config, ModelConfig, OptimConfig, ParallelConfig, RunConfig, ScheduleConfig
-from ratrain.exec.context import ExecContext
-from ratrain.exec.params import StageState
-from ratrain.exec.spec import stage_blocks
-from ratrain.shim.ledger import Ledger
+from ratrain.config import (
+    Config,
+    InitConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    ScheduleConfig,
+)
+from ratrain.lifecycle.rank import build_rank
 
 MODEL = ModelConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=64, seq_len=16)
 
@@ -19,6 +24,7 @@ def tiny_config(pp=1, dp=1, m=4, precision="fp32", policy="ratrain", recompute="
         precision=precision,
         schedule=ScheduleConfig(policy=policy, recompute=recompute),
         optim=OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=grad_clip, loss_scale_init=1024.0),
+        init=InitConfig(seed=1),
         run=RunConfig(steps=steps, threads=1),
     )
 
@@ -31,29 +37,16 @@ def global_batch(cfg, step):
     return ids[..., :-1].copy(), ids[..., 1:].copy()
 
 
-def train(cfg, comm=None, steps=None, cap=None, trace=None, data_dp=None):
+def train(cfg, comm=None, steps=None, cap=None, trace=None):
     """Train `steps` steps; returns (results, state, executor). `comm`: None for one rank.
     `executor.final_params`: {name: whole fp32 master} after the flush (gathered over dp when
     the optimizer state is sharded)."""
-    from ratrain.lifecycle.executor import Executor
-
-    p = cfg.parallel
-    topo = engine = None
-    stage = replica = 0
-    if comm is not None:
-        from ratrain.comm.engine import CommEngine
-        from ratrain.comm.topology import Topology
-
-        topo = Topology(comm, p.pp, p.dp)
-        engine = CommEngine(topo, watchdog_s=60)
-        stage, replica = topo.stage, topo.replica
-    ledger = Ledger(cap, comm.Get_rank() if comm is not None else 0)
-    state = StageState(stage_blocks(cfg.model, p.pp, stage), cfg.precision, ledger, np, 1)
-    ctx = ExecContext(cfg.model, cfg.precision, np, ledger, threads=1)
-    ex = Executor(cfg, topo, state, ctx, engine, ledger)
+    rank = build_rank(cfg, comm, cap=cap, watchdog_s=60)
+    ex = rank.executor
+    replica = rank.topo.replica if rank.topo is not None else 0
     results = []
     try:
-        m = p.num_micro_batches
+        m = cfg.parallel.num_micro_batches
         for s in range(steps or cfg.run.steps):
             inputs, targets = global_batch(cfg, s)
             sl = slice(replica * m, (replica + 1) * m)
@@ -63,11 +56,8 @@ def train(cfg, comm=None, steps=None, cap=None, trace=None, data_dp=None):
         if trace:
             ex.write_trace(trace)
     finally:
-        if engine is not None:
-            engine.close()
-        if topo is not None:
-            topo.free()
-    return results, state, ex
+        rank.close()
+    return results, rank.state, ex
 
 
 def same_global_batch(cfg):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ratrain.exec import kernels as K
+from ratrain.exec import kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
 from ratrain.shim.ledger import Ledger
 
@@ -40,45 +40,45 @@ def fd_check(f, inputs, grads, n_probe=12, eps=1e-6, rtol=1e-6, atol=1e-8):
 def test_linear_fd():
     x, w = rand(2, 3, 5), rand(4, 5)
     r = rand(2, 3, 4)
-    y, c = K.linear_forward(x, w, np)
-    dx, dw = K.linear_backward(r, c, np)
-    fd_check(lambda x, w: float((K.linear_forward(x, w, np)[0] * r).sum()), [x, w], [dx, dw])
+    y, c = kernels.linear_forward(x, w, np)
+    dx, dw = kernels.linear_backward(r, c, np)
+    fd_check(lambda x, w: float((kernels.linear_forward(x, w, np)[0] * r).sum()), [x, w], [dx, dw])
 
 
 def test_embedding_fd_and_accumulates():
     ids = np.array([[1, 3, 1], [0, 3, 3]])
     w = rand(5, 4)
     r = rand(2, 3, 4)
-    x, c = K.embedding_forward(ids, w, np)
+    x, c = kernels.embedding_forward(ids, w, np)
     assert np.array_equal(x, w[ids])
-    dw = K.embedding_backward(r, c, np)
-    fd_check(lambda w: float((K.embedding_forward(ids, w, np)[0] * r).sum()), [w], [dw])
+    dw = kernels.embedding_backward(r, c, np)
+    fd_check(lambda w: float((kernels.embedding_forward(ids, w, np)[0] * r).sum()), [w], [dw])
     acc = np.ones((5, 4))
-    K.embedding_backward(r, c, np, dw=acc)
+    kernels.embedding_backward(r, c, np, dw=acc)
     np.testing.assert_allclose(acc, 1 + dw)
 
 
 def test_rmsnorm_fd():
     x, w = rand(2, 3, 8), rand(8)
     r = rand(2, 3, 8)
-    y, c = K.rmsnorm_forward(x, w, 1e-5, np)
+    y, c = kernels.rmsnorm_forward(x, w, 1e-5, np)
     ref = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(y, ref, rtol=1e-12)
-    dx, dw = K.rmsnorm_backward(r, c, np)
-    fd_check(lambda x, w: float((K.rmsnorm_forward(x, w, 1e-5, np)[0] * r).sum()), [x, w],
+    dx, dw = kernels.rmsnorm_backward(r, c, np)
+    fd_check(lambda x, w: float((kernels.rmsnorm_forward(x, w, 1e-5, np)[0] * r).sum()), [x, w],
              [dx, dw])
 
 
 def test_rmsnorm_fp32_stays_fp32():
     x, w = rand(2, 8).astype(np.float32), rand(8).astype(np.float32)
-    y, c = K.rmsnorm_forward(x, w, 1e-5, np)
+    y, c = kernels.rmsnorm_forward(x, w, 1e-5, np)
     assert y.dtype == np.float32 and c[1].dtype == np.float32
-    y16, _ = K.rmsnorm_forward(x.astype(np.float16), w.astype(np.float16), 1e-5, np)
+    y16, _ = kernels.rmsnorm_forward(x.astype(np.float16), w.astype(np.float16), 1e-5, np)
     assert y16.dtype == np.float32
 
 
 def test_rope_tables_hf_convention():
-    cos, sin = K.rope_tables(7, 8, 10000.0, np, np.float64)
+    cos, sin = kernels.rope_tables(7, 8, 10000.0, np, np.float64)
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
     ang = np.arange(7)[:, None] * inv[None]
     np.testing.assert_allclose(cos, np.cos(np.concatenate([ang, ang], -1)), atol=2e-6)
@@ -87,18 +87,18 @@ def test_rope_tables_hf_convention():
 
 def test_rope_matches_rotate_half_and_fd():
     T, D = 6, 8
-    cos, sin = K.rope_tables(T, D, 500.0, np, np.float64)
+    cos, sin = kernels.rope_tables(T, D, 500.0, np, np.float64)
     x = rand(2, 3, T, D)
-    y, c = K.rope_forward(x, cos, sin, np)
+    y, c = kernels.rope_forward(x, cos, sin, np)
     rot = np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], -1)
     np.testing.assert_allclose(y, x * cos + rot * sin, rtol=1e-12, atol=1e-14)
     r = rand(*y.shape)
-    dx = K.rope_backward(r, c, np)
-    fd_check(lambda x: float((K.rope_forward(x, cos, sin, np)[0] * r).sum()), [x], [dx])
+    dx = kernels.rope_backward(r, c, np)
+    fd_check(lambda x: float((kernels.rope_forward(x, cos, sin, np)[0] * r).sum()), [x], [dx])
     # (B, T, H, D) layout with (T, 1, D) tables, written into a transposed view
     xt = np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # (B, T, H, D)
     out = np.empty((2, 3, T, D))
-    K.rope_forward(xt, cos[:, None], sin[:, None], np, out=out.transpose(0, 2, 1, 3))
+    kernels.rope_forward(xt, cos[:, None], sin[:, None], np, out=out.transpose(0, 2, 1, 3))
     np.testing.assert_allclose(out, y, rtol=1e-13)
 
 
@@ -106,22 +106,22 @@ def test_rope_matches_rotate_half_and_fd():
 def test_attention_plain_fd(H, KV):
     B, T, D = 2, 5, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, c = K.attention_forward(q, k, v, np)
+    o, c = kernels.attention_forward(q, k, v, np)
     r = rand(*o.shape)
-    dq, dk, dv = K.attention_backward(r, c, np)
-    fd_check(lambda q, k, v: float((K.attention_forward(q, k, v, np)[0] * r).sum()), [q, k, v],
+    dq, dk, dv = kernels.attention_backward(r, c, np)
+    fd_check(lambda q, k, v: float((kernels.attention_forward(q, k, v, np)[0] * r).sum()), [q, k, v],
              [dq, dk, dv])
     # causal: output at t does not depend on keys after t
     k2 = k.copy()
     k2[:, :, -1] += 10.0
-    o2, _ = K.attention_forward(q, k2, v, np)
+    o2, _ = kernels.attention_forward(q, k2, v, np)
     np.testing.assert_allclose(o2[:, :, :-1], o[:, :, :-1], rtol=1e-12)
 
 
 def test_attention_plain_matches_explicit_repeat_kv():
     B, H, KV, T, D = 1, 4, 2, 6, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, _ = K.attention_forward(q, k, v, np)
+    o, _ = kernels.attention_forward(q, k, v, np)
     kr, vr = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)  # HF repeat_kv
     s = q @ kr.swapaxes(-1, -2) / np.sqrt(D)
     s[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
@@ -135,8 +135,8 @@ def test_attention_plain_matches_explicit_repeat_kv():
 def test_flash_equals_plain(T, block, H, KV):
     B, D = 2, 8
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, c = K.attention_forward(q, k, v, np)
-    of, cf = K.flash_attention_forward(q, k, v, np, block=block)
+    o, c = kernels.attention_forward(q, k, v, np)
+    of, cf = kernels.flash_attention_forward(q, k, v, np, block=block)
     np.testing.assert_allclose(of, o, rtol=1e-11, atol=1e-12)
     # the cache is only (q, k, v, o, lse): nothing T x T
     assert max(a.size for a in cf[:5]) == B * H * T * D or max(a.size for a in cf[:5]) == B * KV * T * D
@@ -145,7 +145,7 @@ def test_flash_equals_plain(T, block, H, KV):
     lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
     np.testing.assert_allclose(cf[4], lse, rtol=1e-12)
     do = rand(*o.shape)
-    for a, b in zip(K.flash_attention_backward(do, cf, np), K.attention_backward(do, c, np)):
+    for a, b in zip(kernels.flash_attention_backward(do, cf, np), kernels.attention_backward(do, c, np)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11)
 
 
@@ -153,33 +153,33 @@ def test_flash_batch_groups_equal(monkeypatch):
     B, H, KV, T, D = 3, 4, 2, 13, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
     do = rand(B, H, T, D)
-    o, c = K.flash_attention_forward(q, k, v, np, block=4)
-    ref = K.flash_attention_backward(do, c, np)
-    monkeypatch.setattr(K, "TILE_BYTES", 1)  # one sequence per group
-    o1, c1 = K.flash_attention_forward(q, k, v, np, block=4)
+    o, c = kernels.flash_attention_forward(q, k, v, np, block=4)
+    ref = kernels.flash_attention_backward(do, c, np)
+    monkeypatch.setattr(kernels, "TILE_BYTES", 1)  # one sequence per group
+    o1, c1 = kernels.flash_attention_forward(q, k, v, np, block=4)
     np.testing.assert_array_equal(o1, o)
-    for a, b in zip(K.flash_attention_backward(do, c1, np), ref):
+    for a, b in zip(kernels.flash_attention_backward(do, c1, np), ref):
         np.testing.assert_array_equal(a, b)
 
 
 def test_flash_fd_and_strided_out():
     B, H, KV, T, D = 1, 4, 2, 11, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, c = K.flash_attention_forward(q, k, v, np, block=4)
+    o, c = kernels.flash_attention_forward(q, k, v, np, block=4)
     r = rand(*o.shape)
-    grads = K.flash_attention_backward(r, c, np)
-    fd_check(lambda q, k, v: float((K.flash_attention_forward(q, k, v, np, block=4)[0] * r).sum()),
+    grads = kernels.flash_attention_backward(r, c, np)
+    fd_check(lambda q, k, v: float((kernels.flash_attention_forward(q, k, v, np, block=4)[0] * r).sum()),
              [q, k, v], grads)
     buf = np.empty((B, T, H, D))  # token-major output, as the layers use it
-    K.flash_attention_forward(q, k, v, np, block=4, out=buf.transpose(0, 2, 1, 3))
+    kernels.flash_attention_forward(q, k, v, np, block=4, out=buf.transpose(0, 2, 1, 3))
     np.testing.assert_allclose(buf.transpose(0, 2, 1, 3), o, rtol=1e-13)
 
 
 def test_flash_fp32_close_to_fp64():
     B, H, KV, T, D = 2, 4, 2, 40, 16
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, _ = K.attention_forward(q, k, v, np)
-    of, cf = K.flash_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), np, block=16)
+    o, _ = kernels.attention_forward(q, k, v, np)
+    of, cf = kernels.flash_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), np, block=16)
     assert of.dtype == np.float32 and cf[4].dtype == np.float32
     np.testing.assert_allclose(of, o, rtol=1e-4, atol=1e-5)
 
@@ -187,26 +187,33 @@ def test_flash_fp32_close_to_fp64():
 def test_swiglu_and_mlp_fd():
     g, u = rand(3, 7), rand(3, 7)
     r = rand(3, 7)
-    a, c = K.swiglu_forward(g, u, np)
+    a, c = kernels.swiglu_forward(g, u, np)
     np.testing.assert_allclose(a, g / (1 + np.exp(-g)) * u, rtol=1e-13)
-    dg, du = K.swiglu_backward(r, c, np)
-    fd_check(lambda g, u: float((K.swiglu_forward(g, u, np)[0] * r).sum()), [g, u], [dg, du])
+    dg, du = kernels.swiglu_backward(r, c, np)
+    fd_check(lambda g, u: float((kernels.swiglu_forward(g, u, np)[0] * r).sum()), [g, u], [dg, du])
+    # into given buffers, with the activation on the way: the same values
+    out = (np.empty_like(g), np.empty_like(u))
+    dg2, du2, act = kernels.swiglu_backward(r, c, np, out=out, with_act=True)
+    assert dg2 is out[0] and du2 is out[1]
+    np.testing.assert_array_equal(dg2, dg)
+    np.testing.assert_array_equal(du2, du)
+    np.testing.assert_allclose(act, a, rtol=1e-13)
     x, wg, wu, wd = rand(2, 3, 5), rand(6, 5), rand(6, 5), rand(5, 6)
-    y, c = K.mlp_forward(x, wg, wu, wd, np)
+    y, c = kernels.mlp_forward(x, wg, wu, wd, np)
     r = rand(*y.shape)
-    grads = K.mlp_backward(r, c, np)
-    fd_check(lambda *a: float((K.mlp_forward(*a, np)[0] * r).sum()), [x, wg, wu, wd], grads)
+    grads = kernels.mlp_backward(r, c, np)
+    fd_check(lambda *a: float((kernels.mlp_forward(*a, np)[0] * r).sum()), [x, wg, wu, wd], grads)
 
 
 def test_cross_entropy_fd_and_stable():
     z = rand(6, 5)
     t = np.array([0, 4, 2, 2, 1, 3])
-    loss, c = K.cross_entropy_forward(z, t, np)
+    loss, c = kernels.cross_entropy_forward(z, t, np)
     ref = np.mean(np.log(np.exp(z).sum(-1)) - z[np.arange(6), t])
     np.testing.assert_allclose(loss, ref, rtol=1e-13)
-    dz = K.cross_entropy_backward(0.7, c, np)
-    fd_check(lambda z: 0.7 * float(K.cross_entropy_forward(z, t, np)[0]), [z], [dz])
-    big, _ = K.cross_entropy_forward((z * 1e4).astype(np.float32), t, np)
+    dz = kernels.cross_entropy_backward(0.7, c, np)
+    fd_check(lambda z: 0.7 * float(kernels.cross_entropy_forward(z, t, np)[0]), [z], [dz])
+    big, _ = kernels.cross_entropy_forward((z * 1e4).astype(np.float32), t, np)
     assert np.isfinite(big) and big.dtype == np.float32
 
 

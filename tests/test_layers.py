@@ -1,5 +1,5 @@
 """Block kernels: the fast layer against a composition of plain kernels, finite differences on a
-whole layer (fp64), keep modes bitwise equal, fp16 close to fp32, threads, and transformers."""
+whole layer (fp64), recompute choices bitwise equal, fp16 close to fp32, threads, and transformers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ratrain.config import ModelConfig
-from ratrain.exec import kernels as K
-from ratrain.exec import layers as L
+from ratrain.exec import kernels
+from ratrain.exec import layers
 from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import model_blocks
 from ratrain.shim.ledger import Ledger
@@ -37,24 +37,24 @@ def ref_layer(x, p, m):
     """The layer composed from plain kernels (reference attention, no fusion, no threads)."""
     B, T, C = x.shape
     H, KV, D = m.heads, m.kv_heads, m.head_dim
-    cos, sin = K.rope_tables(T, D, m.rope_theta, np, x.dtype)
-    xn, _ = K.rmsnorm_forward(x, p["attn_norm"], m.norm_eps, np)
+    cos, sin = kernels.rope_tables(T, D, m.rope_theta, np, x.dtype)
+    xn, _ = kernels.rmsnorm_forward(x, p["attn_norm"], m.norm_eps, np)
     q = (xn @ p["attn.wq"].T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
     k = (xn @ p["attn.wk"].T).reshape(B, T, KV, D).transpose(0, 2, 1, 3)
     v = (xn @ p["attn.wv"].T).reshape(B, T, KV, D).transpose(0, 2, 1, 3)
-    q, _ = K.rope_forward(q, cos, sin, np)
-    k, _ = K.rope_forward(k, cos, sin, np)
-    o, _ = K.attention_forward(q, k, v, np)
+    q, _ = kernels.rope_forward(q, cos, sin, np)
+    k, _ = kernels.rope_forward(k, cos, sin, np)
+    o, _ = kernels.attention_forward(q, k, v, np)
     h = x + o.transpose(0, 2, 1, 3).reshape(B, T, H * D) @ p["attn.wo"].T
-    hn, _ = K.rmsnorm_forward(h, p["mlp_norm"], m.norm_eps, np)
-    y, _ = K.mlp_forward(hn, p["mlp.w_gate"], p["mlp.w_up"], p["mlp.w_down"], np)
+    hn, _ = kernels.rmsnorm_forward(h, p["mlp_norm"], m.norm_eps, np)
+    y, _ = kernels.mlp_forward(hn, p["mlp.w_gate"], p["mlp.w_up"], p["mlp.w_down"], np)
     return h + y
 
 
-def run_layer(ctx, x, p, dy, keep="all"):
+def run_layer(ctx, x, p, dy, recompute="none"):
     g = zeros_like(p, np.float64 if ctx.dtype == np.float64 else np.float32)
-    y, cache = L.layer_forward(x, p, ctx, keep)
-    dx = L.layer_backward(dy, cache, p, g, ctx)
+    y, cache = layers.layer_forward(x, p, ctx, recompute)
+    dx = layers.layer_backward(dy, cache, p, g, ctx)
     return y, dx, g, cache
 
 
@@ -64,7 +64,7 @@ def test_layer_matches_plain_reference(threads):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, M.seq_len, M.hidden))
     with ExecContext(M, "fp64", threads=threads, attn_block=4) as ctx:
-        y, _ = L.layer_forward(x, P[1], ctx)
+        y, _ = layers.layer_forward(x, P[1], ctx)
     np.testing.assert_allclose(y, ref_layer(x, P[1], M), rtol=1e-12, atol=1e-12)
 
 
@@ -78,7 +78,7 @@ def test_layer_finite_differences():
         _, dx, g, _ = run_layer(ctx, x, p, r)
 
         def loss():
-            return float((L.layer_forward(x, p, ctx)[0] * r).sum())
+            return float((layers.layer_forward(x, p, ctx)[0] * r).sum())
 
         checks = [(x, dx)] + [(p[k], g[k]) for k in p]
         for arr, grad in checks:
@@ -96,25 +96,25 @@ def test_layer_finite_differences():
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_keep_modes_give_bitwise_equal_gradients(precision, threads):
+def test_recompute_choices_give_bitwise_equal_gradients(precision, threads):
     dt = np.float16 if precision == "fp16" else np.float32
     P = make_params(M, dt)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, M.seq_len, M.hidden)).astype(dt)
     dy = rng.standard_normal(x.shape).astype(dt)
     with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
-        y0, dx0, g0, c0 = run_layer(ctx, x, P[1], dy, "all")
-        sizes = {"all": L.cache_nbytes(c0)}
-        for keep in ("selective", "input"):
-            y, dx, g, c = run_layer(ctx, x, P[1], dy, keep)
-            sizes[keep] = L.cache_nbytes(c)
+        y0, dx0, g0, c0 = run_layer(ctx, x, P[1], dy, "none")
+        sizes = {"none": layers.cache_nbytes(c0)}
+        for rc in ("selective", "full"):
+            y, dx, g, c = run_layer(ctx, x, P[1], dy, rc)
+            sizes[rc] = layers.cache_nbytes(c)
             assert y.dtype == dt and dx.dtype == dt
             np.testing.assert_array_equal(y, y0)
             np.testing.assert_array_equal(dx, dx0)
             for k in g0:
                 assert g[k].dtype == np.float32
-                np.testing.assert_array_equal(g[k], g0[k], err_msg=f"{keep} {k}")
-    assert sizes["input"] == x.nbytes < sizes["selective"] < sizes["all"]
+                np.testing.assert_array_equal(g[k], g0[k], err_msg=f"{rc} {k}")
+    assert sizes["full"] == x.nbytes < sizes["selective"] < sizes["none"]
 
 
 def test_fp16_close_to_fp32_and_threads_deterministic():
@@ -153,21 +153,21 @@ def test_head_matches_reference_fd_and_chunks():
     B, T = 3, M.seq_len
     x = rng.standard_normal((B, T, M.hidden))
     t = rng.integers(0, M.vocab_size, (B, T))
-    xn, _ = K.rmsnorm_forward(x, p["norm"], M.norm_eps, np)
-    ref, _ = K.cross_entropy_forward((xn @ p["weight"].T).reshape(B * T, -1), t.reshape(-1), np)
+    xn, _ = kernels.rmsnorm_forward(x, p["norm"], M.norm_eps, np)
+    ref, _ = kernels.cross_entropy_forward((xn @ p["weight"].T).reshape(B * T, -1), t.reshape(-1), np)
     results = []
     for chunk in (1 << 20, 3 * 8 * M.vocab_size):  # one chunk / many small logits chunks
         with ExecContext(M, "fp64", threads=2, head_chunk_bytes=chunk) as ctx:
-            loss, cache = L.head_forward(x, t, p, ctx)
+            loss, cache = layers.head_forward(x, t, p, ctx)
             g = zeros_like(p)
-            dx = L.head_backward(0.5, cache, p, g, ctx)
+            dx = layers.head_backward(0.5, cache, p, g, ctx)
             results.append((loss, dx, g))
             np.testing.assert_allclose(loss, ref, rtol=1e-12)
     for a, b in zip(results[0][1:2], results[1][1:2]):
         np.testing.assert_allclose(a, b, rtol=1e-12)
     loss, dx, g = results[0]
     with ExecContext(M, "fp64", threads=1) as ctx:
-        f = lambda: 0.5 * float(L.head_forward(x, t, p, ctx)[0])  # noqa: E731
+        f = lambda: 0.5 * float(layers.head_forward(x, t, p, ctx)[0])  # noqa: E731
         for arr, grad in ((x, dx), (p["norm"], g["norm"]), (p["weight"], g["weight"])):
             flat, gflat = arr.reshape(-1), grad.reshape(-1)
             for i in rng.choice(flat.size, 5, replace=False):
@@ -187,15 +187,15 @@ def test_head_and_embed_dtypes(precision):
     rng = np.random.default_rng(6)
     ids = rng.integers(0, M.vocab_size, (2, M.seq_len))
     with ExecContext(M, precision, threads=2) as ctx:
-        x, ce = L.embed_forward(ids, P[0], ctx)
+        x, ce = layers.embed_forward(ids, P[0], ctx)
         assert x.dtype == dt and np.array_equal(x, P[0]["weight"][ids])
-        loss, ch = L.head_forward(x, ids, P[-1], ctx)
+        loss, ch = layers.head_forward(x, ids, P[-1], ctx)
         assert loss.dtype == np.float32 and loss.shape == ()
         g = zeros_like(P[-1], np.float32)
-        dx = L.head_backward(1.0, ch, P[-1], g, ctx)
+        dx = layers.head_backward(1.0, ch, P[-1], g, ctx)
         assert dx.dtype == dt and g["weight"].dtype == np.float32
         ge = {"weight": np.zeros(P[0]["weight"].shape, np.float32)}
-        L.embed_backward(dx, ce, P[0], ge, ctx)
+        layers.embed_backward(dx, ce, P[0], ge, ctx)
         ref = np.zeros_like(ge["weight"])
         np.add.at(ref, ids.reshape(-1), dx.reshape(-1, M.hidden).astype(np.float32))
         np.testing.assert_allclose(ge["weight"], ref, rtol=1e-6)
@@ -206,18 +206,18 @@ def test_ledger_scratch_and_cache_tracking():
     led = Ledger()
     x = np.random.default_rng(7).standard_normal((2, M.seq_len, M.hidden)).astype(np.float16)
     with ExecContext(M, "fp16", ledger=led, threads=2) as ctx:
-        y, cache = L.layer_forward(x, P[1], ctx, "all")
+        y, cache = layers.layer_forward(x, P[1], ctx, "none")
         assert led.current == 0  # scratch released
         peaks = led.peak_by_tag()
         n_w = sum(v.size for k, v in P[1].items() if "norm" not in k)
         assert peaks["scratch.gemm"] == 4 * n_w  # the fp32 copies of the weight views
-        assert peaks[L.WORK_TAG] == L.layer_workspace_nbytes(ctx, 2, M.seq_len)
+        assert peaks[layers.WORK_TAG] == layers.layer_workspace_nbytes(ctx, 2, M.seq_len)
         led.reset_peak()
-        n = led.track("activations.mb0.layers.0", *L.cache_arrays(cache))
-        assert n == L.cache_nbytes(cache) > x.nbytes
+        n = led.track("activations.mb0.layers.0", *layers.cache_arrays(cache))
+        assert n == layers.cache_nbytes(cache) > x.nbytes
         g = zeros_like(P[1], np.float32)
-        L.layer_backward(y, cache, P[1], g, ctx)
-        led.free(*L.cache_arrays(cache))
+        layers.layer_backward(y, cache, P[1], g, ctx)
+        led.free(*layers.cache_arrays(cache))
         assert led.current == 0
 
 
@@ -259,16 +259,16 @@ def test_against_transformers_llama(dtype):
     Pn = [{k: v.astype(npdt) for k, v in b.items()} for b in P]
     G = [zeros_like(b, npdt) for b in Pn]
     with ExecContext(M, precision, threads=2, attn_block=4) as ctx:
-        x, ce = L.embed_forward(ids, Pn[0], ctx)
+        x, ce = layers.embed_forward(ids, Pn[0], ctx)
         caches = []
         for i in range(M.layers):
-            x, c = L.layer_forward(x, Pn[1 + i], ctx)
+            x, c = layers.layer_forward(x, Pn[1 + i], ctx)
             caches.append(c)
-        loss, ch = L.head_forward(x, tg, Pn[-1], ctx)
-        dx = L.head_backward(1.0, ch, Pn[-1], G[-1], ctx)
+        loss, ch = layers.head_forward(x, tg, Pn[-1], ctx)
+        dx = layers.head_backward(1.0, ch, Pn[-1], G[-1], ctx)
         for i in reversed(range(M.layers)):
-            dx = L.layer_backward(dx, caches[i], Pn[1 + i], G[1 + i], ctx)
-        L.embed_backward(dx, ce, Pn[0], G[0], ctx)
+            dx = layers.layer_backward(dx, caches[i], Pn[1 + i], G[1 + i], ctx)
+        layers.embed_backward(dx, ce, Pn[0], G[0], ctx)
     # LlamaRMSNorm computes in float32 even in a float64 model: float64 agrees to ~1e-8 only
     tol = 1e-6 if dtype == "float64" else 2e-5
     np.testing.assert_allclose(float(loss), tloss.item(), rtol=tol)

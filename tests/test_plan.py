@@ -10,9 +10,13 @@ from dataclasses import dataclass, replace
 import pytest
 
 from ratrain.config import config_from_dict, load_config
+from ratrain.exec.spec import block_flops
 from ratrain.plan import cost as C
 from ratrain.plan.__main__ import main
+from ratrain.plan.calibrate import calibrate
 from ratrain.plan.cost import CostModel, Rates
+from ratrain.plan.events import Sim, _Link
+from ratrain.plan.memory import peak_memory
 from ratrain.plan.search import (
     Layout,
     candidate_layouts,
@@ -21,15 +25,9 @@ from ratrain.plan.search import (
     scaling,
     search,
 )
-from ratrain.plan.simulate import (
-    _Link,
-    _Sim,
-    keep_for,
-    policy_steps,
-    simulate,
-    simulate_config,
-    stage_block_names,
-)
+from ratrain.lifecycle.memory import stage_sizes
+from ratrain.plan.simulate import simulate, simulate_config
+from ratrain.plan.steps import policy_steps, recompute_for, stage_block_names
 
 POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
 
@@ -52,27 +50,27 @@ class Uniform:
         self.rates = _Rates(bw, lat)
         self.activation_bytes = act
 
-    def forward_time(self, kind):
+    def forward_time(self, role):
         return self.tf
 
-    def backward_time(self, kind, keep="all"):
-        return self.tb + (self.tf if keep == "input" else 0.0)
+    def backward_time(self, role, recompute="none"):
+        return self.tb + (self.tf if recompute == "full" else 0.0)
 
-    def update_time(self, kind, shards=1):
+    def update_time(self, role, shards=1):
         return self.upd / shards
 
-    def view_time(self, kind, shards=1):
+    def view_time(self, role, shards=1):
         return 0.0
 
-    def view_bytes(self, kind):
+    def view_bytes(self, role):
         return self.grad / 2
 
     def ring_half_terms(self, nbytes, p):
         lat, wire = self.allreduce_terms(nbytes, p)
         return lat / 2, wire / 2
 
-    def grad_bytes(self, kind):
-        return 0.0 if kind == "embed" else self.grad
+    def grad_bytes(self, role):
+        return 0.0 if role == "embed" else self.grad
 
     def allreduce_terms(self, nbytes, p, algo=None):
         return C.allreduce_terms(nbytes, p, "ring", self.rates.link_bandwidth,
@@ -103,13 +101,19 @@ def _run(policy, pp, m, cost, dp=1, per=1, embed=False, precision="fp32", mode="
 
 
 def test_allreduce_formulas():
+    """The planner prices the algorithms the runtime runs (`comm.model`): ring, and the tree
+    as recursive doubling (log2 p exchanges; 2 more messages when p is not a power of two)."""
     n, B, a = 64 * 2**20, 1e9, 20e-6
-    assert C.ring_allreduce_time(n, 4, B, a) == pytest.approx(2 * 3 * (a + n / (4 * B)))
-    assert C.tree_allreduce_time(8, 16, B, a) == pytest.approx(2 * 4 * (a + 8 / B))
-    assert C.ring_allreduce_time(n, 1, B, a) == 0.0
+    ring = CostModel(load_config("jobs/llama2-7b.yaml").model,
+                     Rates(1e12, B, a), algo="ring")
+    assert ring.allreduce_time(n, 4) == pytest.approx(2 * 3 * (a + n / (4 * B)))
+    assert ring.allreduce_time(n, 1) == 0.0
+    tree = replace(ring, algo="tree")
+    assert tree.allreduce_time(8, 16) == pytest.approx(4 * (a + 8 / B))
+    assert tree.allreduce_time(8, 24) == pytest.approx((4 + 2) * (a + 8 / B))
     # auto: the tree for small messages on many ranks, the ring for large ones
     lat, wire = C.allreduce_terms(8, 1024, "auto", B, a)
-    assert lat == pytest.approx(2 * 10 * a)
+    assert lat == pytest.approx(10 * a)
     lat, wire = C.allreduce_terms(n, 64, "auto", B, a)
     assert wire == pytest.approx(2 * 63 * n / 64)
     with pytest.raises(ValueError, match="algo"):
@@ -123,13 +127,14 @@ def test_cost_model_llama7b():
     m = cfg.model
     # forward + backward of every block of the model = flops_per_token x tokens
     total = sum(
-        cost.block_flops(k) * n for k, n in (("layer", m.layers), ("head", 1))
+        (block_flops(m, r, cost.tokens, "forward") + block_flops(m, r, cost.tokens, "backward"))
+        * n for r, n in (("layer", m.layers), ("head", 1))
     )
     assert total == pytest.approx(m.flops_per_token() * cost.tokens, rel=1e-3)
     assert cost.backward_time("layer") == pytest.approx(2 * cost.forward_time("layer"))
-    assert cost.backward_time("layer", "input") == pytest.approx(3 * cost.forward_time("layer"))
+    assert cost.backward_time("layer", "full") == pytest.approx(3 * cost.forward_time("layer"))
     assert cost.forward_time("layer") < cost.backward_time("layer", "selective") \
-        < cost.backward_time("layer", "input")
+        < cost.backward_time("layer", "full")
     assert cost.activation_bytes == 4096 * 4096 * 2
     assert cost.p2p_time() == pytest.approx(5e-6 + 4096 * 4096 * 2 / 6.25e9)
     p = cost.block_params("layer")
@@ -173,7 +178,7 @@ def test_one_step_makespan_and_message_costs():
 
 
 def test_link_is_shared_by_concurrent_flows():
-    sim = _Sim([], Uniform(bw=1e6), 1, "eager", False)
+    sim = Sim([], Uniform(bw=1e6), 1, "eager", False)
     link, done = _Link(sim, 1e6), {}
     link.add(0.0, 1e6, lambda t: done.setdefault("a", t))
     link.add(0.0, 1e6, lambda t: done.setdefault("b", t))
@@ -296,7 +301,7 @@ def test_calibrate_recovers_compute_rate(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i, s in enumerate([10 * step, step * 0.999, step, step * 1.001]):
             f.write(json.dumps({"step": i, "step_time_s": s}) + "\n")
-    cal = C.calibrate(cfg, str(tmp_path), cost)
+    cal = calibrate(cfg, str(tmp_path), cost)
     assert cal.method == "step" and cal.steps_used == 3
     assert cal.rates.compute_flops == pytest.approx(3.0e12, rel=1e-4)
     assert abs(cal.residual) < 1e-4
@@ -342,11 +347,9 @@ def test_auto_recompute_is_the_fewest_layers_that_fit():
         if n:
             fewer = list(counts)
             fewer[s] -= 1
-            from ratrain.plan.simulate import peak_memory, stage_sizes
-
             lists = policy_steps("ratrain", blocks, 8, cfg.precision, cfg.model, 2)
-            keep = keep_for(blocks, "auto", fewer)[s]
-            sizes = stage_sizes(cfg.model, 1, cfg.precision, blocks[s], keep)
+            choice = recompute_for(blocks, "auto", fewer)[s]
+            sizes = stage_sizes(cfg.model, 1, cfg.precision, blocks[s], choice)
             assert peak_memory(lists, s, blocks[s], sizes) > cap
     assert plan_layout(cfg, lay, "ratrain", cost, 2**20)[0].result is None  # nothing fits
 

@@ -16,12 +16,7 @@ from ratrain.lifecycle.schedule import (
     Update,
     WaitGrad,
 )
-from ratrain.lifecycle.validate import (
-    ScheduleError,
-    check_lifecycle,
-    policy_steps,
-    validate_policy,
-)
+from ratrain.lifecycle.validate import ScheduleError, check_lifecycle, validate_policy
 
 
 def infos(pp, m, precision="fp16", per_stage=2):
@@ -102,14 +97,14 @@ def test_megatron_buckets():
 
 def test_lifecycle_checker_catches_misplaced_actions():
     info = infos(1, 1)[0]
-    good = policy_steps(Policy("ratrain"), info, 2)
+    good = Policy("ratrain").steps(info, 2)
     check_lifecycle(good, info.blocks, 1)
 
     def edit(steps, k, fn):
         return [fn(list(s)) if i == k else s for i, s in enumerate(steps)]
 
     # update before the step's norm
-    base = list(policy_steps(Policy("baseline-1f1b"), info, 1)[0])
+    base = list(Policy("baseline-1f1b").steps(info, 1)[0])
     i = base.index(Update("head"))
     moved = base[:i] + base[i + 1:]
     moved.insert(base.index(GradNorm()), Update("head"))
@@ -135,4 +130,4 @@ def test_lifecycle_checker_catches_misplaced_actions():
 def test_grid_shows_lifecycle():
     inf = infos(2, 2)
     text = grid([Policy("ratrain").build_step(i, True) for i in inf], [i.blocks for i in inf])
-    assert "Uh" in text and "S3" in text and "N" in text and "1B1" in text
+    assert "update head" in text and "sync L3" in text and "norm" in text and "B mb1" in text

@@ -9,13 +9,13 @@ import pytest
 
 from ratrain.config import OptimConfig
 from ratrain.exec.optim import AdamW, global_grad_norm
-from ratrain.exec.params import KINDS, StageState, segment_bounds
+from ratrain.exec.params import BUFFERS, StageState, segment_bounds
 from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.policies import Policy, StageInfo
 from ratrain.lifecycle.schedule import MaterializeView, SyncGrad, WaitView
-from ratrain.lifecycle.validate import ScheduleError, check_lifecycle, policy_steps, validate_policy
-from ratrain.plan.memory import StageSizes, choose_recompute, simulate_peak
+from ratrain.lifecycle.validate import ScheduleError, check_lifecycle, validate_policy
+from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
 from ratrain.shim.ledger import Ledger
 from tests._executor_util import MODEL
 
@@ -40,16 +40,16 @@ def test_segments_are_the_rings():
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_sharded_state_holds_its_segments(p):
     whole, shards = states(p)
-    for kind in KINDS:
+    for kind in BUFFERS:
         whole.buffer(kind)[:] = np.random.default_rng(len(kind)).standard_normal(whole.size)
-    full = {k: {n: np.array(a) for n, a in whole.named(k)} for k in KINDS}
+    full = {k: {n: np.array(a) for n, a in whole.named(k)} for k in BUFFERS}
     for q, st in enumerate(shards):
         st.load_state_dict(full)
         assert st.held_size == sum(np.diff(segment_bounds(b.size, q, p)) for b in st.blocks)
         assert st.ledger.by_tag()["params.master"] == 4 * st.held_size
         for b in st.block_names:
             lo, hi = st.segment(b)
-            for k in KINDS:
+            for k in BUFFERS:
                 assert np.array_equal(st.flat(k, b), whole.flat(k, b)[lo:hi])
         with pytest.raises(RuntimeError, match="sharded"):
             st.state_dict()
@@ -58,7 +58,7 @@ def test_sharded_state_holds_its_segments(p):
         conv = StageState(whole.blocks, "fp32", Ledger(None), np, 7)
         conv.load_state_dict(full)
         conv.shard(q, p)
-        for k in KINDS:
+        for k in BUFFERS:
             assert np.array_equal(conv.buffer(k), st.buffer(k))
         assert conv.ledger.current == st.ledger.current
     # init from the seed is the same split
@@ -88,7 +88,7 @@ def test_segment_update_is_bitwise_the_whole_update(p, precision):
                 o.update_block(st, b, t, 1e-2, 0.5)
                 st.free_grad(b)
     for b in whole.block_names:
-        for k in KINDS:
+        for k in BUFFERS:
             union = np.concatenate([st.flat(k, b) for st in shards])
             assert np.array_equal(union, whole.flat(k, b)), (b, k)
         # the view: own segment cast, the rest is what the all-gather brings
@@ -129,7 +129,7 @@ def test_sharded_ratrain_validates(pp, precision):
 
 def test_sharded_schedule_places_gathers_and_scatters():
     info = infos(2, 4, "fp32")[1]
-    lists = policy_steps(Policy("ratrain"), info, 2)
+    lists = Policy("ratrain").steps(info, 2)
     step = lists[1]
     # every view is gathered at step start (after the block's update) and waited for just
     # before the block's first forward; every sync is a reduce-scatter
@@ -140,9 +140,9 @@ def test_sharded_schedule_places_gathers_and_scatters():
     syncs = [h for a in step if type(a).__name__ == "Backward" for _, h in a.post
              if isinstance(h, SyncGrad)]
     assert syncs and all(s.scatter for s in syncs)
-    text = grid([policy_steps(Policy("ratrain"), i, 2)[1] for i in infos(2, 4, "fp32")],
+    text = grid([Policy("ratrain").steps(i, 2)[1] for i in infos(2, 4, "fp32")],
                 [i.blocks for i in infos(2, 4, "fp32")])
-    assert "A2" in text and "Y2" in text and "R2" in text
+    assert "gather-view L2" in text and "wait-view L2" in text and "sync-scatter L2" in text
 
     def broken(drop):
         return [tuple(a if type(a).__name__ != "Forward" else
@@ -156,10 +156,10 @@ def test_sharded_schedule_places_gathers_and_scatters():
 
 
 def _sizes(precision, shards, params, keep=None):
-    act = {b: ({"all": 20000, "input": 1000} if b.startswith("layers.") else {"all": 10})
+    act = {b: ({"none": 20000, "full": 1000} if b.startswith("layers.") else {"none": 10})
            for b in params}
-    return StageSizes(precision, params, act, {b: a["all"] for b, a in act.items()},
-                      message_bytes=100, keep=keep or {}, shards=shards)
+    return StageSizes(precision, params, act, {b: a["none"] for b, a in act.items()},
+                      message_bytes=100, recompute=keep or {}, shards=shards)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -167,18 +167,18 @@ def test_memory_model_sees_the_sharded_state(precision):
     pp, m, dp = 2, 4, 4
     for s, info in enumerate(infos(pp, m, precision, shards=1)):
         params = {b: 10_000 for b in info.blocks}
-        base = simulate_peak(policy_steps(Policy("baseline-1f1b"), info, 2)[:2], info.blocks,
+        base = simulate_peak(Policy("baseline-1f1b").steps(info, 2, flush=False), info.blocks,
                              _sizes(precision, 1, params))
         sinfo = replace(info, shards=dp)
-        ours = simulate_peak(policy_steps(Policy("ratrain"), sinfo, 2)[:2], info.blocks,
+        ours = simulate_peak(Policy("ratrain").steps(sinfo, 2, flush=False), info.blocks,
                              _sizes(precision, dp, params))
         assert ours < base, (s, ours, base)
         # a cap where the baseline must recompute every layer: ratrain recomputes fewer
-        lists_b = policy_steps(Policy("baseline-1f1b"), info, 2)[:2]
-        lists_r = policy_steps(Policy("ratrain"), sinfo, 2)[:2]
+        lists_b = Policy("baseline-1f1b").steps(info, 2, flush=False)
+        lists_r = Policy("ratrain").steps(sinfo, 2, flush=False)
         full_b = choose_recompute(0, _sizes(precision, 1, params), lists_b, info.blocks)[1]
         kb, _ = choose_recompute(full_b, _sizes(precision, 1, params), lists_b, info.blocks)
         kr, pr = choose_recompute(full_b, _sizes(precision, dp, params), lists_r, info.blocks)
         layers = [b for b in info.blocks if b.startswith("layers.")]
-        assert all(kb[b] == "input" for b in layers) and pr <= full_b
-        assert sum(kr[b] == "input" for b in layers) < len(layers)
+        assert all(kb[b] == "full" for b in layers) and pr <= full_b
+        assert sum(kr[b] == "full" for b in layers) < len(layers)

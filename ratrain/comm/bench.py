@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import collectives as coll
+from . import model as cost
 from .engine import CommEngine
 from .progress import run, run_all
 from .wire import exchange_op, recv_op, send_op
@@ -271,9 +272,9 @@ def main(argv=None) -> int:
                     bw, lat = link.bandwidth / link.time_scale, link.latency * link.time_scale
                     if a.op == "allreduce":
                         chosen = algo if algo != "auto" else coll.choose_algo(nb, p, link)
-                        model = coll.model_time(chosen, nb, p, lat, bw)
+                        model = cost.seconds("allreduce", chosen, nb, p, lat, bw)
                         if a.dtype == "float16":  # partial sums travel as float32
-                            wide = coll.model_time(chosen, 2 * nb, p, lat, bw)
+                            wide = cost.seconds("allreduce", chosen, 2 * nb, p, lat, bw)
                             model = (model + wide) / 2 if chosen == "ring" else wide
                         rec["model_s"] = model
                     elif a.op in ("pingpong", "sendrecv"):

@@ -164,10 +164,6 @@ class CommEngine:
     def __exit__(self, *exc):
         self.close()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._inflight)
-
     # -- the engine thread ------------------------------------------------------------------------
 
     def _start(self, item) -> None:

@@ -61,7 +61,7 @@ class _Blas:
                 lib.set_num_threads(b)
 
 
-_BLAS = _Blas()
+BLAS = _Blas()  # numpy's BLAS thread count, per region
 
 
 class ExecContext:
@@ -141,11 +141,11 @@ class ExecContext:
         if not self.on_cpu:
             return [fn(it) for it in items]
         if len(items) == 1:
-            with _BLAS.limit(self.threads):
+            with BLAS.limit(self.threads):
                 return [fn(items[0])]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ratrain-exec")
-        with _BLAS.limit(1):
+        with BLAS.limit(1):
             futures = [self._pool.submit(fn, it) for it in items[1:]]
             try:
                 first = fn(items[0])
@@ -166,4 +166,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["ExecContext", "auto_threads"]
+__all__ = ["BLAS", "ExecContext", "auto_threads"]

@@ -372,24 +372,28 @@ def swiglu_forward(gate, up, xp, out=None):
     return a, (gate, up)
 
 
-def swiglu_backward(dact, cache, xp):
-    """-> (dgate, dup) in the compute type."""
+def swiglu_backward(dact, cache, xp, out=None, with_act=False):
+    """-> (dgate, dup) in the compute type, written into `out` = (dgate, dup) when given (views
+    welcome). `with_act`: also return act = silu(gate) * up, which the sigmoid computed here
+    gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act)."""
     gate, up = cache
     ct = compute_dtype(gate, up, dact)
     g, u, da = _as(gate, ct), _as(up, ct), _as(dact, ct)
+    dgate, dup = out if out is not None else (None, None)
     sig = xp.negative(g)  # (..., F)
     xp.exp(sig, out=sig)
     sig += 1.0
     xp.reciprocal(sig, out=sig)  # sigmoid(g)
     silu = g * sig
-    dup = da * silu
+    act = silu * u if with_act else None
+    dup = xp.multiply(da, silu, out=dup)
     # d silu / dg = sig * (1 + g * (1 - sig)) = sig + silu - silu * sig
     t = silu * sig
     xp.subtract(silu, t, out=t)
     t += sig
-    dgate = xp.multiply(da, u)
+    dgate = xp.multiply(da, u, out=dgate)
     dgate *= t
-    return dgate, dup
+    return (dgate, dup, act) if with_act else (dgate, dup)
 
 
 def mlp_forward(x, w_gate, w_up, w_down, xp):

@@ -3,7 +3,7 @@
 The interface is docs/INTERNALS.md's "Block kernels":
 
     embed_forward(ids, p, ctx) -> (x, cache)          embed_backward(dx, cache, p, g, ctx) -> None
-    layer_forward(x, p, ctx, keep) -> (y, cache)      layer_backward(dy, cache, p, g, ctx) -> dx
+    layer_forward(x, p, ctx, recompute) -> (y, cache) layer_backward(dy, cache, p, g, ctx) -> dx
     head_forward(x, targets, p, ctx) -> (loss, cache) head_backward(dscale, cache, p, g, ctx) -> dx
     cache_nbytes(cache) -> int ; cache_arrays(cache) -> list of arrays (for ledger.track)
 
@@ -22,12 +22,13 @@ are ctx.dtype; inside a call everything is fp32 (GEMM accumulation, norms, softm
 In fp16 mode q, k, v are rounded to fp16 before attention (they are kept in fp16), so that a
 recomputation from the kept values reproduces the forward bit for bit.
 
-`keep` (what the cache holds for backward):
-    "all"        x, rstd, q, k, v (after RoPE), attention output o and its logsumexp, h, gate|up
+`recompute` (schedule.recompute's per-layer value: what the backward re-runs, hence what the
+cache holds for it):
+    "none"       x, rstd, q, k, v (after RoPE), attention output o and its logsumexp, h, gate|up
     "selective"  the same less o and logsumexp: backward recomputes the attention core
                  (flash forward: cheap, and o is as large as x)
-    "input"      x only: backward re-runs the forward (full recomputation)
-Backward gives bitwise the same gradients whatever `keep` was.
+    "full"       x only: backward re-runs the forward (full recomputation)
+Backward gives bitwise the same gradients whatever `recompute` was.
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ratrain.exec import kernels as K
+from ratrain.exec import kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
-
-KEEP = ("all", "selective", "input")
+from ratrain.exec.spec import RECOMPUTE
 WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
 HALF = np.dtype(np.float16)
 
@@ -48,8 +48,8 @@ HALF = np.dtype(np.float16)
 class BlockCache:
     """What a block's forward keeps for its backward. `parts` holds one dict per batch chunk."""
 
-    kind: str  # "embed" | "layer" | "head"
-    keep: str
+    role: str  # "embed" | "layer" | "head"
+    recompute: str  # what the backward re-runs (layers; "none" for embed and head)
     x: object  # the block input (ids for the embedding)
     chunks: list
     parts: list | None
@@ -80,14 +80,14 @@ def _c(ct, a):
 
 def embed_forward(ids, p, ctx):
     """ids (B, T) -> x (B, T, C) in ctx.dtype."""
-    x, _ = K.embedding_forward(ids, p["weight"], ctx.xp)  # (B, T, C)
+    x, _ = kernels.embedding_forward(ids, p["weight"], ctx.xp)  # (B, T, C)
     if x.dtype != ctx.dtype:
         x = x.astype(ctx.dtype)
-    return x, BlockCache("embed", "all", ids, [], None, {})
+    return x, BlockCache("embed", "none", ids, [], None, {})
 
 
 def embed_backward(dx, cache, p, g, ctx) -> None:
-    K.embedding_backward(dx, (cache.x, p["weight"].shape), ctx.xp, dw=g["weight"])
+    kernels.embedding_backward(dx, (cache.x, p["weight"].shape), ctx.xp, dw=g["weight"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False
     return 4 * (batch * T * per_token + (tiles if T > 1 else 0))
 
 
-def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
+def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
     xp = ctx.xp
     ct = ctx.compute
@@ -166,12 +166,12 @@ def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
     eps = ctx.model.norm_eps
 
     x32 = _c(ct, x)  # (b, T, C)
-    xn, (_, rstd1, _) = K.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
+    xn, (_, rstd1, _) = kernels.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
     qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp)  # (N, HD + 2 KVD)
     q = xp.empty((b, H, T, D), ct)
-    K.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
+    kernels.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
     k = xp.empty((b, KV, T, D), ct)
-    K.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
+    kernels.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
                    out=k.transpose(0, 2, 1, 3))
     v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
     del qkv
@@ -181,15 +181,15 @@ def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
         xp.copyto(k, k16)
         xp.copyto(v, v16)
     o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
-    _, (_, _, _, _, lse, _) = K.flash_attention_forward(
+    _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
     h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp).reshape(b, T, C)  # (b, T, C)
     h += x32
     del x32
-    xn2, (_, rstd2, _) = K.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
+    xn2, (_, rstd2, _) = kernels.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
     gu = matmul(xn2.reshape(N, C), w["wgu"].T, xp=xp)  # (N, 2F)
     if y_out is not None:
-        act, _ = K.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
+        act, _ = kernels.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
         mlp = matmul(act, w["wd"].T, xp=xp)  # (N, C)
         del act
         xp.add(h, mlp.reshape(b, T, C), out=y_out)
@@ -197,59 +197,39 @@ def _layer_fwd_chunk(x, p, w, ctx, keep, y_out):
     kept = {"rstd1": rstd1, "rstd2": rstd2}
     if half:
         kept.update(q=q16, k=k16, v=v16, h=h.astype(ctx.dtype), gu=gu.astype(ctx.dtype))
-        if keep == "all":
+        if recompute == "none":
             kept.update(o=o.astype(ctx.dtype), lse=lse)
     else:
         kept.update(q=q, k=k, v=v, h=h, gu=gu)
-        if keep == "all":
+        if recompute == "none":
             kept.update(o=o, lse=lse)
     return kept
 
 
 def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     """Backward of one batch chunk; writes dx_out and returns the weight-gradient partials."""
-    xp = ctx.xp
-    ct = ctx.compute
-    C, H, KV, D, F = _dims(ctx)
-    b, T, _ = x.shape
-    N, HD, KVD = b * T, H * D, KV * D
-    half = ctx.dtype == HALF
-    cos, sin = ctx.rope(T)
-    cos3, sin3 = cos[:, None, :], sin[:, None, :]
-
-    q, k, v = _c(ct, kept["q"]), _c(ct, kept["k"]), _c(ct, kept["v"])  # (b, H|KV, T, D)
-    if "o" in kept:
-        o, lse = _c(ct, kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
-    else:  # selective: recompute the attention core, rounded as the forward kept it
-        o = xp.empty((b, T, HD), ct)
-        _, (_, _, _, _, lse, _) = K.flash_attention_forward(
-            q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
-        if half:
-            o = _c(ct, o.astype(ctx.dtype))
-    dy32 = _c(ct, dy).reshape(N, C)  # (N, C)
     parts = {}
+    dh = _mlp_backward(dy, kept, p, w, ctx, parts)  # (b, T, C) fp32
+    _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out)
+    return parts
 
-    # --- MLP: y = h + Wd . (silu(g) * u), [g | u] = Wgu . rms(h)
+
+def _mlp_backward(dy, kept, p, w, ctx, parts):
+    """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
+    type and puts the wd, wgu and mlp_norm partials into `parts`."""
+    xp, ct = ctx.xp, ctx.compute
+    C, _, _, _, F = _dims(ctx)
+    b, T, _ = dy.shape
+    N = b * T
+    dy32 = _c(ct, dy).reshape(N, C)  # (N, C)
     h, gu = _c(ct, kept["h"]), _c(ct, kept["gu"])  # (b, T, C), (N, 2F)
-    gate, up = gu[:, :F], gu[:, F:]
-    sig = xp.negative(gate)  # (N, F)
-    xp.exp(sig, out=sig)
-    sig += 1.0
-    xp.reciprocal(sig, out=sig)  # sigmoid(gate)
-    silu = gate * sig  # (N, F)
-    act = silu * up  # (N, F)
+    dact = matmul(dy32, w["wd"], xp=xp)  # (N, F)
+    dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
+    _, _, act = kernels.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
+                                        out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
+    del dact, gu
     parts["wd"] = matmul(dy32.T, act, xp=xp)  # (C, F)
     del act
-    dact = matmul(dy32, w["wd"], xp=xp)  # (N, F)
-    dgu = xp.empty((N, 2 * F), ct)  # (N, 2F)
-    xp.multiply(dact, silu, out=dgu[:, F:])  # d up
-    t = silu * sig  # (N, F)
-    silu -= t
-    silu += sig  # d silu / d gate = sig + silu * (1 - sig)
-    del t
-    dact *= up
-    xp.multiply(dact, silu, out=dgu[:, :F])  # d gate
-    del dact, silu, sig, gu, gate, up
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
     xn2 *= _c(ct, p["mlp_norm"])
@@ -257,23 +237,42 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     del xn2
     dxn2 = matmul(dgu, w["wgu"], xp=xp)  # (N, C)
     del dgu
-    dh, parts["mlp_norm"] = K.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
+    dh, parts["mlp_norm"] = kernels.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
     dh += dy32.reshape(b, T, C)
-    del dxn2, dy32
+    return dh
 
-    # --- attention: h = x + Wo . attn(q, k, v)
+
+def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
+    """h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x)): writes dx_out (the
+    layer's input gradient, dh included) and puts the wo, wqkv and attn_norm partials into
+    `parts`. Under `recompute: selective` the attention core is re-run here first."""
+    xp, ct = ctx.xp, ctx.compute
+    C, H, KV, D, _ = _dims(ctx)
+    b, T, _ = x.shape
+    N, HD, KVD = b * T, H * D, KV * D
+    cos, sin = ctx.rope(T)
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]
+    q, k, v = _c(ct, kept["q"]), _c(ct, kept["k"]), _c(ct, kept["v"])  # (b, H|KV, T, D)
+    if "o" in kept:
+        o, lse = _c(ct, kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
+    else:  # selective: recompute the attention core, rounded as the forward kept it
+        o = xp.empty((b, T, HD), ct)
+        _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
+            q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
+        if ctx.dtype == HALF:
+            o = _c(ct, o.astype(ctx.dtype))
     dh2 = dh.reshape(N, C)
     parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp)  # (C, HD)
     do = matmul(dh2, w["wo"], xp=xp)  # (N, HD)
-    dq, dk, dv = K.flash_attention_backward(
+    dq, dk, dv = kernels.flash_attention_backward(
         do.reshape(b, T, H, D).transpose(0, 2, 1, 3),
         (q, k, v, o.reshape(b, T, H, D).transpose(0, 2, 1, 3), lse, ctx.attn_block), xp)
     del do, q, k, v, o
     dqkv = xp.empty((N, HD + 2 * KVD), ct)  # (N, HD + 2 KVD), token-major
-    K.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
-                    out=dqkv[:, :HD].reshape(b, T, H, D))
-    K.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
-                    out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
+    kernels.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                          out=dqkv[:, :HD].reshape(b, T, H, D))
+    kernels.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                          out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
     x32 = _c(ct, x)
@@ -284,15 +283,14 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     del xn1
     dxn1 = matmul(dqkv, w["wqkv"], xp=xp)  # (N, C)
     del dqkv
-    dx1, parts["attn_norm"] = K.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
+    dx1, parts["attn_norm"] = kernels.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
     xp.add(dh, dx1, out=dx_out)
-    return parts
 
 
-def layer_forward(x, p, ctx, keep="all"):
+def layer_forward(x, p, ctx, recompute="none"):
     """x (B, T, C) ctx.dtype -> (y (B, T, C) ctx.dtype, cache)."""
-    if keep not in KEEP:
-        raise ValueError(f"keep={keep!r}: expected one of {', '.join(KEEP)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     xp = ctx.xp
     B = x.shape[0]
     chunks = ctx.split(B)
@@ -300,8 +298,8 @@ def layer_forward(x, p, ctx, keep="all"):
     with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, B, x.shape[1])), \
             ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
         w = _gemm_weights(p, ctx)
-        kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, keep, y[sl]), chunks)
-    return y, BlockCache("layer", keep, x, chunks, None if keep == "input" else kept)
+        kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, recompute, y[sl]), chunks)
+    return y, BlockCache("layer", recompute, x, chunks, None if recompute == "full" else kept)
 
 
 def layer_backward(dy, cache, p, g, ctx):
@@ -314,8 +312,8 @@ def layer_backward(dy, cache, p, g, ctx):
 
     def run(i):
         sl = chunks[i]
-        if cache.parts is None:  # keep == "input": recompute the forward (no output needed)
-            kept = _layer_fwd_chunk(x[sl], p, w, ctx, "all", None)
+        if cache.parts is None:  # recompute == "full": re-run the forward (no output needed)
+            kept = _layer_fwd_chunk(x[sl], p, w, ctx, "none", None)
         else:
             kept = cache.parts[i]
         return _layer_bwd_chunk(dy[sl], x[sl], kept, p, w, ctx, dx[sl])
@@ -362,7 +360,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     ct = ctx.compute
     b, T, C = x.shape
     N = b * T
-    xn, (_, rstd, _) = K.rmsnorm_forward(_c(ct, x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
+    xn, (_, rstd, _) = kernels.rmsnorm_forward(_c(ct, x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
     xn = xn.reshape(N, C)
     t = targets.reshape(N)
     lse = xp.empty(N, ct)
@@ -371,7 +369,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
         z = matmul(xn[r0:r1], w.T, xp=xp)  # (rows, V)
-        lse[r0:r1] = K.logsumexp_rows(z, xp)
+        lse[r0:r1] = kernels.logsumexp_rows(z, xp)
         xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
     return {"rstd": rstd, "lse": lse}, losses
 
@@ -399,7 +397,7 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
         d *= coef
         dw += matmul(d.T, xn[r0:r1], xp=xp)
         matmul(d, w, out=dxn[r0:r1], xp=xp)
-    dx, dnorm = K.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
+    dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
     dx_out[...] = dx
     return {"weight": dw, "norm": dnorm}
 
@@ -421,7 +419,7 @@ def head_forward(x, targets, p, ctx):
         res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
     losses = xp.concatenate([r[1] for r in res])  # (B * T,)
     loss = losses.mean(dtype=ct)
-    return loss, BlockCache("head", "all", x, chunks, [r[0] for r in res], {"targets": targets})
+    return loss, BlockCache("head", "none", x, chunks, [r[0] for r in res], {"targets": targets})
 
 
 def head_backward(dscale, cache, p, g, ctx):
@@ -442,7 +440,6 @@ def head_backward(dscale, cache, p, g, ctx):
 
 
 __all__ = [
-    "KEEP",
     "BlockCache",
     "cache_arrays",
     "cache_nbytes",

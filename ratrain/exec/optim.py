@@ -39,6 +39,9 @@ import numpy as np
 from ratrain.config import OptimConfig
 
 NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
+# Memory bytes one AdamW update moves per parameter: reads master, grad, m, v (4 x 4 B), writes
+# master, m, v (3 x 4 B). The shim paces an update to these; the planner prices them.
+ADAMW_BYTES_PER_PARAM = 28
 _FP32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -387,6 +390,7 @@ def _module_of(a):
 
 
 __all__ = [
+    "ADAMW_BYTES_PER_PARAM",
     "AdamW",
     "LossScaler",
     "block_sq_norm",

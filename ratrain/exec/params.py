@@ -19,7 +19,7 @@ Sharded mode (`shard=(q, p)`, ZeRO-1 per block over p data-parallel replicas): r
 only segment q of each block, `[q*n//p, (q+1)*n//p)` of the block's n elements (exactly the
 segment a ring reduce-scatter leaves on dp rank q, `ratrain.comm.collectives.segments`), of
 the master, m and v; the flat buffers are these segments back to back (same ledger tags, 1/p of
-the bytes). `flat(kind, block)` is then the own segment, `segment(block)` its (lo, hi) within
+the bytes). `flat(buf, block)` is then the own segment, `segment(block)` its (lo, hi) within
 the block. Working views are whole-block buffers of their own in fp32 too:
 `materialize_view` casts (fp16) or copies (fp32) the own master segment into the view's
 segment, and the caller all-gathers the rest (this package does no MPI). Gradients are whole
@@ -40,7 +40,33 @@ import numpy as np
 
 from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 
-KINDS = ("master", "m", "v")  # the flat fp32 states a stage holds
+BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
+BUFFER_TAGS = {"master": "params.master", "m": "optim.m", "v": "optim.v"}  # their ledger tags
+
+
+STATE_BYTES_PER_PARAM = 12  # held per parameter of the own segment: fp32 master, AdamW m and v
+GRAD_BYTES_PER_PARAM = 4  # an fp32 gradient
+
+
+def view_bytes_per_param(precision: str, shards: int = 1) -> int:
+    """Bytes per parameter a materialised working view holds: 2 in fp16; in fp32 4 when the
+    master is sharded (the view is a whole-block copy), 0 when the view is the master itself."""
+    if precision == "fp16":
+        return 2
+    return 4 if shards > 1 else 0
+
+
+def view_cast_bytes_per_param(precision: str, shards: int = 1) -> int:
+    """Memory bytes one view materialisation moves per parameter of the own segment: read the
+    fp32 master, write the view (0 when the view is the master)."""
+    vb = view_bytes_per_param(precision, shards)
+    return 4 + vb if vb else 0
+
+
+def shard_size(n: int, shards: int = 1) -> int:
+    """The largest of the `shards` segments of n elements (`segment_bounds`' sizes differ by at
+    most one)."""
+    return -(-n // shards)
 
 
 def segment_bounds(n: int, q: int, p: int) -> tuple[int, int]:
@@ -105,10 +131,8 @@ class StageState:
         self.size = off  # parameters on this stage
         self._set_shard(*(shard or (0, 1)))
 
-        n = self.held_size
-        self.master_buf = ledger.alloc("params.master", (n,), np.float32, xp)  # (N/p,)
-        self.m_buf = ledger.alloc("optim.m", (n,), np.float32, xp)  # (N/p,)
-        self.v_buf = ledger.alloc("optim.v", (n,), np.float32, xp)  # (N/p,)
+        for buf, tag in BUFFER_TAGS.items():  # (N/p,) each, zeroed
+            setattr(self, f"{buf}_buf", ledger.alloc(tag, (self.held_size,), np.float32, xp))
         self._views: dict[str, object] = {}  # separate views (fp16 or sharded): block -> flat
         self._grads: dict[str, object] = {}  # block -> flat fp32 gradient
         self._shrunk: set[str] = set()  # blocks whose gradient holds only the own segment
@@ -157,10 +181,10 @@ class StageState:
             raise RuntimeError("drop every view and free every gradient before sharding")
         if p == 1:
             return
-        old = {k: self.buffer(k) for k in KINDS}
+        old = {k: self.buffer(k) for k in BUFFERS}
         old_range = dict(self._block_range)
         self._set_shard(q, p)
-        for k, tag in (("master", "params.master"), ("m", "optim.m"), ("v", "optim.v")):
+        for k, tag in BUFFER_TAGS.items():
             new = self.ledger.alloc(tag, (self.held_size,), np.float32, self.xp, zero=False)
             for b in self.block_names:
                 a, _ = old_range[b]
@@ -245,21 +269,21 @@ class StageState:
 
     # -- masters and moments --------------------------------------------------------------------
 
-    def buffer(self, kind: str):
+    def buffer(self, buf: str):
         """The whole flat fp32 buffer of `master`, `m` or `v` (shape (N,); sharded: the own
         segments of the blocks back to back)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
-        return getattr(self, f"{kind}_buf")
+        if buf not in BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
+        return getattr(self, f"{buf}_buf")
 
-    def flat(self, kind: str, block: str):
+    def flat(self, buf: str, block: str):
         """The block's slice of `master`, `m` or `v` (a view, fp32); sharded: the own segment
         only (`segment(block)` says which part of the block)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
+        if buf not in BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
         self.block(block)
         a, b = self._held_range[block]
-        return self.buffer(kind)[a:b]
+        return self.buffer(buf)[a:b]
 
     def master_flat(self, block: str):
         return self.flat("master", block)
@@ -269,22 +293,22 @@ class StageState:
         self._need_whole("master()")
         return self._split(block, self.master_buf)
 
-    def named(self, kind: str = "master") -> Iterator[tuple[str, object]]:
+    def named(self, buf: str = "master") -> Iterator[tuple[str, object]]:
         """(global name, view of param shape) of `master`, `m` or `v`, in buffer order
         (unsharded only)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
+        if buf not in BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
         self._need_whole("named()")
-        buf = self.buffer(kind)
+        flat = self.buffer(buf)
         for name, spec in self._spec.items():
             a, b = self._param_range[name]
-            yield name, buf[a:b].reshape(spec.shape)
+            yield name, flat[a:b].reshape(spec.shape)
 
     def named_master(self) -> Iterator[tuple[str, object]]:
         """(global name, fp32 master view of param shape), in buffer order."""
         return self.named("master")
 
-    def load_named(self, arrays: Mapping[str, np.ndarray], kind: str = "master",
+    def load_named(self, arrays: Mapping[str, np.ndarray], buf: str = "master",
                    blocks: Iterable[str] | None = None) -> None:
         """Copy {global name: whole array} into `master`, `m` or `v` (import, resume,
         resharding); sharded, only the own segment of each block is kept.
@@ -293,8 +317,8 @@ class StageState:
         shape; other names are ignored. Materialised views of the loaded blocks are refreshed
         from the new masters (sharded: dropped; the schedule gathers them again).
         """
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of: {', '.join(KINDS)}")
+        if buf not in BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
         want = set(self.block_names if blocks is None else blocks)
         for b in want:
             self.block(b)
@@ -302,19 +326,19 @@ class StageState:
         missing = [n for n in names if n not in arrays]
         if missing:
             raise KeyError(
-                f"{kind}: {len(missing)} parameter(s) of this stage missing, first {missing[0]!r}"
+                f"{buf}: {len(missing)} parameter(s) of this stage missing, first {missing[0]!r}"
             )
         for name in names:
             arr, spec = arrays[name], self._spec[name]
             if tuple(arr.shape) != spec.shape:
                 raise ValueError(
-                    f"{kind}: parameter {name!r} has shape {tuple(arr.shape)}, expected "
+                    f"{buf}: parameter {name!r} has shape {tuple(arr.shape)}, expected "
                     f"{spec.shape}"
                 )
-        buf = self.buffer(kind)
+        flat = self.buffer(buf)
         for name in names:
-            self._put(buf, name, arrays[name])
-        if kind == "master":
+            self._put(flat, name, arrays[name])
+        if buf == "master":
             for block in [b for b in self._views if b in want]:
                 if self.sharded:
                     self.drop_view(block)
@@ -325,15 +349,15 @@ class StageState:
         """{"master"|"m"|"v": {global name: view}}: views into the live buffers, not copies
         (unsharded only: a sharded state holds segments; see `Executor.iter_full_state`)."""
         self._need_whole("state_dict()")
-        return {kind: dict(self.named(kind)) for kind in KINDS}
+        return {buf: dict(self.named(buf)) for buf in BUFFERS}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        """Inverse of `state_dict` (each kind must cover every parameter of the stage); works
+        """Inverse of `state_dict` (each buffer must cover every parameter of the stage); works
         sharded too (keeps the own segments)."""
-        for kind in KINDS:
-            if kind not in state:
-                raise KeyError(f"stage state is missing {kind!r}")
-            self.load_named(state[kind], kind)
+        for buf in BUFFERS:
+            if buf not in state:
+                raise KeyError(f"stage state is missing {buf!r}")
+            self.load_named(state[buf], buf)
 
     # -- working views --------------------------------------------------------------------------
 
@@ -425,7 +449,7 @@ class StageState:
             ) from None
 
     def grad_segment(self, block: str):
-        """The part of the block's gradient matching `flat(kind, block)`: the own segment when
+        """The part of the block's gradient matching `flat(buf, block)`: the own segment when
         sharded (after the reduce-scatter it holds the reduced values), else the whole block."""
         if block in self._shrunk:
             return self._grads[block]
@@ -467,4 +491,14 @@ class StageState:
         self.ledger.free(self.master_buf, self.m_buf, self.v_buf)
 
 
-__all__ = ["KINDS", "StageState", "segment_bounds"]
+__all__ = [
+    "BUFFERS",
+    "BUFFER_TAGS",
+    "GRAD_BYTES_PER_PARAM",
+    "STATE_BYTES_PER_PARAM",
+    "StageState",
+    "segment_bounds",
+    "shard_size",
+    "view_bytes_per_param",
+    "view_cast_bytes_per_param",
+]

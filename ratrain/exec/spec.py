@@ -8,18 +8,25 @@ gradient, update it, materialise its view, drop or recompute its activations) is
 Parameter names are global and independent of the stage split (`layers.7.attn.wq`), so
 initialisation, checkpoints and Hugging Face import/export do not depend on the layout.
 Weights use the Hugging Face layout (out_features, in_features): y = x @ W.T.
+
+The flops of a block (`block_flops`) are written here once: the stage split balances them, the
+shim's compute pacing pads each block to them, and the planner's cost model prices them.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ratrain.config import ModelConfig
 
 INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range default
+ROLES = ("embed", "layer", "head")  # what a block does in the model
+PHASES = ("forward", "backward")
+RECOMPUTE = ("none", "selective", "full")  # what a layer's backward recomputes (schedule.recompute)
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,8 @@ class ParamSpec:
 @dataclass(frozen=True)
 class BlockSpec:
     name: str  # "embed" | "layers.{i}" | "head"
-    kind: str  # "embed" | "layer" | "head"
-    index: int  # layer index for kind == "layer", else -1
+    role: str  # "embed" | "layer" | "head"
+    index: int  # layer index for role == "layer", else -1
     params: tuple[ParamSpec, ...]
 
     @property
@@ -53,10 +60,10 @@ def model_blocks(m: ModelConfig) -> list[BlockSpec]:
     h, f, v = m.hidden, m.ffn_hidden, m.vocab_size
     kv = m.kv_heads * m.head_dim
 
-    def block(name, kind, index, entries):
+    def block(name, role, index, entries):
         return BlockSpec(
             name,
-            kind,
+            role,
             index,
             tuple(
                 ParamSpec(f"{name}.{local}", local, shape, init, hf)
@@ -100,15 +107,54 @@ def init_param(p: ParamSpec, seed: int) -> np.ndarray:
     return (rng.standard_normal(p.shape, dtype=np.float32) * np.float32(INIT_STD)).astype(np.float32)
 
 
-def block_cost(m: ModelConfig, kind: str) -> float:
-    """Relative training cost of a block (flops per token), for balancing stages."""
+def block_role(name: str) -> str:
+    """`embed` / `layers.7` / `head` -> "embed" / "layer" / "head"."""
+    return "layer" if name.startswith("layers.") else name
+
+
+@functools.lru_cache(maxsize=256)
+def block_params(m: ModelConfig, role: str) -> int:
+    """Parameters of one block of `role` ("embed" | "layer" | "head") of model `m`."""
+    for b in model_blocks(replace(m, layers=1)):
+        if b.role == role:
+            return b.size
+    raise ValueError(f"unknown block role {role!r}; roles are {', '.join(ROLES)}")
+
+
+def block_flops_per_token(m: ModelConfig, role: str) -> float:
+    """Training flops (forward + backward) per token of one block: 6 per matmul parameter, plus
+    causal attention's QK^T and PV (the layers' share of `ModelConfig.flops_per_token`)."""
     h, f, v = m.hidden, m.ffn_hidden, m.vocab_size
     kv = m.kv_heads * m.head_dim
-    if kind == "layer":
+    if role == "layer":
         return 6.0 * (2 * h * h + 2 * h * kv + 3 * h * f) + 6.0 * m.seq_len * h
-    if kind == "head":
+    if role == "head":
         return 6.0 * v * h
     return 2.0 * h  # the embedding is a gather
+
+
+def recompute_flops(m: ModelConfig, role: str, tokens: int, recompute: str = "none") -> float:
+    """Extra flops a layer's backward spends re-running what its forward did not keep: the whole
+    forward (`full`), or the attention core's (`selective`: QK^T and PV, causal half)."""
+    if role != "layer" or recompute == "none":
+        return 0.0
+    if recompute == "full":
+        return block_flops_per_token(m, role) * tokens / 3.0
+    if recompute == "selective":
+        return 2.0 * m.seq_len * m.hidden * tokens
+    raise ValueError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
+
+
+def block_flops(m: ModelConfig, role: str, tokens: int, phase: str,
+                recompute: str = "none") -> float:
+    """Flops of one block's `phase` over `tokens` tokens: the forward is a third of the training
+    flops, the backward two thirds plus the recomputation `recompute` implies."""
+    train = block_flops_per_token(m, role) * tokens
+    if phase == "forward":
+        return train / 3.0
+    if phase == "backward":
+        return 2.0 * train / 3.0 + recompute_flops(m, role, tokens, recompute)
+    raise ValueError(f"phase={phase!r} is not one of {', '.join(PHASES)}")
 
 
 def stage_layers(m: ModelConfig, pp: int, layers_per_stage=None) -> list[range]:
@@ -118,10 +164,10 @@ def stage_layers(m: ModelConfig, pp: int, layers_per_stage=None) -> list[range]:
         bounds = np.cumsum([0, *layers_per_stage])
         return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     L = m.layers
-    layer = block_cost(m, "layer")
+    layer = block_flops_per_token(m, "layer")
     extra = [0.0] * pp
-    extra[0] += block_cost(m, "embed")
-    extra[-1] += block_cost(m, "head")
+    extra[0] += block_flops_per_token(m, "embed")
+    extra[-1] += block_flops_per_token(m, "head")
     # best[s][i]: minimal max-cost splitting layers[:i] into stages[:s+1], each non-empty
     inf = float("inf")
     best = [[inf] * (L + 1) for _ in range(pp)]
@@ -159,10 +205,17 @@ def stage_blocks(m: ModelConfig, pp: int, stage: int, layers_per_stage=None) -> 
 __all__ = [
     "BlockSpec",
     "INIT_STD",
+    "PHASES",
+    "RECOMPUTE",
+    "ROLES",
     "ParamSpec",
-    "block_cost",
+    "block_flops",
+    "block_flops_per_token",
+    "block_params",
+    "block_role",
     "init_param",
     "model_blocks",
+    "recompute_flops",
     "stage_blocks",
     "stage_layers",
 ]

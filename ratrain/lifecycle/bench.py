@@ -6,7 +6,8 @@
     mpirun -n 8 python -m ratrain.lifecycle.bench time --config jobs/bench-lifecycle.yaml --rounds 3
 
 `grid` prints the schedule (one step after a previous one, so deferred work shows). `memory`
-prints the memory model's peak per stage and policy (activation sizes from shapes); `--dp`
+prints the memory model's peak per stage and policy (activation sizes from shapes,
+`lifecycle.memory.stage_sizes`); `--dp`
 gives `ratrain` its sharded optimizer state (the other policies keep whole state). `time` trains
 a small model for a few steps under each policy in the same session, the link throttled through
 the shim (`--bandwidth` B/s, `--latency` s) and compute paced to `--compute-flops` per rank (so
@@ -25,96 +26,66 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
+import numpy as np
+
+from ratrain.config import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PlatformConfig,
+    RunConfig,
+    ScheduleConfig,
+    load_config,
+)
+from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.grid import grid
-from ratrain.lifecycle.policies import POLICIES, Policy, StageInfo
-from ratrain.lifecycle.validate import policy_steps, validate_policy
-
-
-def _infos(model, pp, m, precision, layers_per_stage=None, shards=1):
-    from ratrain.exec.spec import stage_blocks
-
-    out = []
-    for s in range(pp):
-        blocks = stage_blocks(model, pp, s, layers_per_stage)
-        out.append(StageInfo(pp, s, m, tuple(b.name for b in blocks),
-                             tuple(4 * b.size for b in blocks), precision, shards))
-    return out
+from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
+from ratrain.lifecycle.policies import POLICIES, Policy, stage_infos
+from ratrain.lifecycle.validate import validate_policy
 
 
 def cmd_grid(args) -> None:
-    from ratrain.config import ModelConfig
-
     model = ModelConfig(layers=args.layers)
     pol = Policy(args.policy, bucket_bytes=args.bucket_bytes)
-    infos = _infos(model, args.pp, args.m, args.precision, shards=pol.shards(args.dp))
+    infos = stage_infos(model, args.pp, args.m, args.precision, shards=pol.shards(args.dp))
     validate_policy(pol, infos)
-    lists = [policy_steps(pol, i, 2)[1] for i in infos]
+    lists = [pol.steps(i, 2, flush=False)[1] for i in infos]
     print(f"# {args.policy}, pp={args.pp}, dp={args.dp}, m={args.m}, {args.precision} "
           "(a step after a step)")
-    print(grid(lists, [i.blocks for i in infos], f=1, b=args.b, lifecycle=not args.compute_only))
+    print(grid(lists, [i.blocks for i in infos], f=1, b=args.b, lifecycle=not args.compute_only,
+               legend=True))
 
 
 def cmd_memory(args) -> None:
-    from ratrain.config import load_config
-    from ratrain.exec.spec import stage_blocks
-    from ratrain.plan.memory import (StageSizes, choose_recompute, layer_activation_bytes,
-                                     simulate_peak)
-
     cfg = load_config(args.config, args.set)
-    model, prec = cfg.model, cfg.precision
-    mb = cfg.parallel.micro_batch
-    item = 2 if prec == "fp16" else 4
+    model, prec, mb = cfg.model, cfg.precision, cfg.parallel.micro_batch
     rows = []
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
         pol = Policy(policy)
         shards = pol.shards(args.dp, cfg.schedule.shard_optimizer)
-        for s in range(args.pp):
-            blocks = stage_blocks(model, args.pp, s)
-            info = StageInfo(args.pp, s, args.m, tuple(b.name for b in blocks),
-                             tuple(4 * b.size for b in blocks), prec, shards)
-            act, full = {}, {}
-            for b in blocks:
-                if b.kind == "layer":
-                    act[b.name] = {k: layer_activation_bytes(model, mb, prec, k)
-                                   for k in ("all", "selective", "input")}
-                elif b.kind == "head":  # input + fp32 statistics (logits are chunked)
-                    act[b.name] = {"all": mb * model.seq_len * (model.hidden * item + 8)}
-                else:
-                    act[b.name] = {"all": mb * model.seq_len * 8}
-                full[b.name] = act[b.name]["all"]
-            sizes = StageSizes(prec, {b.name: b.size for b in blocks}, act, full,
-                               mb * model.seq_len * model.hidden * item,
-                               keep={b.name: args.keep for b in blocks if b.kind == "layer"},
-                               shards=shards)
-            peak = simulate_peak(policy_steps(pol, info, 2)[:2], info.blocks, sizes)
-            row = {"policy": policy, "stage": s, "dp": args.dp, "shards": shards,
+        for info in stage_infos(model, args.pp, args.m, prec, shards):
+            layers = [b for b in info.blocks if b.startswith("layers.")]
+            sizes = stage_sizes(model, mb, prec, info.blocks,
+                                dict.fromkeys(layers, args.recompute), shards)
+            lists = pol.steps(info, 2, flush=False)
+            peak = simulate_peak(lists, info.blocks, sizes)
+            row = {"policy": policy, "stage": info.stage, "dp": args.dp, "shards": shards,
                    "peak_GiB": round(peak / 2**30, 3), "peak_MiB": round(peak / 2**20, 2)}
-            if args.cap_gib:  # the fewest layers recomputed (keep=input) under the cap
-                keep, kpeak = choose_recompute(int(args.cap_gib * 2**30), sizes,
-                                               policy_steps(pol, info, 2)[:2], info.blocks)
-                row["recomputed"] = sum(k == "input" for k in keep.values())
-                row["layers"] = len(keep)
-                row["auto_peak_GiB"] = round(kpeak / 2**30, 3)
+            if args.cap_gib:  # the fewest layers fully recomputed under the cap
+                choice, cpeak = choose_recompute(int(args.cap_gib * 2**30), sizes, lists,
+                                                 info.blocks)
+                row["recomputed"] = sum(r == "full" for r in choice.values())
+                row["layers"] = len(choice)
+                row["auto_peak_GiB"] = round(cpeak / 2**30, 3)
             rows.append(row)
     for r in rows:
         print(json.dumps(r))
 
 
-def _config(model, pp, dp, m, precision, policy, micro_batch):
-    from ratrain.config import (Config, OptimConfig, ParallelConfig, RunConfig,
-                                ScheduleConfig)
-
-    return Config(model=model,
-                  parallel=ParallelConfig(pp=pp, dp=dp, micro_batch=micro_batch,
-                                          num_micro_batches=m),
-                  precision=precision, schedule=ScheduleConfig(policy=policy),
-                  optim=OptimConfig(lr=1e-3, grad_clip=1.0), run=RunConfig(steps=100, threads=1))
-
-
 def _batch(cfg, step, replica):
-    import numpy as np
-
     p, mc = cfg.parallel, cfg.model
     rng = np.random.default_rng(step)
     ids = rng.integers(0, mc.vocab_size, (p.dp * p.num_micro_batches, p.micro_batch, mc.seq_len + 1))
@@ -122,42 +93,37 @@ def _batch(cfg, step, replica):
     return ids[..., :-1].copy(), ids[..., 1:].copy()
 
 
-def cmd_time(args) -> None:
-    from mpi4py import MPI
-
-    from ratrain.comm.engine import CommEngine
-    from ratrain.comm.topology import Topology
-    from ratrain.config import ModelConfig
-    from ratrain.exec.context import ExecContext
-    from ratrain.exec.params import StageState
-    from ratrain.exec.spec import stage_blocks
-    from ratrain.lifecycle.executor import Executor
-    from ratrain.shim.ledger import Ledger
-    from ratrain.shim.link import Link
-
-    comm = MPI.COMM_WORLD
+def _time_config(args, policy) -> Config:
+    """`time` without --config: a small model, the link and compute pacing from the flags."""
     model = ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=4,
                         kv_heads=4, ffn_hidden=int(args.hidden * 8 / 3) // 8 * 8,
                         seq_len=args.seq)
+    platform = PlatformConfig(profile="host", emulate=bool(args.bandwidth or args.compute_flops),
+                              link_bandwidth=args.bandwidth or None, link_latency=args.latency,
+                              compute_flops=args.compute_flops or None)
+    return Config(model=model,
+                  parallel=ParallelConfig(pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+                                          num_micro_batches=args.m),
+                  precision=args.precision, schedule=ScheduleConfig(policy=policy),
+                  optim=OptimConfig(lr=1e-3, grad_clip=1.0), platform=platform,
+                  run=RunConfig(steps=100, threads=1))
+
+
+def cmd_time(args) -> None:
+    from mpi4py import MPI  # every rank of the benchmark: MPI is needed here
+
+    from ratrain.lifecycle.rank import build_rank
+
+    comm = MPI.COMM_WORLD
     out = {}
     for policy in args.policies.split(","):
-        cfg = _config(model, args.pp, args.dp, args.m, args.precision, policy, args.micro_batch)
-        topo = Topology(comm, args.pp, args.dp)
-        link = Link(args.bandwidth, args.latency) if args.bandwidth else None
-        engine = CommEngine(topo, watchdog_s=120, link=link)
-        ledger = Ledger(None, comm.Get_rank())
-        state = StageState(stage_blocks(model, args.pp, topo.stage), cfg.precision, ledger)
-        ctx = ExecContext(model, cfg.precision, ledger=ledger, threads=1)
-        pacer = None
-        if args.compute_flops:
-            from ratrain.shim.pacing import Pacer
-
-            pacer = Pacer(compute_flops=args.compute_flops, enabled=True)
-        ex = Executor(cfg, topo, state, ctx, engine, ledger, pacer=pacer)
+        cfg = _time_config(args, policy)
+        rank = build_rank(cfg, comm, watchdog_s=120)
+        ex, replica = rank.executor, rank.topo.replica
         times = []
         for s in range(args.steps):
             comm.Barrier()  # benchmark only: start every step together
-            res = ex.run_step(s, _batch(cfg, s, topo.replica))
+            res = ex.run_step(s, _batch(cfg, s, replica))
             times.append(res.step_time_s)
         ex.flush()
         if args.trace:
@@ -165,8 +131,7 @@ def cmd_time(args) -> None:
         t = max(comm.allgather(statistics.median(times[1:] or times)))
         out[policy] = {"step_s": round(t, 4), "loss": res.loss,
                        "peak_ddr_MiB": round(res.peak_ddr_bytes / 2**20, 2)}
-        engine.close()
-        topo.free()
+        rank.close()
     if comm.Get_rank() == 0:
         base = out.get("baseline-1f1b", {}).get("step_s")
         for policy, r in out.items():
@@ -176,24 +141,23 @@ def cmd_time(args) -> None:
                               "bandwidth": args.bandwidth, **r}))
 
 
+# the parts of a step, by the first word of the action names (`lifecycle.schedule`)
+BREAKDOWN = {"F": "fwd", "B": "bwd", "recv-fwd": "recv", "recv-bwd": "recv",
+             "wait-sync": "wait_sync", "norm": "norm", "update": "update", "view": "view",
+             "gather-view": "view", "wait-view": "wait_view"}
+
+
 def _breakdown(events, t_from: float, steps: int) -> dict:
-    """Seconds per step this rank spent in each kind of action (timeline events from t_from):
+    """Seconds per step this rank spent in each part of a step (timeline events from t_from):
     forward / backward compute (paced, recompute included), waits for the neighbours'
     messages (pipeline bubbles + exposed p2p), the wait for gradient syncs (exposed
     data-parallel comm), the global facts (waits for the slowest stage), updates, view casts
     and view gathers."""
-    import re
-
-    kinds = (("fwd", r"\d+F"), ("bwd", r"\d+B"), ("recv", r"r[fb]\d"), ("wait_sync", r"W"),
-             ("norm", r"N"), ("update", r"U"), ("view", r"[VA]"), ("wait_view", r"Y"))
-    out = dict.fromkeys((k for k, _ in kinds), 0.0)
-    for name, _cat, t0, t1, tid, _args in events:
-        if tid != 0 or t0 < t_from:
-            continue
-        for k, rx in kinds:
-            if re.match(rx, name):
-                out[k] += t1 - t0
-                break
+    out = dict.fromkeys(BREAKDOWN.values(), 0.0)
+    for name, _group, t0, t1, tid, _args in events:
+        part = BREAKDOWN.get(name.split(" ", 1)[0])
+        if tid == 0 and t0 >= t_from and part is not None:
+            out[part] += t1 - t0
     return {k: round(v / steps, 4) for k, v in out.items()}
 
 
@@ -201,32 +165,10 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     """Train `cfg` for `steps` steps (random tokens) as `python -m ratrain.train` wires it (DDR
     cap, link throttle and compute / DDR pacing from `cfg.platform`); timings over the steps
     after the first `skip`. Collective; every rank returns the same dict."""
-    import time
+    from ratrain.lifecycle.rank import build_rank  # loads MPI (more than one rank)
 
-    import numpy as np
-
-    from ratrain.comm.engine import CommEngine
-    from ratrain.comm.topology import Topology
-    from ratrain.exec.context import ExecContext
-    from ratrain.exec.params import StageState
-    from ratrain.exec.spec import stage_blocks
-    from ratrain.lifecycle.executor import Executor
-    from ratrain.lifecycle.policies import as_policy
-    from ratrain.shim.ledger import Ledger
-    from ratrain.shim.link import Link
-    from ratrain.shim.platform import resolve_platform
-
-    p = cfg.parallel
-    topo = Topology(comm, p.pp, p.dp)
-    profile = resolve_platform(cfg.platform)
-    ledger = Ledger(profile.ddr_bytes, comm.Get_rank())
-    engine = CommEngine(topo, watchdog_s=120, link=Link.from_profile(profile), ledger=ledger)
-    shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
-    state = StageState(stage_blocks(cfg.model, p.pp, topo.stage, p.layers_per_stage),
-                       cfg.precision, ledger, np, cfg.init.seed,
-                       shard=(topo.replica, shards) if shards > 1 else None)
-    ctx = ExecContext(cfg.model, cfg.precision, np, ledger=ledger, threads=cfg.run.threads or 1)
-    ex = Executor(cfg, topo, state, ctx, engine, ledger)
+    rank = build_rank(cfg, comm, watchdog_s=120)
+    ex, topo = rank.executor, rank.topo
     pacer = ex.pacer
     times, peaks = [], []
     t_win = c_win = m_win = 0.0
@@ -243,6 +185,7 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     comm.Barrier()
     n = steps - skip
     window = (time.perf_counter() - t_win) / n
+    recompute = ex.compute.recompute
     mine = {
         "window": window,
         "median": statistics.median(times),
@@ -251,16 +194,15 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
         "busy": pacer.busy_s / max(pacer.compute_target_s + pacer.memory_target_s, 1e-9)
         if pacer else 0.0,
         "overruns": pacer.overruns if pacer else 0,
-        "recomputed": sum(k == "input" for k in ex.keep.values()) if topo.replica == 0 else 0,
-        "layers": len(ex.keep) if topo.replica == 0 else 0,
+        "recomputed": sum(r == "full" for r in recompute.values()) if topo.replica == 0 else 0,
+        "layers": len(recompute) if topo.replica == 0 else 0,
         "predicted": ex.predicted_peak,
         "stage": topo.stage,
         "breakdown": _breakdown(ex.events, t_win, n),
         "reports": ex.reports_loss,
     }
     ex.flush()
-    engine.close()
-    topo.free()
+    rank.close()
     rows = comm.allgather(mine)
     rep = next(r for r in rows if r["reports"])
     return {
@@ -281,9 +223,7 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
 
 def cmd_job(args) -> None:
     """`time --config`: each policy on the job's own config, in rounds (rotated order)."""
-    from mpi4py import MPI
-
-    from ratrain.config import load_config
+    from mpi4py import MPI  # every rank of the benchmark: MPI is needed here
 
     comm = MPI.COMM_WORLD
     sets = list(args.set)
@@ -341,7 +281,8 @@ def main(argv=None) -> int:
     mm.add_argument("--set", action="append", default=[])
     mm.add_argument("--pp", type=int, default=4)
     mm.add_argument("--m", type=int, default=8)
-    mm.add_argument("--keep", default="all", choices=("all", "selective", "input"))
+    mm.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                    help="every layer's recompute choice (default none)")
     mm.add_argument("--dp", type=int, default=1, help="replicas (ratrain shards over them)")
     mm.add_argument("--cap-gib", type=float, default=0.0,
                     help="also choose the fewest layers to recompute under this cap (GiB)")

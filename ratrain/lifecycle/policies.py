@@ -41,6 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ratrain.config import ScheduleConfig
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM
+from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.schedule import (
     Action,
     AllocGrad,
@@ -57,7 +60,7 @@ from ratrain.lifecycle.schedule import (
     one_f_one_b,
 )
 
-POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe")
+POLICIES = ScheduleConfig.POLICIES  # baseline-1f1b, megatron-1f1b, ratrain, gpipe
 MEGATRON_BUCKET_BYTES = 40_000_000 * 4  # Megatron-LM's default bucket: 40M fp32 gradient elements
 
 
@@ -82,7 +85,7 @@ class StageInfo:
             stage=stage,
             num_micro_batches=cfg.parallel.num_micro_batches,
             blocks=tuple(b.name for b in blocks),
-            block_bytes=tuple(4 * b.size for b in blocks),
+            block_bytes=tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks),
             precision=cfg.precision,
             shards=pol.shards(cfg.parallel.dp, cfg.schedule.shard_optimizer),
         )
@@ -141,9 +144,40 @@ class Policy:
             return ()
         return tuple(a for b in info.blocks for a in (Update(b), FreeGrad(b)))
 
+    def steps(self, info: StageInfo, n: int, flush: bool = True) -> list[tuple[Action, ...]]:
+        """This rank's lists for `n` consecutive steps as the executor runs them (the first
+        without carried work), then, with `flush`, the flush that ends a run."""
+        out, carry = [], False
+        for _ in range(n):
+            out.append(self.build_step(info, carry))
+            carry = self.carries(info)
+        if flush:
+            out.append(self.build_flush(info))
+        return out
+
 
 def as_policy(policy) -> Policy:
     return policy if isinstance(policy, Policy) else Policy(str(policy))
+
+
+def stage_infos(model, pp: int, m: int, precision: str = "fp32", shards: int = 1,
+                layers_per_stage=None) -> list[StageInfo]:
+    """Every stage's `StageInfo` of a model split into `pp` stages (one replica)."""
+    out = []
+    for s in range(pp):
+        blocks = stage_blocks(model, pp, s, layers_per_stage)
+        out.append(StageInfo(pp, s, m, tuple(b.name for b in blocks),
+                             tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks), precision,
+                             shards))
+    return out
+
+
+def pipeline_steps(policy, infos, n: int) -> list[list[tuple[Action, ...]]]:
+    """`n` consecutive steps of every stage: `out[k][stage]` (no flush), as the executors of
+    one replica run them."""
+    pol = as_policy(policy)
+    per_stage = [pol.steps(info, n, flush=False) for info in infos]
+    return [[lists[k] for lists in per_stage] for k in range(n)]
 
 
 def buckets(info: StageInfo, bucket_bytes: int) -> list[tuple[str, ...]]:
@@ -212,4 +246,5 @@ def _ratrain_step(info: StageInfo, carry: bool) -> tuple[Action, ...]:
     return tuple(start + list(body) + end)
 
 
-__all__ = ["MEGATRON_BUCKET_BYTES", "POLICIES", "Policy", "StageInfo", "as_policy", "buckets"]
+__all__ = ["MEGATRON_BUCKET_BYTES", "POLICIES", "Policy", "StageInfo", "as_policy", "buckets",
+           "pipeline_steps", "stage_infos"]

@@ -1,43 +1,75 @@
-"""The pipeline schedule as data: frozen action records and pure builders.
+"""The pipeline schedule as data: the action vocabulary, its names, and the pure builders.
 
-One rank's step is a tuple of actions run in order by the `Executor`:
+One rank's step is a tuple of frozen action records run in order by the `Executor`. Every
+action belongs to one group:
 
 - compute: `Forward(mb)` / `Backward(mb)` run every block of this stage for micro-batch `mb`
-  (the executor loops over the blocks, consulting the per-block recompute choice);
-- point-to-point: `RecvForward`, `SendForward`, `RecvBackward`, `SendBackward` (micro-batch `mb`),
-  absent at the pipeline's ends;
-- lifecycle, per block: `MaterializeView`, `DropView`, `AllocGrad`, `FreeGrad`, `SyncGrad`
-  (start the data-parallel all-reduce of one or several blocks' gradients in the comm engine,
-  non-blocking), `WaitGrad`, `Update` (AdamW of one block); and `GradNorm`, the step's global
-  facts (gradient norm in global block order across stages, fp16 overflow flag, the loss).
-  With the optimizer state sharded over the dp replicas (`ratrain`, dp > 1) the sync is a
-  reduce-scatter (`SyncGrad(scatter=True)`, grid `R`), the view is cast from the own master
-  segment and all-gathered (`MaterializeView(gather=True)`, grid `A`) and waited for before the
-  block's first forward (`WaitView`, grid `Y`).
+  (the executor loops over the blocks; a backward re-runs what the layer's recompute choice
+  dropped);
+- p2p: `RecvForward`, `SendForward`, `RecvBackward`, `SendBackward` of micro-batch `mb`, absent
+  at the pipeline's ends;
+- lifecycle, per block: `MaterializeView`, `WaitView`, `DropView`, `AllocGrad`, `FreeGrad`,
+  `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts.
 
-A lifecycle action may also ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
+A lifecycle action may ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
 SyncGrad(("layers.3",))),))`): it runs just before (`pre`) or just after (`post`) that block's part
 of the compute, which is how a policy starts a block's gradient sync in the middle of the last
-backward. Builders here are pure functions of (pp, stage, num_micro_batches); the policies in
-`policies.py` add the lifecycle actions.
+backward. `expand` turns a compute action into its per-block events with the hooks in place.
+
+Names: every action has one readable name, built here from its fields (`F mb3`, `sync L5`,
+`update embed`, `recv-fwd mb0`); `event_name(action, block)` names one block's part of a compute
+action (`B mb3 L5`). Traces, the grid, the validator's errors and the simulator all use them.
+
+Interpreters: the executor, the validator, the grid printer, the memory model and the simulator
+each read actions through one `{action type: handler}` table made by `dispatch_table`, which
+refuses a table that neither handles nor explicitly ignores some action type: a new action
+cannot be silently skipped by one of them.
+
+Builders here are pure functions of (pp, stage, num_micro_batches); `policies.py` adds the
+lifecycle actions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 Hooks = tuple[tuple[str, "Action"], ...]  # ((block, action), ...) in run order
+GROUPS = ("compute", "p2p", "lifecycle")
+
+
+def block_label(block: str) -> str:
+    """`layers.5` -> `L5`; `embed`, `head` as they are (names in traces, grids, errors)."""
+    return "L" + block[len("layers."):] if block.startswith("layers.") else block
 
 
 @dataclass(frozen=True)
 class Action:
-    """Base of every action record; `code` is the letter used by the grid printer."""
+    """Base of every action record: its group, and its readable name built from its fields
+    (`word`, then `mb<i>`, the block or blocks)."""
 
-    code: ClassVar[str] = "?"
+    group: ClassVar[str] = ""
+    word: ClassVar[str] = ""
 
-    def label(self, stage: int) -> str:  # pragma: no cover - overridden
-        return self.code
+    def verb(self) -> str:
+        """The first word of the name (an action with a flag may say more)."""
+        return self.word
+
+    def name(self) -> str:
+        parts = [self.verb()]
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "mb":
+                parts.append(f"mb{v}")
+            elif f.name == "block":
+                parts.append(block_label(v))
+            elif f.name == "blocks":
+                parts.append(",".join(block_label(b) for b in v))
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.name()
 
 
 # -- compute ------------------------------------------------------------------------------------
@@ -45,24 +77,26 @@ class Action:
 
 @dataclass(frozen=True)
 class Forward(Action):
+    """Run this stage's blocks forward on micro-batch `mb` (in block order), keeping what each
+    layer's recompute choice lets it keep for the backward."""
+
     mb: int
     pre: Hooks = ()  # lifecycle actions run just before a block's forward
     post: Hooks = ()  # ... just after it
-    code: ClassVar[str] = "F"
-
-    def label(self, stage: int) -> str:
-        return f"{stage}F{self.mb}"
+    group: ClassVar[str] = "compute"
+    word: ClassVar[str] = "F"
 
 
 @dataclass(frozen=True)
 class Backward(Action):
+    """Run this stage's blocks backward on micro-batch `mb` (in reverse block order), adding
+    into each block's gradient buffer."""
+
     mb: int
     pre: Hooks = ()  # e.g. AllocGrad just before the block's first backward
     post: Hooks = ()  # e.g. SyncGrad / DropView just after the block's last backward
-    code: ClassVar[str] = "B"
-
-    def label(self, stage: int) -> str:
-        return f"{stage}B{self.mb}"
+    group: ClassVar[str] = "compute"
+    word: ClassVar[str] = "B"
 
 
 # -- point-to-point -----------------------------------------------------------------------------
@@ -70,48 +104,41 @@ class Backward(Action):
 
 @dataclass(frozen=True)
 class RecvForward(Action):
-    mb: int
-    code: ClassVar[str] = "rf"
+    """Wait for micro-batch `mb`'s activations from the previous stage (posted early)."""
 
-    def label(self, stage: int) -> str:
-        return f"rf{self.mb}"
+    mb: int
+    group: ClassVar[str] = "p2p"
+    word: ClassVar[str] = "recv-fwd"
 
 
 @dataclass(frozen=True)
 class SendForward(Action):
-    mb: int
-    code: ClassVar[str] = "sf"
+    """Hand micro-batch `mb`'s output activations to the next stage (non-blocking)."""
 
-    def label(self, stage: int) -> str:
-        return f"sf{self.mb}"
+    mb: int
+    group: ClassVar[str] = "p2p"
+    word: ClassVar[str] = "send-fwd"
 
 
 @dataclass(frozen=True)
 class RecvBackward(Action):
-    mb: int
-    code: ClassVar[str] = "rb"
+    """Wait for the gradient of micro-batch `mb`'s output from the next stage (posted early)."""
 
-    def label(self, stage: int) -> str:
-        return f"rb{self.mb}"
+    mb: int
+    group: ClassVar[str] = "p2p"
+    word: ClassVar[str] = "recv-bwd"
 
 
 @dataclass(frozen=True)
 class SendBackward(Action):
-    mb: int
-    code: ClassVar[str] = "sb"
+    """Hand the gradient of micro-batch `mb`'s input to the previous stage (non-blocking)."""
 
-    def label(self, stage: int) -> str:
-        return f"sb{self.mb}"
+    mb: int
+    group: ClassVar[str] = "p2p"
+    word: ClassVar[str] = "send-bwd"
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
-
-
-def short_block(block: str) -> str:
-    """`embed` -> `e`, `layers.3` -> `3`, `head` -> `h` (grid cells)."""
-    if block.startswith("layers."):
-        return block[len("layers.") :]
-    return block[:1]
 
 
 @dataclass(frozen=True)
@@ -124,10 +151,10 @@ class MaterializeView(Action):
 
     block: str
     gather: bool = False
-    code: ClassVar[str] = "V"
+    group: ClassVar[str] = "lifecycle"
 
-    def label(self, stage: int) -> str:
-        return f"{'A' if self.gather else 'V'}{short_block(self.block)}"
+    def verb(self) -> str:
+        return "gather-view" if self.gather else "view"
 
 
 @dataclass(frozen=True)
@@ -135,37 +162,35 @@ class WaitView(Action):
     """Wait for the block's view all-gather (sharded optimizer state), before its first use."""
 
     block: str
-    code: ClassVar[str] = "Y"
-
-    def label(self, stage: int) -> str:
-        return f"Y{short_block(self.block)}"
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "wait-view"
 
 
 @dataclass(frozen=True)
 class DropView(Action):
-    block: str
-    code: ClassVar[str] = "v"
+    """Release the block's separate working view (fp16, or a sharded master's copy)."""
 
-    def label(self, stage: int) -> str:
-        return f"v{short_block(self.block)}"
+    block: str
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "drop-view"
 
 
 @dataclass(frozen=True)
 class AllocGrad(Action):
-    block: str
-    code: ClassVar[str] = "G"
+    """Allocate the block's zeroed fp32 gradient buffer, before its first backward."""
 
-    def label(self, stage: int) -> str:
-        return f"G{short_block(self.block)}"
+    block: str
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "alloc-grad"
 
 
 @dataclass(frozen=True)
 class FreeGrad(Action):
-    block: str
-    code: ClassVar[str] = "g"
+    """Release the block's gradient buffer, after its update."""
 
-    def label(self, stage: int) -> str:
-        return f"g{short_block(self.block)}"
+    block: str
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "free-grad"
 
 
 @dataclass(frozen=True)
@@ -177,10 +202,10 @@ class SyncGrad(Action):
 
     blocks: tuple[str, ...]
     scatter: bool = False
-    code: ClassVar[str] = "S"
+    group: ClassVar[str] = "lifecycle"
 
-    def label(self, stage: int) -> str:
-        return ("R" if self.scatter else "S") + ",".join(short_block(b) for b in self.blocks)
+    def verb(self) -> str:
+        return "sync-scatter" if self.scatter else "sync"
 
 
 @dataclass(frozen=True)
@@ -190,20 +215,16 @@ class WaitGrad(Action):
 
     blocks: tuple[str, ...]
     scatter: bool = False
-    code: ClassVar[str] = "W"
-
-    def label(self, stage: int) -> str:
-        return "W" + ",".join(short_block(b) for b in self.blocks)
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "wait-sync"
 
 
 @dataclass(frozen=True)
 class GradNorm(Action):
     """The step's global facts: grad norm, overflow flag, mean loss (one small collective)."""
 
-    code: ClassVar[str] = "N"
-
-    def label(self, stage: int) -> str:
-        return "N"
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "norm"
 
 
 @dataclass(frozen=True)
@@ -211,16 +232,36 @@ class Update(Action):
     """AdamW of one block with the step's clip coefficient and loss scale."""
 
     block: str
-    code: ClassVar[str] = "U"
-
-    def label(self, stage: int) -> str:
-        return f"U{short_block(self.block)}"
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "update"
 
 
-COMPUTE = (Forward, Backward)
-P2P = (RecvForward, SendForward, RecvBackward, SendBackward)
-LIFECYCLE = (MaterializeView, WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm,
-             Update)
+ACTIONS: tuple[type[Action], ...] = (
+    Forward, Backward, RecvForward, SendForward, RecvBackward, SendBackward, MaterializeView,
+    WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm, Update,
+)
+
+
+def event_name(action: Action, block: str | None = None) -> str:
+    """The name of an action, or of one block's part of a compute action (`F mb3 L5`)."""
+    return action.name() if block is None else f"{action.name()} {block_label(block)}"
+
+
+def dispatch_table(consumer: str, handlers: Mapping[type, Callable],
+                   ignore: Iterable[type] = (), default: Callable = lambda *a, **k: None
+                   ) -> dict[type, Callable]:
+    """A consumer's `{action type: handler}` table, checked to cover every action type: each is
+    handled, or listed in `ignore` (mapped to `default`, a no-op unless given). A type neither
+    handled nor ignored, or an unknown one, is a programming error raised here."""
+    ignore = tuple(ignore)
+    unknown = [t.__name__ for t in (*handlers, *ignore) if t not in ACTIONS]
+    missing = [t.__name__ for t in ACTIONS if t not in handlers and t not in ignore]
+    if unknown or missing:
+        raise TypeError(f"{consumer}: action table " + (f"names unknown types {unknown}"
+                        if unknown else f"neither handles nor ignores {missing}"))
+    table = dict.fromkeys(ignore, default)
+    table.update(handlers)
+    return table
 
 
 # -- builders -----------------------------------------------------------------------------------
@@ -328,31 +369,31 @@ def add_hooks(
 def expand(action: Action, blocks) -> list[tuple[str | None, Action]]:
     """An action as a sequence of (block, action) events: compute actions become one event per
     block (forward in block order, backward in reverse) with their hooks around it; anything else
-    is one event with block None. Used by the validator and the grid printer."""
-    if isinstance(action, (Forward, Backward)):
-        order = list(blocks) if isinstance(action, Forward) else list(reversed(blocks))
-        pre, post = {}, {}
-        for b, h in action.pre:
-            pre.setdefault(b, []).append(h)
-        for b, h in action.post:
-            post.setdefault(b, []).append(h)
-        unknown = (set(pre) | set(post)) - set(blocks)
-        if unknown:
-            raise ValueError(f"{action} hooks name blocks this stage does not hold: {sorted(unknown)}")
-        out = []
-        for b in order:
-            out += [(None, h) for h in pre.get(b, [])]
-            out.append((b, action))
-            out += [(None, h) for h in post.get(b, [])]
-        return out
-    return [(None, action)]
+    is one event with block None. Used by every interpreter of action lists."""
+    if action.group != "compute":
+        return [(None, action)]
+    order = list(blocks) if isinstance(action, Forward) else list(reversed(blocks))
+    pre: dict[str, list] = {}
+    post: dict[str, list] = {}
+    for b, h in action.pre:
+        pre.setdefault(b, []).append(h)
+    for b, h in action.post:
+        post.setdefault(b, []).append(h)
+    unknown = (set(pre) | set(post)) - set(blocks)
+    if unknown:
+        raise ValueError(f"{action} hooks name blocks this stage does not hold: {sorted(unknown)}")
+    out: list[tuple[str | None, Action]] = []
+    for b in order:
+        out += [(None, h) for h in pre.get(b, [])]
+        out.append((b, action))
+        out += [(None, h) for h in post.get(b, [])]
+    return out
 
 
 __all__ = [
+    "ACTIONS",
     "BUILDERS",
-    "COMPUTE",
-    "LIFECYCLE",
-    "P2P",
+    "GROUPS",
     "Action",
     "AllocGrad",
     "Backward",
@@ -370,8 +411,10 @@ __all__ = [
     "WaitGrad",
     "WaitView",
     "add_hooks",
+    "block_label",
+    "dispatch_table",
+    "event_name",
     "expand",
     "gpipe",
     "one_f_one_b",
-    "short_block",
 ]

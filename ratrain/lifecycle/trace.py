@@ -1,8 +1,9 @@
 """Timelines out: Chrome trace JSON (one row per rank, viewable in Perfetto) and a PNG Gantt.
 
-Each executor records (name, category, t0, t1, tid, args) per action: tid 0 is the main thread
-(compute and lifecycle actions, hooks nested inside the compute that ran them), tid 1 the
-communication engine (messages and collectives, from post to completion). `write` gathers every
+Each executor records (name, group, t0, t1, tid, args) per action, named as the schedule names
+it (`F mb3`, `sync L5`; `lifecycle.schedule`): tid 0 is the main thread (compute and lifecycle
+actions, hooks nested inside the compute that ran them), tid 1 the communication engine
+(messages and collectives, from post to completion). `write` gathers every
 rank's events on rank 0 through the comm engine (collective: every rank calls it) and writes
 `trace.json`; with matplotlib installed it also draws the last step as a Gantt chart (`.png`
 beside it). Times are `time.perf_counter()`, one clock for all ranks of a host.
@@ -15,9 +16,11 @@ import os
 
 import numpy as np
 
+from ratrain.fileio import atomic_path, atomic_write
+
 TRACE_TAG = 7001
 COLORS = {"F": "#4c72b0", "B": "#55a868", "lifecycle": "#dd8452", "comm": "#8172b2",
-          "p2p": "#937860"}
+          "p2p": "#937860"}  # compute actions by their first word (F / B), the rest by group
 
 
 def chrome_events(per_rank: dict[int, dict]) -> list[dict]:
@@ -63,10 +66,8 @@ def write(executor, path: str, png: str | None = None) -> None:
     if per_rank is None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": chrome_events(per_rank), "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"traceEvents": chrome_events(per_rank),
+                                   "displayTimeUnit": "ms"}))
     gantt(per_rank, png or os.path.splitext(path)[0] + ".png")
 
 
@@ -92,7 +93,7 @@ def gantt(per_rank: dict[int, dict], path: str, step: int | None = None) -> bool
         y = len(ranks) - 1 - row
         for name, cat, a, b, tid, _ in evs[r]:
             if cat == "compute":
-                color, lane, h = COLORS["F" if "F" in name else "B"], 0.1, 0.5
+                color, lane, h = COLORS[name.split()[0]], 0.1, 0.5
             elif cat == "comm" or tid == 1:
                 color, lane, h = COLORS["comm"], -0.35, 0.3
             elif cat == "p2p":
@@ -102,7 +103,7 @@ def gantt(per_rank: dict[int, dict], path: str, step: int | None = None) -> bool
             ax.barh(y + lane, (b - a) * 1e3, left=(a - t0) * 1e3, height=h, color=color,
                     edgecolor="black", linewidth=0.2)
             if cat == "compute" and (b - a) * 1e3 > 0:
-                ax.text((a - t0 + (b - a) / 2) * 1e3, y + lane, name.split(" ")[0][1:],
+                ax.text((a - t0 + (b - a) / 2) * 1e3, y + lane, name.replace(" mb", ""),
                         ha="center", va="center", fontsize=6, color="white")
     info0 = per_rank[ranks[0]]
     ax.set_yticks(range(len(ranks)))
@@ -114,7 +115,8 @@ def gantt(per_rank: dict[int, dict], path: str, step: int | None = None) -> bool
                         "comm engine (collectives, messages)"], loc="upper right", fontsize=7)
     ax.set_title(f"step {step}" + (f" ({len(info0['events'])} events on rank {ranks[0]})"))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path, durable=False) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return True
 

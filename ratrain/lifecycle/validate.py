@@ -1,6 +1,6 @@
 """Check a schedule before running it: pipeline order, point-to-point matching, lifecycle legality.
 
-Three checks, all pure (no MPI):
+Three checks, all pure (no MPI), each reading actions through its own `dispatch_table`:
 
 - `check_pipeline`: per step and rank, every micro-batch is forwarded once and backwarded once,
   the forward first; activations are received before the forward and sent after it (gradients
@@ -25,6 +25,7 @@ Three checks, all pure (no MPI):
 
 from __future__ import annotations
 
+from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle.schedule import (
     AllocGrad,
     Backward,
@@ -41,8 +42,12 @@ from ratrain.lifecycle.schedule import (
     Update,
     WaitGrad,
     WaitView,
+    dispatch_table,
     expand,
 )
+
+LIFECYCLE = (MaterializeView, WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad,
+             GradNorm, Update)
 
 
 class ScheduleError(ValueError):
@@ -51,62 +56,63 @@ class ScheduleError(ValueError):
 
 # -- pipeline order -----------------------------------------------------------------------------
 
+# Per micro-batch action: (what must already have happened for the same micro-batch on this
+# stage, given (first stage?, last stage?)), and which end of the pipeline it cannot occur at.
+_NEEDS = dispatch_table("validate.check_pipeline", {
+    Forward: lambda first, last: [] if first else [RecvForward],
+    SendForward: lambda first, last: [Forward],
+    Backward: lambda first, last: [Forward] + ([] if last else [RecvBackward]),
+    SendBackward: lambda first, last: [Backward],
+    RecvForward: lambda first, last: [],
+    RecvBackward: lambda first, last: [],
+}, ignore=LIFECYCLE, default=None)
+_NOT_AT = {RecvForward: "first", SendBackward: "first", SendForward: "last", RecvBackward: "last"}
+
 
 def check_pipeline(lists, m: int) -> None:
     """`lists[stage]`: one step's actions of every stage (one replica)."""
     pp = len(lists)
     for s, actions in enumerate(lists):
+        first, last = s == 0, s == pp - 1
         seen: dict[tuple[type, int], int] = {}
         for i, a in enumerate(actions):
-            mb = getattr(a, "mb", None)
-            if mb is None:
+            needs = _NEEDS[type(a)]
+            if needs is None:  # a lifecycle action: no micro-batch
                 continue
-            where = f"stage {s}, action {i} ({a.label(s)})"
+            mb = a.mb
+            where = f"stage {s}, action {i} ({a})"
             if not 0 <= mb < m:
                 raise ScheduleError(f"{where}: micro-batch {mb} outside 0..{m - 1}")
-            key = (type(a), mb)
-            if key in seen:
+            if (type(a), mb) in seen:
                 raise ScheduleError(f"{where}: {type(a).__name__}({mb}) appears twice")
-            seen[key] = i
-            if isinstance(a, (RecvForward, SendBackward)) and s == 0:
-                raise ScheduleError(f"{where}: stage 0 has no previous stage")
-            if isinstance(a, (SendForward, RecvBackward)) and s == pp - 1:
-                raise ScheduleError(f"{where}: the last stage has no next stage")
-
-            # what must already have happened on this stage for this micro-batch
-            needs = []
-            if isinstance(a, Forward) and s > 0:
-                needs.append(RecvForward)
-            if isinstance(a, SendForward):
-                needs.append(Forward)
-            if isinstance(a, Backward):
-                needs += [Forward] + ([RecvBackward] if s < pp - 1 else [])
-            if isinstance(a, SendBackward):
-                needs.append(Backward)
-            for kind in needs:
-                if (kind, mb) not in seen:
-                    raise ScheduleError(f"{where}: comes before {kind.__name__}({mb})")
-        for kind in (Forward, Backward):
-            missing = [mb for mb in range(m) if (kind, mb) not in seen]
+            seen[type(a), mb] = i
+            end = _NOT_AT.get(type(a))
+            if (end == "first" and first) or (end == "last" and last):
+                raise ScheduleError(f"{where}: the {end} stage has no "
+                                    f"{'previous' if end == 'first' else 'next'} stage")
+            for need in needs(first, last):
+                if (need, mb) not in seen:
+                    raise ScheduleError(f"{where}: comes before {need.__name__}({mb})")
+        for t, ok in ((Forward, True), (Backward, True), (SendForward, not last),
+                      (RecvForward, not first), (SendBackward, not first), (RecvBackward, not last)):
+            missing = [mb for mb in range(m) if ok and (t, mb) not in seen]
             if missing:
-                raise ScheduleError(f"stage {s}: no {kind.__name__} of micro-batch(es) {missing}")
-        for kind, ok in ((SendForward, s < pp - 1), (RecvForward, s > 0),
-                         (SendBackward, s > 0), (RecvBackward, s < pp - 1)):
-            missing = [mb for mb in range(m) if ok and (kind, mb) not in seen]
-            if missing:
-                raise ScheduleError(f"stage {s}: no {kind.__name__} of micro-batch(es) {missing}")
+                raise ScheduleError(f"stage {s}: no {t.__name__} of micro-batch(es) {missing}")
 
 
 # -- deadlock -----------------------------------------------------------------------------------
 
-# (direction, peer offset) of each p2p verb; a send on channel (s -> s+1, "fwd") matches the
-# receive of stage s+1 on the same channel
-_P2P = {
+# What an action is to the rendezvous simulation: a local step, a collective of every rank, or
+# a message (channel, peer offset, role): a send on channel "fwd" of stage s matches the
+# receive of stage s+1 on the same channel.
+_LOCAL, _COLLECTIVE = "local", "collective"
+_RENDEZVOUS = dispatch_table("validate.simulate", {
     SendForward: ("fwd", +1, "send"),
     RecvForward: ("fwd", -1, "recv"),
     SendBackward: ("bwd", -1, "send"),
     RecvBackward: ("bwd", +1, "recv"),
-}
+    GradNorm: _COLLECTIVE,
+}, ignore=(Forward, Backward, *[t for t in LIFECYCLE if t is not GradNorm]), default=_LOCAL)
 
 
 def simulate(lists) -> list[list[int]]:
@@ -120,6 +126,9 @@ def simulate(lists) -> list[list[int]]:
     def cur(s):
         return lists[s][ip[s]] if ip[s] < len(lists[s]) else None
 
+    def role(a):
+        return None if a is None else _RENDEZVOUS[type(a)]
+
     def advance(s):
         nonlocal clock
         done[s].append(clock)
@@ -130,38 +139,35 @@ def simulate(lists) -> list[list[int]]:
         progress = False
         for s in range(pp):
             a = cur(s)
-            if a is None:
+            what = role(a)
+            if what is None:
                 continue
-            if isinstance(a, GradNorm):
-                if all(isinstance(cur(r), GradNorm) for r in range(pp)):
+            if what == _COLLECTIVE:
+                if all(role(cur(r)) == _COLLECTIVE for r in range(pp)):
                     for r in range(pp):
                         advance(r)
                     progress = True
                 continue
-            if type(a) not in _P2P:
+            if what == _LOCAL:
                 advance(s)
                 progress = True
                 continue
-            chan, off, role = _P2P[type(a)]
+            chan, off, me = what
             peer = s + off
             b = cur(peer) if 0 <= peer < pp else None
-            if b is None or type(b) not in _P2P:
+            other = role(b)
+            if not isinstance(other, tuple):
                 continue
-            pchan, poff, prole = _P2P[type(b)]
-            if pchan == chan and poff == -off and prole != role:
+            if other[0] == chan and other[1] == -off and other[2] != me:
                 if b.mb != a.mb:
                     raise ScheduleError(
-                        f"stage {s} {a.label(s)} meets stage {peer} {b.label(peer)}: "
-                        "micro-batches of a channel must match in order"
-                    )
+                        f"stage {s} {a} meets stage {peer} {b}: micro-batches of a channel must "
+                        "match in order")
                 advance(s)
                 advance(peer)
                 progress = True
         if not progress:
-            state = "; ".join(
-                f"stage {s} at {cur(s).label(s) if cur(s) else 'end'} (action {ip[s]})"
-                for s in range(pp)
-            )
+            state = "; ".join(f"stage {s} at {cur(s) or 'end'} (action {ip[s]})" for s in range(pp))
             raise ScheduleError(f"deadlock with blocking sends: {state}")
     return done
 
@@ -181,127 +187,153 @@ class _Block:
         self.gathering = False  # a view all-gather in flight (sharded)
 
 
+class _Lifecycle:
+    """The lifecycle state machine of one rank's blocks (see the module)."""
+
+    def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool):
+        self.st = {b: _Block() for b in blocks}
+        self.m, self.stage, self.sharded = m, stage, sharded
+        self.view_is_master = not fp16 and not sharded
+        self.norm_step = None
+        self.k = 0
+        self.table = dispatch_table("validate.check_lifecycle", {
+            Forward: self._use_view, Backward: self._backward,
+            MaterializeView: self._materialize, WaitView: self._wait_view,
+            DropView: self._drop_view, AllocGrad: self._alloc, SyncGrad: self._sync,
+            WaitGrad: self._wait, Update: self._update, FreeGrad: self._free,
+        }, ignore=(RecvForward, SendForward, RecvBackward, SendBackward, GradNorm))
+
+    def fail(self, e, msg):
+        raise ScheduleError(f"stage {self.stage}, step {self.k}, {e}: {msg}")
+
+    def event(self, blk, e) -> None:
+        flag = {SyncGrad: "scatter", WaitGrad: "scatter", MaterializeView: "gather"}.get(type(e))
+        if flag is not None and getattr(e, flag) != self.sharded:
+            self.fail(e, f"{flag}={getattr(e, flag)} on a stage whose optimizer state is "
+                         f"{'' if self.sharded else 'not '}sharded")
+        if isinstance(e, GradNorm):
+            late = [b for b, x in self.st.items() if x.waited != self.k]
+            if late:
+                self.fail(e, f"global norm before the sync wait of {late}")
+            self.norm_step = self.k
+            return
+        names = [blk] if blk is not None else (
+            list(e.blocks) if hasattr(e, "blocks") else [e.block] if hasattr(e, "block") else [])
+        for b in names:
+            if b not in self.st:
+                self.fail(e, f"block {b!r} is not on this stage")
+            self.table[type(e)](e, b, self.st[b])
+
+    def _use_view(self, e, b, x):
+        if x.view is None:
+            self.fail(e, f"view of {b} not materialised")
+        if x.gathering:
+            self.fail(e, f"view of {b} used before its all-gather was waited for")
+        if x.view != x.master or x.pending is not None:
+            self.fail(e, f"view of {b} is stale (update pending or view made before it)")
+
+    def _backward(self, e, b, x):
+        self._use_view(e, b, x)
+        if x.grad != self.k:
+            self.fail(e, f"gradient of {b} not allocated for this step")
+        x.bwd += 1
+        if x.bwd == self.m:
+            x.pending = self.k
+
+    def _materialize(self, e, b, x):
+        if x.gathering:
+            self.fail(e, f"view of {b} made again while its all-gather is in flight")
+        x.view = x.master
+        x.gathering = e.gather
+
+    def _wait_view(self, e, b, x):
+        if not x.gathering:
+            self.fail(e, f"wait for the view of {b} without an all-gather in flight")
+        x.gathering = False
+
+    def _drop_view(self, e, b, x):
+        if x.view is None:
+            self.fail(e, f"view of {b} dropped twice")
+        if x.gathering:
+            self.fail(e, f"view of {b} dropped while its all-gather is in flight")
+        x.view = None
+
+    def _alloc(self, e, b, x):
+        if x.grad is not None:
+            self.fail(e, f"gradient of {b} still held from step {x.grad}")
+        x.grad = self.k
+
+    def _sync(self, e, b, x):
+        if x.pending != self.k or x.bwd != self.m:
+            self.fail(e, f"sync of {b} before its last backward")
+        if x.synced == self.k:
+            self.fail(e, f"{b} synced twice")
+        x.synced = self.k
+
+    def _wait(self, e, b, x):
+        if x.synced != self.k or x.waited == self.k:
+            self.fail(e, f"wait of {b} without a sync in flight")
+        x.waited = self.k
+
+    def _update(self, e, b, x):
+        j = x.pending
+        if j is None:
+            self.fail(e, f"no gradient of {b} awaits an update")
+        if x.waited != j or self.norm_step != j:
+            self.fail(e, f"update of {b} before its sync wait and the step's norm")
+        if x.grad != j:
+            self.fail(e, f"update of {b} without its gradient")
+        x.master += 1
+        x.pending = None
+        if self.view_is_master and x.view is not None:
+            x.view = x.master
+
+    def _free(self, e, b, x):
+        if x.grad is None or x.pending is not None:
+            self.fail(e, f"gradient of {b} freed before its update")
+        x.grad = None
+
+    def end_step(self, is_step: bool) -> None:
+        if not is_step:
+            return
+        for b, x in self.st.items():
+            if x.bwd != self.m or x.waited != self.k:
+                raise ScheduleError(f"stage {self.stage}, step {self.k}: {b} not "
+                                    "backwarded/synced")
+        if self.norm_step != self.k:
+            raise ScheduleError(f"stage {self.stage}, step {self.k}: no GradNorm")
+
+    def end(self) -> None:
+        for b, x in self.st.items():
+            if x.pending is not None or x.grad is not None:
+                raise ScheduleError(f"stage {self.stage}: {b} left with a pending update or "
+                                    "gradient")
+            if x.gathering:
+                raise ScheduleError(f"stage {self.stage}: {b} left with a view all-gather in "
+                                    "flight")
+
+
 def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
                     sharded: bool = False) -> None:
     """`steps`: this rank's successive step lists; a trailing list without compute is the flush.
     In fp32 (`fp16=False`) and unsharded a materialised view is the master itself, so it never
     goes stale. `sharded`: masters and moments are cut over the dp replicas (see the module)."""
-    st = {b: _Block() for b in blocks}
-    view_is_master = not fp16 and not sharded
-    norm_step = None
-
-    def fail(k, a, msg):
-        raise ScheduleError(f"stage {stage}, step {k}, {a.label(stage)}: {msg}")
-
+    life = _Lifecycle(blocks, m, stage, fp16, sharded)
     for k, actions in enumerate(steps):
-        is_step = any(isinstance(a, (Forward, Backward)) for a in actions)
-        for x in st.values():
+        life.k = k
+        for x in life.st.values():
             x.bwd = 0
         for a in actions:
             for blk, e in expand(a, blocks):
-                bs = [blk] if blk is not None else (
-                    list(e.blocks) if isinstance(e, (SyncGrad, WaitGrad))
-                    else [e.block] if hasattr(e, "block") else [])
-                flag = {SyncGrad: "scatter", WaitGrad: "scatter", MaterializeView: "gather"}
-                if type(e) in flag and getattr(e, flag[type(e)]) != sharded:
-                    fail(k, e, f"{flag[type(e)]}={getattr(e, flag[type(e)])} on a stage whose "
-                               f"optimizer state is {'' if sharded else 'not '}sharded")
-                for b in bs:
-                    if b not in st:
-                        fail(k, e, f"block {b!r} is not on this stage")
-                    x = st[b]
-                    if isinstance(e, (Forward, Backward)):
-                        if x.view is None:
-                            fail(k, e, f"view of {b} not materialised")
-                        if x.gathering:
-                            fail(k, e, f"view of {b} used before its all-gather was waited for")
-                        if x.view != x.master or x.pending is not None:
-                            fail(k, e, f"view of {b} is stale (update pending or view made before it)")
-                    if isinstance(e, Forward):
-                        continue
-                    if isinstance(e, Backward):
-                        if x.grad != k:
-                            fail(k, e, f"gradient of {b} not allocated for this step")
-                        x.bwd += 1
-                        if x.bwd == m:
-                            x.pending = k
-                    elif isinstance(e, MaterializeView):
-                        if x.gathering:
-                            fail(k, e, f"view of {b} made again while its all-gather is in flight")
-                        x.view = x.master
-                        x.gathering = e.gather
-                    elif isinstance(e, WaitView):
-                        if not x.gathering:
-                            fail(k, e, f"wait for the view of {b} without an all-gather in flight")
-                        x.gathering = False
-                    elif isinstance(e, DropView):
-                        if x.view is None:
-                            fail(k, e, f"view of {b} dropped twice")
-                        if x.gathering:
-                            fail(k, e, f"view of {b} dropped while its all-gather is in flight")
-                        x.view = None
-                    elif isinstance(e, AllocGrad):
-                        if x.grad is not None:
-                            fail(k, e, f"gradient of {b} still held from step {x.grad}")
-                        x.grad = k
-                    elif isinstance(e, SyncGrad):
-                        if x.pending != k or x.bwd != m:
-                            fail(k, e, f"sync of {b} before its last backward")
-                        if x.synced == k:
-                            fail(k, e, f"{b} synced twice")
-                        x.synced = k
-                    elif isinstance(e, WaitGrad):
-                        if x.synced != k or x.waited == k:
-                            fail(k, e, f"wait of {b} without a sync in flight")
-                        x.waited = k
-                    elif isinstance(e, Update):
-                        j = x.pending
-                        if j is None:
-                            fail(k, e, f"no gradient of {b} awaits an update")
-                        if x.waited != j or norm_step != j:
-                            fail(k, e, f"update of {b} before its sync wait and the step's norm")
-                        if x.grad != j:
-                            fail(k, e, f"update of {b} without its gradient")
-                        x.master += 1
-                        x.pending = None
-                        if view_is_master and x.view is not None:
-                            x.view = x.master
-                    elif isinstance(e, FreeGrad):
-                        if x.grad is None or x.pending is not None:
-                            fail(k, e, f"gradient of {b} freed before its update")
-                        x.grad = None
-                if isinstance(e, GradNorm):
-                    late = [b for b, x in st.items() if x.waited != k]
-                    if late:
-                        fail(k, e, f"global norm before the sync wait of {late}")
-                    norm_step = k
-        if is_step:
-            for b, x in st.items():
-                if x.bwd != m or x.waited != k:
-                    raise ScheduleError(f"stage {stage}, step {k}: {b} not backwarded/synced")
-            if norm_step != k:
-                raise ScheduleError(f"stage {stage}, step {k}: no GradNorm")
-    for b, x in st.items():
-        if x.pending is not None or x.grad is not None:
-            raise ScheduleError(f"stage {stage}: {b} left with a pending update or gradient")
-        if x.gathering:
-            raise ScheduleError(f"stage {stage}: {b} left with a view all-gather in flight")
+                life.event(blk, e)
+        life.end_step(any(a.group == "compute" for a in actions))
+    life.end()
 
 
-def policy_steps(policy, info, steps: int = 3) -> list[tuple]:
-    """The lists a rank runs for `steps` steps then a flush, as the executor would."""
-    out, carry = [], False
-    for _ in range(steps):
-        out.append(policy.build_step(info, carry))
-        carry = policy.carries(info)
-    out.append(policy.build_flush(info))
-    return out
-
-
-def validate_policy(policy, infos, steps: int = 3) -> None:
+def validate_policy(policy: Policy, infos, steps: int = 3) -> None:
     """All checks for one replica's stages (`infos[stage]`: StageInfo) over a few steps."""
     m = infos[0].num_micro_batches
-    per_rank = [policy_steps(policy, info, steps) for info in infos]
+    per_rank = [policy.steps(info, steps) for info in infos]
     for k in range(steps):
         check_pipeline([r[k] for r in per_rank], m)
     simulate([[a for lst in r for a in lst] for r in per_rank])
@@ -313,7 +345,6 @@ __all__ = [
     "ScheduleError",
     "check_lifecycle",
     "check_pipeline",
-    "policy_steps",
     "simulate",
     "validate_policy",
 ]

@@ -22,7 +22,8 @@ import sys
 import time
 
 from ratrain.config import ConfigError, load_config
-from ratrain.plan.cost import CostModel, Rates, calibrate, fit_compute_rate
+from ratrain.plan.calibrate import calibrate, fit_compute_rate
+from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.search import (
     POLICY_NAMES,
     SCALING_CLUSTERS,

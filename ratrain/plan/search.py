@@ -16,18 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ratrain.config import Config
-from ratrain.plan.cost import CostModel, block_kind, block_params
-from ratrain.plan.simulate import (
-    SimResult,
-    fit_recompute,
-    keep_for,
-    peak_memory,
-    plan_shards,
-    policy_steps,
-    simulate,
-    stage_block_names,
-    stage_sizes,
-)
+from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
+from ratrain.exec.spec import block_params, block_role
+from ratrain.plan.cost import CostModel
+from ratrain.plan.memory import fit_recompute, stage_peaks
+from ratrain.plan.simulate import SimResult, simulate
+from ratrain.plan.steps import plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.shim.platform import resolve_platform
 
 POLICY_NAMES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
 SCALING_CLUSTERS = (64, 128, 256, 512, 1024)
@@ -51,13 +46,6 @@ class Layout:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.num_micro_batches * self.dp
-
-    @property
-    def recomputed_layers(self) -> int:
-        """Layers of one replica that recompute (fully for auto/full, selectively otherwise)."""
-        if self.recompute_layers is not None:
-            return sum(self.recompute_layers)
-        return -1  # every layer (selective / full) or none: see `recompute`
 
     def describe(self, layers: int) -> str:
         if self.recompute == "auto" and self.recompute_layers is not None:
@@ -96,17 +84,7 @@ class Plan:
 
 def cap_bytes(cfg: Config) -> int | None:
     """The DDR cap of `cfg`'s platform (config override, else the profile's)."""
-    from ratrain.shim.platform import resolve_platform
-
     return resolve_platform(cfg.platform).ddr_bytes
-
-
-def with_layout(cfg: Config, layout: Layout) -> Config:
-    """`cfg` with the layout's parallel and recompute settings."""
-    par = replace(cfg.parallel, pp=layout.pp, dp=layout.dp, micro_batch=layout.micro_batch,
-                  num_micro_batches=layout.num_micro_batches, layers_per_stage=None)
-    sched = replace(cfg.schedule, recompute=layout.recompute)
-    return replace(cfg, parallel=par, schedule=sched)
 
 
 def candidate_pps(layers: int, clusters: int, extra=()) -> list[int]:
@@ -136,7 +114,8 @@ def candidate_layouts(cfg: Config, clusters: int, global_batch: int | None = Non
 def _static_lower_bound(cfg: Config, blocks, shards: int = 1) -> int:
     """The bytes a stage holds whatever the schedule (masters and moments, this replica's
     segment of them when sharded): a quick reject."""
-    return max(sum(12 * -(-block_params(cfg.model, block_kind(b)) // shards) for b in names)
+    return max(sum(STATE_BYTES_PER_PARAM * shard_size(block_params(cfg.model, block_role(b)),
+                                                      shards) for b in names)
                for names in blocks)
 
 
@@ -158,15 +137,9 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
                          shards)
     tokens = layout.global_batch * m.seq_len
 
-    def peaks_for(keep) -> tuple[int, ...]:
-        return tuple(
-            peak_memory(lists, s, names, stage_sizes(m, layout.micro_batch, cfg.precision,
-                                                     names, keep[s], shards))
-            for s, names in enumerate(blocks)
-        )
-
-    def run(lay: Layout, keep, peaks) -> Plan:
-        res = simulate(lists, blocks, cost, layout.dp, keep, tokens, send_mode, shards=shards)
+    def run(lay: Layout, recompute, peaks) -> Plan:
+        res = simulate(lists, blocks, cost, layout.dp, recompute, tokens, send_mode,
+                       shards=shards)
         for st, pk in zip(res.ranks, peaks):
             st.peak_bytes = pk
         return Plan(lay, policy, res, peaks, cap)
@@ -177,18 +150,19 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
         if mode == "auto":
             counts, peaks, fits = fit_recompute(lists, blocks, m, layout.micro_batch,
                                                 cfg.precision, cap, shards)
-            keep = keep_for(blocks, "auto", counts)
+            choice = recompute_for(blocks, "auto", counts)
             peaks = tuple(peaks)
             lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
         else:
-            keep = keep_for(blocks, mode)
-            peaks = peaks_for(keep)
+            choice = recompute_for(blocks, mode)
+            peaks = stage_peaks(lists, blocks, m, layout.micro_batch, cfg.precision, choice,
+                                shards)
             fits = cap is None or max(peaks) <= cap
             lay = replace(layout, recompute=mode)
         if least is None or max(peaks) < max(least):
             least = peaks
         if fits:
-            out.append(run(lay, keep, peaks))
+            out.append(run(lay, choice, peaks))
             if mode == "none":
                 break
     if not out:
@@ -238,16 +212,13 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
         shards = plan_shards(cfg, policy, dp)
         lists = policy_steps(policy, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
                              steps, shards)
-        keep = keep_for(blocks, lay.recompute, list(lay.recompute_layers)
-                        if lay.recompute_layers is not None else None)
+        choice = recompute_for(blocks, lay.recompute, list(lay.recompute_layers)
+                               if lay.recompute_layers is not None else None)
         c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision)
-        res = simulate(lists, blocks, c, dp, keep, lay.global_batch * cfg.model.seq_len,
+        res = simulate(lists, blocks, c, dp, choice, lay.global_batch * cfg.model.seq_len,
                        send_mode, shards=shards)
-        peaks = tuple(
-            peak_memory(lists, s, names, stage_sizes(cfg.model, lay.micro_batch, cfg.precision,
-                                                     names, keep[s], shards))
-            for s, names in enumerate(blocks)
-        )
+        peaks = stage_peaks(lists, blocks, cfg.model, lay.micro_batch, cfg.precision, choice,
+                            shards)
         plan = Plan(lay, policy, res, peaks, cap)
         per = plan.tokens_per_s / lay.clusters
         base = rows[0].plan.tokens_per_s / rows[0].plan.layout.clusters if rows else per
@@ -282,12 +253,8 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
         lists = policy_steps(policy, blocks, max(pp, 1), cfg.precision, m, steps, shards)
         peaks = {}
         for mode in ("none", "selective", "full"):
-            keep = keep_for(blocks, mode)
-            peaks[mode] = max(
-                peak_memory(lists, s, names, stage_sizes(m, micro_batch, cfg.precision, names,
-                                                         keep[s], shards))
-                for s, names in enumerate(blocks)
-            )
+            peaks[mode] = max(stage_peaks(lists, blocks, m, micro_batch, cfg.precision,
+                                          recompute_for(blocks, mode), shards))
         if cap is not None and peaks["full"] > cap:
             rec = None
         else:
@@ -312,5 +279,4 @@ __all__ = [
     "plan_layout",
     "scaling",
     "search",
-    "with_layout",
 ]

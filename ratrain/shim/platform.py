@@ -53,6 +53,11 @@ class Profile:
     def source(self, key: str) -> str:
         return self.values[key].source
 
+    def fact(self, key: str) -> Sourced | None:
+        """A descriptive fact of the profile (`ddr_bandwidth`, `clusters_per_chip`, ...), or
+        None when the profile does not state it."""
+        return self.facts.get(key)
+
     def with_values(self, **kv: tuple[Any, str]) -> Profile:
         """A copy with `key=(value, source)` replaced."""
         values = dict(self.values)

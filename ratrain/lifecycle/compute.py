@@ -1,0 +1,103 @@
+"""One stage's compute: its blocks run forward and backward on one micro-batch.
+
+`StageCompute` calls the block kernels (`exec.layers`) in block order (reverse order backward)
+with the blocks' working views and gradient buffers, keeps each block's cache per micro-batch
+(tracked in the DDR ledger as `activations.mb<i>.<block>`) until its backward, runs each layer
+with its recompute choice, pads each block to the platform's time for its flops when a pacer is
+given (`exec.spec.block_flops`; the embedding, a gather, is not paced), and runs the lifecycle
+hooks a compute action carries around each block (`hook(hooks, block)`, the executor's).
+Tied embeddings: the head uses the embedding's view and gradient as its weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ratrain.exec import layers
+from ratrain.exec.spec import block_flops
+
+
+class StageCompute:
+    def __init__(self, cfg, state, ctx, ledger, pacer=None):
+        self.cfg, self.state, self.ctx, self.ledger, self.pacer = cfg, state, ctx, ledger, pacer
+        self.blocks = [b.name for b in state.blocks]
+        self.role = {b.name: b.role for b in state.blocks}
+        self.tied = cfg.model.tie_embeddings and "head" in self.role and "embed" in self.role
+        self.tokens = cfg.parallel.micro_batch * cfg.model.seq_len
+        self.recompute: dict[str, str] = {}  # layer -> recompute choice (set by the executor)
+        self.caches: dict = {}  # (mb, block) -> the block's cache until its backward
+
+    def view(self, block):
+        """The block's working parameter view {local name: array}."""
+        p = self.state.view(block)
+        if self.tied and block == "head":
+            p = {**p, "weight": self.state.view("embed")["weight"]}
+        return p
+
+    def grad(self, block):
+        """The block's gradient buffer {local name: fp32 array} (backward adds into it)."""
+        g = self.state.grad(block)
+        if self.tied and block == "head":
+            if not self.state.has_grad("embed"):
+                self.state.alloc_grad("embed")
+            g = {**g, "weight": self.state.grad("embed")["weight"]}
+        return g
+
+    def pace(self, role, phase, recompute="none"):
+        """Pad a block's compute to the platform's time for its flops (platform.emulate)."""
+        if self.pacer is None or role == "embed":
+            return contextlib.nullcontext()
+        return self.pacer.compute(block_flops(self.cfg.model, role, self.tokens, phase, recompute))
+
+    def forward(self, mb, x, inputs, targets, keep_caches=True, pre=(), post=(), hook=None):
+        """Run the blocks forward on micro-batch `mb` (`x`: the stage input, None on the first
+        stage, which embeds `inputs[mb]`); returns (output, loss or None). `keep_caches=False`
+        (eval) keeps nothing and recomputes nothing."""
+        loss = None
+        for b in self.blocks:
+            if hook:
+                hook(pre, b)
+            role, p = self.role[b], self.view(b)
+            with self.pace(role, "forward"):
+                if role == "embed":
+                    x, cache = layers.embed_forward(inputs[mb], p, self.ctx)  # (B, T, C)
+                elif role == "layer":
+                    recompute = self.recompute[b] if keep_caches else "full"
+                    x, cache = layers.layer_forward(x, p, self.ctx, recompute)
+                else:
+                    loss, cache = layers.head_forward(x, targets[mb], p, self.ctx)
+                    loss = float(loss)
+            if keep_caches:
+                self.ledger.track(f"activations.mb{mb}.{b}", *layers.cache_arrays(cache))
+                self.caches[(mb, b)] = cache
+            if hook:
+                hook(post, b)
+        return x, loss
+
+    def backward(self, mb, dy, dscale, pre=(), post=(), hook=None):
+        """Run the blocks backward on micro-batch `mb` (`dy`: the output gradient, None on the
+        last stage, whose head is seeded with `dscale`); returns the input gradient (None on
+        the first stage), tracked in the ledger."""
+        for b in reversed(self.blocks):
+            if hook:
+                hook(pre, b)
+            role, cache = self.role[b], self.caches.pop((mb, b))
+            p, g = self.view(b), self.grad(b)
+            with self.pace(role, "backward", cache.recompute):
+                if role == "head":
+                    dx = layers.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
+                elif role == "layer":
+                    dx = layers.layer_backward(dy, cache, p, g, self.ctx)
+                else:
+                    layers.embed_backward(dy, cache, p, g, self.ctx)
+                    dx = None
+            self.ledger.free(*layers.cache_arrays(cache), dy)
+            if dx is not None:
+                self.ledger.track(f"activations.mb{mb}.grad", dx)
+            dy = dx
+            if hook:
+                hook(post, b)
+        return dy
+
+
+__all__ = ["StageCompute"]

@@ -1,0 +1,65 @@
+"""Whole blocks out of a stage whose optimizer state may be sharded: for checkpoints and checks.
+
+    for block, arrays in iter_full_state(executor):     # {buffer: {global name: fp32 array}}
+        ...
+    full_params(executor)                               # {global name: whole fp32 master}
+
+Unsharded, the arrays are views into the live buffers (no copy, no communication). Sharded
+(`ratrain` at dp > 1), each buffer of a block is ring all-gathered through the communication
+engine over the stage's replicas into a block-sized buffer (ledger `comm.gather.<buffer>`),
+released when the next block is asked for: at most one extra block is held, and the arrays are
+valid only until then (copy what you keep). Collective over the stage's replicas: every replica
+iterates to the end, in the same order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ratrain.exec.params import BUFFERS
+
+
+def iter_full_state(ex, buffers=BUFFERS):
+    """Yield `(block, {buffer: {global name: fp32 array of the parameter's shape}})` for each
+    block of `ex`'s stage in model order, buffers from `("master", "m", "v")`, after the step's
+    deferred work is flushed (see the module)."""
+    ex.flush()
+    for k in buffers:
+        if k not in BUFFERS:
+            raise ValueError(f"buffer {k!r} is not one of: {', '.join(BUFFERS)}")
+    state = ex.state
+    for b in ex.blocks:
+        spec = state.block(b)
+        base, end = state.block_range(b)
+        if not ex.sharded:
+            yield b, {k: {p.name: state.buffer(k)[slice(*state.param_range(p.name))]
+                          .reshape(p.shape) for p in spec.params} for k in buffers}
+            continue
+        lo, hi = state.segment(b)
+        bufs = {}
+        try:
+            for k in buffers:
+                buf = ex.ledger.alloc(f"comm.gather.{k}", (end - base,), np.float32,
+                                      ex.ctx.xp, zero=False)
+                bufs[k] = buf
+                buf[lo:hi] = state.flat(k, b)
+                ex.engine.allgather(buf, ex.topo.dp_comm).result()
+            out = {}
+            for k, buf in bufs.items():
+                out[k] = {}
+                for p in spec.params:
+                    a, e = state.param_range(p.name)
+                    out[k][p.name] = buf[a - base : e - base].reshape(p.shape)
+            yield b, out
+        finally:
+            ex.ledger.free(*bufs.values())
+
+
+def full_params(ex) -> dict[str, np.ndarray]:
+    """{global name: whole fp32 master (a copy)} of `ex`'s stage; collective over the stage's
+    replicas (see `iter_full_state`). For tests and hash checks."""
+    return {name: np.array(a) for _, st in iter_full_state(ex, ("master",))
+            for name, a in st["master"].items()}
+
+
+__all__ = ["full_params", "iter_full_state"]

@@ -1,0 +1,68 @@
+"""What this rank's blocks keep per micro-batch, measured from the kernels' own caches.
+
+`recompute: auto` (and the predicted peak every executor reports) plays the rank's action lists
+through the memory model (`lifecycle.memory`) with these sizes: each block is run forward once
+on zeros, per recompute choice for a layer, and its cache is weighed (one layer stands for all:
+they have the same shapes). Views made for the measurement are dropped again; the sharded
+views are cast, gathered and waited for as the schedule would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ratrain.exec import layers
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM
+from ratrain.exec.spec import RECOMPUTE
+from ratrain.lifecycle.memory import StageSizes
+
+
+def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
+    """Activation bytes per recompute choice of `executor`'s blocks (see the module), with the
+    resident bytes the ledger holds now and the kernels' workspace, for `simulate_peak`.
+
+    Collective over the stage's replicas when the optimizer state is sharded (views are
+    all-gathered); call it at the same point on every rank."""
+    ex, ctx = executor, executor.ctx
+    shape = ex.act_shape
+    made = [b for b in ex.blocks if not ex.state.has_view(b)]
+    act: dict[str, dict[str, int]] = {}
+    x = ctx.xp.zeros(shape, ctx.dtype)
+    ids = ctx.xp.zeros(shape[:2], np.int64)
+    layer_sizes = None
+    run = ex.compute
+    try:
+        for b in ex.blocks:
+            role = run.role[b]
+            if role == "layer" and layer_sizes is not None:
+                act[b] = dict(layer_sizes)
+                continue
+            ex.materialize_now(b)
+            if run.tied and role == "head" and not ex.state.has_view("embed"):
+                ex.materialize_now("embed")
+            p = run.view(b)
+            if role == "embed":
+                act[b] = {"none": layers.cache_nbytes(layers.embed_forward(ids, p, ctx)[1])}
+            elif role == "head":
+                act[b] = {"none": layers.cache_nbytes(layers.head_forward(x, ids, p, ctx)[1])}
+            else:
+                layer_sizes = {r: layers.cache_nbytes(layers.layer_forward(x, p, ctx, r)[1])
+                               for r in RECOMPUTE}
+                act[b] = dict(layer_sizes)
+    finally:
+        for b in made:
+            ex.state.drop_view(b)
+    params = {b.name: b.size for b in ex.state.blocks}
+    extra = layers.layer_workspace_nbytes(ctx, shape[0], shape[1], backward=True)
+    if ex.info.fp16:
+        extra += 4 * max(params.values())  # fp32 GEMM copies of a block's weights
+    held_grads = sum(GRAD_BYTES_PER_PARAM * params[b] for b in ex.blocks if ex.state.has_grad(b))
+    return StageSizes(
+        precision=ex.cfg.precision, params=params, act=act,
+        full_act={b: modes["none"] for b, modes in act.items()},
+        message_bytes=int(np.prod(shape)) * np.dtype(ctx.dtype).itemsize,
+        static=ex.ledger.current - held_grads, extra=extra, recompute=recompute,
+        shards=ex.info.shards)
+
+
+__all__ = ["measure_stage_sizes"]

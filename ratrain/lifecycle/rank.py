@@ -1,0 +1,121 @@
+"""One way to build a rank: config -> platform -> topology -> ledger -> state -> context ->
+engine -> executor.
+
+    rank = build_rank(cfg, MPI.COMM_WORLD)            # or comm=None for one process (no MPI)
+    res = rank.executor.run_step(step, batch)
+    rank.close()
+
+Every part comes from the config: the platform profile (`platform.*`) gives the DDR cap of the
+ledger, the link throttle of the communication engine and the compute pacer (both only under
+`platform.emulate`); the stage's blocks come from `parallel.pp` / `layers_per_stage`; a policy
+that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
+whole stage's state is never allocated; `run.threads` (0: the cores the node gives each rank)
+sets the compute threads. `load(state)` runs after the state is built and before the executor
+(which measures activations and may gather views), to put checkpointed or imported weights in.
+The trainer, the benchmarks and the tests all build their ranks here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ratrain.exec.context import ExecContext, auto_threads
+from ratrain.exec.params import StageState
+from ratrain.exec.spec import stage_blocks
+from ratrain.lifecycle.executor import Executor
+from ratrain.lifecycle.policies import as_policy
+from ratrain.shim.ledger import Ledger
+from ratrain.shim.link import Link
+from ratrain.shim.pacing import Pacer
+from ratrain.shim.platform import Profile, resolve_platform
+
+PROFILE_CAP = object()  # build_rank(cap=...): the profile's DDR cap (the default)
+
+
+@dataclass
+class Rank:
+    """Everything one rank holds; `close()` ends its engine and frees its communicators."""
+
+    cfg: object
+    profile: Profile
+    topo: object | None  # comm.topology.Topology (None for one process)
+    ledger: Ledger
+    state: StageState
+    ctx: ExecContext
+    engine: object | None  # comm.engine.CommEngine (None for one process)
+    executor: Executor
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.topo is not None:
+            self.topo.free()
+        self.ctx.close()
+
+
+def local_threads(cfg, comm=None) -> int:
+    """Compute threads per rank: `run.threads`, or the cores this process may use shared among
+    the ranks of its node (at most `auto_threads()`)."""
+    if cfg.run.threads:
+        return cfg.run.threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    per_node = 1
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI  # comm is an MPI communicator here: MPI is loaded already
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        per_node = node.Get_size()
+        node.Free()
+    return max(1, min(auto_threads(), cores // per_node))
+
+
+def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,
+               xp=np, validate: bool = True) -> Rank:
+    """This process's rank of `cfg` (see the module). `comm`: the world communicator (None or
+    one rank for pp = dp = 1); `cap`: the ledger's DDR cap (default: the profile's; None:
+    none); `watchdog_s`: the engine's watchdog."""
+    p = cfg.parallel
+    world = p.pp * p.dp
+    if world > 1 and (comm is None or comm.Get_size() != world):
+        got = 1 if comm is None else comm.Get_size()
+        raise ValueError(f"pp={p.pp} x dp={p.dp} needs a communicator of {world} ranks, got {got}")
+    profile = resolve_platform(cfg.platform)
+    rank_id = comm.Get_rank() if comm is not None else 0
+    ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
+    topo = engine = None
+    stage = replica = 0
+    if world > 1:
+        from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
+        from ratrain.comm.topology import Topology
+
+        topo = Topology(comm, p.pp, p.dp)
+        stage, replica = topo.stage, topo.replica
+        engine = CommEngine(topo, watchdog_s=watchdog_s, link=Link.from_profile(profile),
+                            ledger=ledger)
+    try:
+        shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
+        state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
+                           cfg.precision, ledger, xp, cfg.init.seed,
+                           shard=(replica, shards) if shards > 1 else None)
+        if load is not None:
+            load(state)
+        ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
+                          threads=local_threads(cfg, comm))
+        pacer = Pacer(profile) if profile.emulate else None
+        executor = Executor(cfg, topo, state, ctx, engine, ledger, validate=validate, pacer=pacer)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        if topo is not None:
+            topo.free()
+        raise
+    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor)
+
+
+__all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads"]

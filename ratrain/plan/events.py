@@ -1,0 +1,399 @@
+"""The simulator's event loop: timed items per rank, links shared by their flows, the engine.
+
+`items` turns one rank's actions of a step into timed items through one `dispatch_table`
+(like every interpreter of the schedule): busy spans (compute, updates, view casts; consecutive
+ones merged), messages, engine submissions, waits, the norm barrier and an end mark. `Sim`
+plays every rank's items against each other (see `plan.simulate` for what is modelled).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from ratrain.exec.spec import block_role
+from ratrain.lifecycle.schedule import (
+    AllocGrad,
+    Backward,
+    DropView,
+    Forward,
+    FreeGrad,
+    GradNorm,
+    MaterializeView,
+    RecvBackward,
+    RecvForward,
+    SendBackward,
+    SendForward,
+    SyncGrad,
+    Update,
+    WaitGrad,
+    WaitView,
+    dispatch_table,
+    expand,
+)
+
+NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + loss
+
+
+# --------------------------------------------------------------------------------------------
+# Flattening one rank's actions into timed items
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    op: str  # busy | send | recv | sync | wait | gather | waitview | norm | end
+    dur: float = 0.0
+    parts: dict | None = None  # busy: {"compute"|"recompute"|"update"|"view": seconds}
+    key: tuple = ()  # send / recv: the message's channel key
+    peer: int = -1  # send: destination stage
+    blocks: tuple = ()  # sync / wait / gather / waitview
+    step: int = 0
+    label: str = ""
+    coll: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state)
+
+
+class _Flatten:
+    """One rank's actions of one step as timed items (see `_items`)."""
+
+    def __init__(self, stage, blocks, recompute, cost, step, shards):
+        self.stage, self.blocks, self.recompute = stage, blocks, recompute
+        self.cost, self.step, self.shards = cost, step, shards
+        self.out: list[_Item] = []
+        self.table = dispatch_table("simulate", {
+            Forward: self._compute, Backward: self._compute,
+            SendForward: self._send, SendBackward: self._send,
+            RecvForward: self._recv, RecvBackward: self._recv,
+            Update: self._update, MaterializeView: self._view,
+            WaitView: lambda a: self._add("waitview", a, blocks=(a.block,)),
+            SyncGrad: lambda a: self._add("sync", a, blocks=a.blocks,
+                                          coll="scatter" if a.scatter else "allreduce"),
+            WaitGrad: lambda a: self._add("wait", a, blocks=a.blocks),
+            GradNorm: lambda a: self._add("norm", a),
+        }, ignore=(DropView, AllocGrad, FreeGrad))  # memory only
+
+    def _add(self, op, a, **kw):
+        self.out.append(_Item(op, step=self.step, label=a.name(), **kw))
+
+    def busy(self, cat: str, dur: float, label: str, extra: float = 0.0):
+        if self.out and self.out[-1].op == "busy":
+            it = self.out[-1]
+        else:
+            it = _Item("busy", parts={}, step=self.step, label=label)
+            self.out.append(it)
+        it.dur += dur
+        it.parts[cat] = it.parts.get(cat, 0.0) + dur - extra
+        if extra:
+            it.parts["recompute"] = it.parts.get("recompute", 0.0) + extra
+
+    def _compute(self, a):
+        cost = self.cost
+        for blk, ev in expand(a, self.blocks):
+            if blk is None:  # a lifecycle hook
+                self.table[type(ev)](ev)
+                continue
+            role = block_role(blk)
+            if isinstance(ev, Forward):
+                self.busy("compute", cost.forward_time(role), a.name())
+            else:
+                t = cost.backward_time(role, self.recompute.get(blk, "none"))
+                self.busy("compute", t, a.name(), t - cost.backward_time(role))
+
+    def _send(self, a):
+        d = "f" if isinstance(a, SendForward) else "b"
+        peer = self.stage + (1 if d == "f" else -1)
+        self._add("send", a, key=(self.step, d, a.mb, self.stage), peer=peer)
+
+    def _recv(self, a):
+        d = "f" if isinstance(a, RecvForward) else "b"
+        src = self.stage - (1 if d == "f" else -1)
+        self._add("recv", a, key=(self.step, d, a.mb, src))
+
+    def _update(self, a):
+        self.busy("update", self.cost.update_time(block_role(a.block), self.shards), a.name())
+
+    def _view(self, a):
+        self.busy("view", self.cost.view_time(block_role(a.block), self.shards), a.name())
+        if a.gather:  # sharded: the rest of the view comes by ring all-gather
+            self._add("gather", a, blocks=(a.block,))
+
+
+def items(actions, stage: int, blocks, recompute, cost, step: int, shards: int = 1) -> list[_Item]:
+    """Timed items of one rank's step: busy spans (compute, updates, view casts; consecutive
+    ones merged), messages, engine submissions, waits, the norm barrier, and an end mark."""
+    flat = _Flatten(stage, blocks, recompute, cost, step, shards)
+    for a in actions:
+        flat.table[type(a)](a)
+    flat.out.append(_Item("end", step=step))
+    return flat.out
+
+
+# --------------------------------------------------------------------------------------------
+# The event loop
+# --------------------------------------------------------------------------------------------
+
+
+class _Link:
+    """A rank's outgoing link: flows share the bandwidth equally (processor sharing)."""
+
+    def __init__(self, sim: Sim, bandwidth: float):
+        self.sim, self.bw = sim, bandwidth
+        self.flows: dict[int, list] = {}  # id -> [remaining bytes, callback]
+        self.last = 0.0
+        self.version = 0
+        self.next_id = 0
+
+    def _settle(self, t: float) -> None:
+        if self.flows and t > self.last:
+            dec = (t - self.last) * self.bw / len(self.flows)
+            for f in self.flows.values():
+                f[0] -= dec
+        self.last = t
+
+    def add(self, t: float, nbytes: float, cb) -> None:
+        if nbytes <= 0 or math.isinf(self.bw):
+            self.sim.at(t, cb)
+            return
+        self._settle(t)
+        self.flows[self.next_id] = [float(nbytes), cb]
+        self.next_id += 1
+        self._reschedule(t)
+
+    def _reschedule(self, t: float) -> None:
+        self.version += 1
+        if self.flows:
+            rem = min(f[0] for f in self.flows.values())
+            self.sim.at(t + max(rem, 0.0) * len(self.flows) / self.bw, self._fire, self.version)
+
+    def _fire(self, t: float, version: int) -> None:
+        if version != self.version:
+            return
+        self._settle(t)
+        done = [k for k, f in self.flows.items() if f[0] <= 1e-3]  # bytes
+        if not done:  # rounding: finish the smallest
+            done = [min(self.flows, key=lambda k: self.flows[k][0])]
+        cbs = [self.flows.pop(k)[1] for k in done]
+        self._reschedule(t)
+        for cb in cbs:
+            cb(t)
+
+
+class RankState:
+    def __init__(self, stage: int, items: list[_Item]):
+        self.stage, self.items, self.pc = stage, items, 0
+        self.blocked_since: float | None = None
+        self.busy: dict[int, dict[str, float]] = {}  # step -> category -> s
+        self.comm: dict[int, float] = {}  # step -> exposed comm s
+        self.end: dict[int, float] = {}  # step -> time its items finished
+        self.engine_q: list[tuple[int, str, str]] = []  # (step, block, allreduce|scatter|gather)
+        self.engine_busy = False
+        self.engine_s = 0.0
+        self.synced: set[tuple[int, str]] = set()
+        self.gathered: dict[str, int] = {}  # block -> view all-gathers finished
+        self.views_used: dict[str, int] = {}  # block -> WaitViews passed
+        self.norm_done: dict[int, float] = {}
+
+
+class Sim:
+    def __init__(self, ranks, cost, dp: int, send_mode: str, timeline: bool):
+        self.ranks, self.cost, self.dp, self.send_mode = ranks, cost, dp, send_mode
+        bw = cost.rates.link_bandwidth
+        self.links = [_Link(self, bw) for _ in ranks]
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.sent: dict[tuple, float] = {}  # key -> time the transfer started
+        self.posted_send: set[tuple] = set()
+        self.posted_recv: set[tuple] = set()
+        self.delivered: dict[tuple, float] = {}
+        self.waiting: dict[tuple, list[int]] = {}
+        self.norm_arrived: dict[int, list[tuple[int, float]]] = {}
+        self.timeline: list | None = [] if timeline else None
+
+    def at(self, t: float, fn, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, fn, args))
+
+    def wake(self, key) -> None:
+        for r in self.waiting.pop(key, ()):
+            self.at(self.now, self.advance, r)
+
+    def run(self) -> None:
+        for r in range(len(self.ranks)):
+            self.at(0.0, self.advance, r)
+        while self.heap:
+            t, _, fn, args = heapq.heappop(self.heap)
+            self.now = t
+            fn(t, *args)
+        stuck = [rk for rk in self.ranks if rk.pc < len(rk.items)]
+        if stuck:
+            what = "; ".join(
+                f"stage {rk.stage} at {rk.items[rk.pc].op} {rk.items[rk.pc].label}"
+                for rk in stuck
+            )
+            raise RuntimeError(f"simulated schedule deadlocks: {what}")
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _transfer(self, t: float, key: tuple, src: int) -> None:
+        self.sent[key] = t
+        lat = self.cost.rates.link_latency
+        nbytes = self.cost.activation_bytes
+
+        def on_wire(t2):
+            self.links[src].add(t2, nbytes, on_done)
+
+        def on_done(t3):
+            self.delivered[key] = t3
+            self.wake(key)
+
+        self.at(t + lat, on_wire)
+
+    # -- the engine ---------------------------------------------------------------------------
+
+    def _engine_next(self, t: float, r: int) -> None:
+        rk = self.ranks[r]
+        if rk.engine_busy or not rk.engine_q:
+            return
+        step, block, op = rk.engine_q.pop(0)
+        rk.engine_busy = True
+        role = block_role(block)
+        if op == "allreduce":
+            lat, wire = self.cost.allreduce_terms(self.cost.grad_bytes(role), self.dp)
+        elif op == "scatter":
+            lat, wire = self.cost.ring_half_terms(self.cost.grad_bytes(role), self.dp)
+        else:  # gather: the block's view
+            lat, wire = self.cost.ring_half_terms(self.cost.view_bytes(role), self.dp)
+        start = t
+
+        def on_wire(t2):
+            self.links[r].add(t2, wire, on_done)
+
+        def on_done(t3):
+            rk.engine_busy = False
+            rk.engine_s += t3 - start
+            if op == "gather":
+                n = rk.gathered.get(block, 0)
+                rk.gathered[block] = n + 1
+                self.wake(("view", r, block, n))
+            else:
+                rk.synced.add((step, block))
+                self.wake(("sync", r, step, block))
+            self._engine_next(t3, r)
+
+        self.at(t + lat, on_wire)
+
+    # -- the main thread ----------------------------------------------------------------------
+
+    def _unblock(self, rk: RankState, t: float, step: int, comm_from: float | None) -> None:
+        """Account a finished wait: the part after `comm_from` is exposed communication."""
+        t0 = rk.blocked_since if rk.blocked_since is not None else t
+        if comm_from is not None:
+            rk.comm[step] = rk.comm.get(step, 0.0) + max(0.0, t - max(t0, comm_from))
+        rk.blocked_since = None
+
+    def _block(self, rk: RankState, t: float, key, r: int) -> None:
+        if rk.blocked_since is None:
+            rk.blocked_since = t
+        self.waiting.setdefault(key, []).append(r)
+
+    def advance(self, t: float, r: int) -> None:
+        rk = self.ranks[r]
+        while rk.pc < len(rk.items):
+            it = rk.items[rk.pc]
+            if it.op == "busy":
+                rk.pc += 1
+                acc = rk.busy.setdefault(it.step, {})
+                for c, s in it.parts.items():
+                    acc[c] = acc.get(c, 0.0) + s
+                if self.timeline is not None:
+                    self.timeline.append((rk.stage, t, t + it.dur, it.label))
+                self.at(t + it.dur, self.advance, r)
+                return
+            if it.op == "send":
+                if self.send_mode == "eager":
+                    self._transfer(t, it.key, r)
+                    rk.pc += 1
+                    continue
+                if it.key not in self.posted_send:
+                    self.posted_send.add(it.key)
+                    if it.key in self.posted_recv:
+                        self._transfer(t, it.key, r)
+                if it.key not in self.delivered:
+                    self._block(rk, t, it.key, r)
+                    return
+                self._unblock(rk, t, it.step, self.sent[it.key])
+                rk.pc += 1
+                continue
+            if it.op == "recv":
+                if self.send_mode == "rendezvous" and it.key not in self.posted_recv:
+                    self.posted_recv.add(it.key)
+                    if it.key in self.posted_send:
+                        self._transfer(t, it.key, it.key[3])
+                if it.key not in self.delivered:
+                    self._block(rk, t, it.key, r)
+                    return
+                self._unblock(rk, t, it.step, self.sent.get(it.key))
+                rk.pc += 1
+                continue
+            if it.op in ("sync", "gather"):
+                coll = it.coll if it.op == "sync" else "gather"
+                rk.engine_q.extend((it.step, b, coll) for b in it.blocks)
+                self._engine_next(t, r)
+                rk.pc += 1
+                continue
+            if it.op == "waitview":
+                b = it.blocks[0]
+                n = rk.views_used.get(b, 0)
+                if rk.gathered.get(b, 0) <= n:
+                    self._block(rk, t, ("view", r, b, n), r)
+                    return
+                rk.views_used[b] = n + 1
+                self._unblock(rk, t, it.step, -math.inf)
+                rk.pc += 1
+                continue
+            if it.op == "wait":
+                missing = [b for b in it.blocks if (it.step, b) not in rk.synced]
+                if missing:
+                    self._block(rk, t, ("sync", r, it.step, missing[0]), r)
+                    return
+                self._unblock(rk, t, it.step, -math.inf)
+                rk.pc += 1
+                continue
+            if it.op == "norm":
+                done = rk.norm_done.get(it.step)
+                if done is None:
+                    self._arrive_norm(t, r, it.step)
+                    return
+                if t < done:
+                    return  # woken at `done`
+                # waiting for the other stages is bubble, the collective is communication
+                self._unblock(rk, t, it.step, done - self._norm_cost())
+                rk.pc += 1
+                continue
+            if it.op == "end":
+                rk.end[it.step] = t
+                rk.pc += 1
+                continue
+            raise AssertionError(it.op)  # pragma: no cover
+
+    def _norm_cost(self) -> float:
+        world = len(self.ranks) * self.dp
+        return self.cost.allreduce_time(NORM_BYTES, world, "tree") if world > 1 else 0.0
+
+    def _arrive_norm(self, t: float, r: int, step: int) -> None:
+        rk = self.ranks[r]
+        if rk.blocked_since is None:
+            rk.blocked_since = t
+        arrived = self.norm_arrived.setdefault(step, [])
+        arrived.append((r, t))
+        if len(arrived) == len(self.ranks):
+            done = t + self._norm_cost()
+            for r2, _ in arrived:
+                self.ranks[r2].norm_done[step] = done
+                self.at(done, self.advance, r2)
+
+
+
+__all__ = ["NORM_BYTES", "RankState", "Sim", "items"]
