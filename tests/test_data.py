@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ratrain import data as D
+from ratrain.data import corpus, tokens
 from ratrain.config import ConfigError, config_from_dict
 
 
@@ -51,7 +52,7 @@ def test_prepare_byte_round_trip(tmp_path):
     assert meta["num_tokens"] == res.num_train and meta["split"] == "train"
     assert meta["sha256"] == D.file_sha256(out)
     assert D.read_meta(res.val)["sha256"] == D.file_sha256(res.val)
-    assert not list(out.parent.glob("*.tmp"))  # no temporaries left behind
+    assert not [p for p in out.parent.iterdir() if ".tmp." in p.name]  # no temporaries left behind
     # the same inputs give the same bytes
     res2 = D.prepare([str(src)], out=tmp_path / "again", val_fraction=0.25)
     assert res2.train == tmp_path / "again" / "train.bin"
@@ -137,7 +138,7 @@ def test_ensure_default_corpus_once_and_concurrently(tmp_path, monkeypatch):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(D, "prepare", counting)
+    monkeypatch.setattr(corpus, "prepare", counting)  # the prepare ensure_default_corpus calls
     paths, errors = [], []
 
     def worker():
@@ -387,7 +388,7 @@ def test_errors(tmp_path):
 
 
 def test_scan_is_chunked(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "_SCAN_CHUNK", 7)
+    monkeypatch.setattr(tokens, "_SCAN_CHUNK", 7)
     ids = np.arange(100, dtype="<u2") % 50
     ids[93] = 77
     assert D.scan_max_id(ids, 60) == (77, 93)
