@@ -108,8 +108,9 @@ def _rope_theta(cfg: dict, path: str) -> float:
         raise HFError(f"{path}: rope_parameters={params!r} must be an object")
     scaling = cfg.get("rope_scaling")
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
-        if kind not in (None, "default"):
+        scaling_type = (scaling.get("rope_type", scaling.get("type"))
+                        if isinstance(scaling, dict) else scaling)
+        if scaling_type not in (None, "default"):
             raise HFError(
                 f"{path}: rope_scaling={scaling!r} is not supported: ratrain implements plain "
                 "RoPE only (rope_scaling null or default)"

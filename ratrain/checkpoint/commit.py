@@ -30,15 +30,8 @@ from typing import Any
 import ratrain
 from ratrain.checkpoint.collective import Solo, log_default, root_then_bcast
 from ratrain.checkpoint.model import coverage_problems, stage_bounds
-from ratrain.checkpoint.names import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    CheckpointError,
-    checkpoint_name,
-    is_committed,
-    list_checkpoints,
-)
+from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
+from ratrain.checkpoint.names import checkpoint_name, is_committed, list_checkpoints
 from ratrain.checkpoint.shard import StateStream, state_json, write_shard
 from ratrain.config import Config
 from ratrain.fileio import atomic_write, fsync_dir

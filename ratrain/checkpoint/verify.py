@@ -19,14 +19,8 @@ from typing import Any
 
 from ratrain.checkpoint.collective import Solo, log_default, root_then_bcast
 from ratrain.checkpoint.model import coverage_problems
-from ratrain.checkpoint.names import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    CheckpointError,
-    checkpoint_root,
-    list_checkpoints,
-)
+from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
+from ratrain.checkpoint.names import checkpoint_root, list_checkpoints
 from ratrain.checkpoint.shard import sha256_file
 from ratrain.config import CheckpointConfig, ModelConfig
 
