@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -393,6 +395,17 @@ def test_scan_is_chunked(tmp_path, monkeypatch):
     ids[93] = 77
     assert D.scan_max_id(ids, 60) == (77, 93)
     assert D.scan_max_id(ids, 100) == (77, None)
+
+
+def test_token_files_follow_the_umask(tmp_path):
+    """Token files and sidecars get the modes of any file the user creates (ratrain.fileio)."""
+    old = os.umask(0o027)
+    try:
+        D.write_tokens(tmp_path / "t.bin", np.arange(10), vocab_size=16)
+    finally:
+        os.umask(old)
+    for name in ("t.bin", "t.bin.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640, name
 
 
 @pytest.mark.mpi(min_size=2)
