@@ -36,6 +36,7 @@ import numpy as np
 
 from ratrain import checkpoint as ck
 from ratrain.bench import proc_status_kib, reset_hwm
+from ratrain.checkpoint.commit import remove_checkpoint
 from ratrain.config import config_from_dict
 from ratrain.exec.spec import model_blocks
 
@@ -43,18 +44,18 @@ MODEL = {"vocab_size": 256, "hidden": 512, "layers": 8, "heads": 8, "kv_heads": 
 
 
 def stage_state(cfg):
-    """{"master"|"m"|"v": {name: view}} over one flat fp32 buffer per kind, like StageState."""
+    """{"master"|"m"|"v": {name: view}} over one flat fp32 array per buffer, like StageState."""
     params = [p for b in model_blocks(cfg.model) for p in b.params]
     n = sum(p.size for p in params)
     rng = np.random.default_rng(0)
     out = {}
-    for kind in ("master", "m", "v"):
+    for buf in ("master", "m", "v"):
         flat = rng.standard_normal(n, dtype=np.float32)  # (N,)
         views, off = {}, 0
         for p in params:
             views[p.name] = flat[off : off + p.size].reshape(p.shape)
             off += p.size
-        out[kind] = views
+        out[buf] = views
     return out, n
 
 
@@ -69,8 +70,8 @@ def fsync_path(path):
 def plain_h5py(path, tensors, sync=True):
     with h5py.File(path, "w") as f:
         for name in tensors["master"]:
-            for kind, group in ck.KINDS.items():
-                f.create_dataset(f"{group}/{name}", data=tensors[kind][name])
+            for buf, group in ck.BUFFERS.items():
+                f.create_dataset(f"{group}/{name}", data=tensors[buf][name])
     if sync:
         fsync_path(path)
 
@@ -145,7 +146,7 @@ def main(argv=None):
         root = os.path.join(work, "prune")
         old = ck.save_checkpoint(root, 1, cfg, tensors, {}, keep=1, log=lambda m: None)
         t0 = time.perf_counter()
-        ck._remove_checkpoint(old)  # what keep does to each old checkpoint
+        remove_checkpoint(old)  # what keep does to each old checkpoint
         t_remove = time.perf_counter() - t0
         print(f"removing one old checkpoint (keep, after the commit): {t_remove:.3f} s")
 

@@ -15,6 +15,8 @@ import math
 import os
 import sys
 
+from ratrain.fileio import atomic_path
+
 
 def read_metrics(path: str, key: str = "loss") -> dict[int, float]:
     """step -> value of `key` from a run directory or a metrics.jsonl file."""
@@ -53,11 +55,12 @@ def compare(a: dict[int, float], b: dict[int, float]) -> tuple[float, list[int],
 
 
 def plot(png: str, a, b, steps, devs, names, key) -> None:
+    """Draw both curves and their relative difference into the PNG file `png`."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency: only --png needs it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # no display: draw into a file
+        import matplotlib.pyplot as plt  # after use("Agg"), which must come first
     except ImportError:
         raise SystemExit("error: --png needs matplotlib: pip install matplotlib") from None
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -69,9 +72,8 @@ def plot(png: str, a, b, steps, devs, names, key) -> None:
     ax2.set_ylabel("relative difference")
     ax2.set_xlabel("step")
     fig.tight_layout()
-    tmp = png + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, png)
+    with atomic_path(png, durable=False) as tmp:  # a plot: no fsync
+        fig.savefig(tmp, dpi=100, format="png")
 
 
 def main(argv=None) -> int:

@@ -23,32 +23,32 @@ import sys
 
 import numpy as np
 
-from ratrain.config import ConfigError, ModelConfig
-from ratrain.hf import HFError, export_hf
+from ratrain.checkpoint import (
+    checkpoint_root,
+    is_committed,
+    list_checkpoints,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from ratrain.config import ConfigError, ModelConfig, load_config
+from ratrain.exec.spec import init_param, model_blocks
+from ratrain.hf import HFError, export_hf, load_hf_params, resolve_model_config
 
 
 def initial_params(cfg) -> dict[str, np.ndarray]:
     """{global name: fp32} of a config's initial weights (random init or init.from_hf)."""
-    from ratrain.exec.spec import init_param, model_blocks
-
     if cfg.init.from_hf:
-        from ratrain.hf import load_hf_params, resolve_model_config
-
         return load_hf_params(cfg.init.from_hf, resolve_model_config(cfg.model, cfg.init.from_hf))
     return {p.name: init_param(p, cfg.init.seed) for b in model_blocks(cfg.model) for p in b.params}
 
 
 def _newest_committed(root: str) -> str | None:
-    from ratrain.checkpoint import is_committed, list_checkpoints
-
     done = [p for _, p in list_checkpoints(root) if is_committed(p)]
     return done[-1] if done else None
 
 
 def checkpoint_params(path: str) -> tuple[dict[str, np.ndarray], ModelConfig, int]:
     """(master weights by global name, model config, step) of a verified committed checkpoint."""
-    from ratrain.checkpoint import is_committed, load_checkpoint, verify_checkpoint
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     if not is_committed(path):
@@ -62,7 +62,7 @@ def checkpoint_params(path: str) -> tuple[dict[str, np.ndarray], ModelConfig, in
     problems = verify_checkpoint(path)
     if problems:
         raise ValueError(f"{path}: damaged checkpoint, not exported: " + "; ".join(problems))
-    ck = load_checkpoint(path, kinds=("master",))
+    ck = load_checkpoint(path, buffers=("master",))
     return ck["master"], ck["config"].model, ck["step"]
 
 
@@ -85,16 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             params, model, step = checkpoint_params(args.checkpoint)
             what = f"checkpoint step {step}"
         elif args.config:
-            from ratrain.checkpoint import checkpoint_root
-            from ratrain.config import load_config
-
             cfg = load_config(args.config, args.overrides)
             if args.init:
                 params = initial_params(cfg)
                 model = cfg.model
                 if cfg.init.from_hf:
-                    from ratrain.hf import resolve_model_config
-
                     model = resolve_model_config(cfg.model, cfg.init.from_hf)
                 what = "initial weights"
             else:

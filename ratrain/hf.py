@@ -21,7 +21,8 @@ naming the tensor and the file.
 
 Export (`export_hf`) writes an fp32 `model.safetensors` and a `config.json` that
 `transformers.LlamaForCausalLM.from_pretrained` loads (4.x and 5.x keys both present); each
-file goes to a temporary name, is fsynced and renamed, `config.json` last. `load_hf_params` of
+file goes through `ratrain.fileio` (temporary name, fsync, rename, fsync the directory),
+`config.json` last. `load_hf_params` of
 an exported directory returns the exported arrays bitwise.
 """
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from ratrain.config import ConfigError, ModelConfig
 from ratrain.exec.spec import model_blocks
+from ratrain.fileio import atomic_path, atomic_write
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -106,8 +108,9 @@ def _rope_theta(cfg: dict, path: str) -> float:
         raise HFError(f"{path}: rope_parameters={params!r} must be an object")
     scaling = cfg.get("rope_scaling")
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
-        if kind not in (None, "default"):
+        scaling_type = (scaling.get("rope_type", scaling.get("type"))
+                        if isinstance(scaling, dict) else scaling)
+        if scaling_type not in (None, "default"):
             raise HFError(
                 f"{path}: rope_scaling={scaling!r} is not supported: ratrain implements plain "
                 "RoPE only (rope_scaling null or default)"
@@ -404,23 +407,6 @@ def hf_config_dict(model: ModelConfig, max_position_embeddings: int | None = Non
     }
 
 
-def _write_atomic(path: str, write) -> None:
-    """Write `path` through `write(tmp_path)`, fsync, rename over `path`."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def export_hf(
     params: Mapping[str, np.ndarray],
     model: ModelConfig,
@@ -432,7 +418,7 @@ def export_hf(
 
     max_position_embeddings defaults to model.seq_len.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # optional dependency: only export needs it
 
     expected = _expected(model)
     by_global = {g: (hf, shape) for hf, (g, shape) in expected.items()}
@@ -457,32 +443,11 @@ def export_hf(
         raise HFError(
             f"{out_dir}: holds a sharded checkpoint ({INDEX}); export into an empty directory"
         )
-    _write_atomic(
-        os.path.join(out_dir, SINGLE),
-        lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
-    )
+    with atomic_path(os.path.join(out_dir, SINGLE)) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
     text = json.dumps(hf_config_dict(model, max_position_embeddings), indent=2) + "\n"
-
-    def write_config(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    _write_atomic(os.path.join(out_dir, CONFIG), write_config)
-    _fsync_dir(out_dir)
+    atomic_write(os.path.join(out_dir, CONFIG), text)
     return out_dir
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 __all__ = [

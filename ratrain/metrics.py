@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from ratrain.fileio import atomic_write
+
 REQUIRED = (
     "step",
     "loss",
@@ -68,10 +70,7 @@ class MetricsWriter:
                     continue  # a torn last line from a crash
                 if rec.get("step", 0) <= step:
                     keep.append(json.dumps(rec) + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(keep))
 
     def write(self, rec: dict, flops_per_token: float | None = None, log: bool = True) -> None:
         missing = [k for k in REQUIRED if k not in rec]

@@ -24,9 +24,10 @@ import pytest
 from ratrain import checkpoint as ck
 from ratrain.config import CheckpointConfig, config_from_dict
 from ratrain.exec.spec import model_blocks, stage_blocks
+from ratrain.fileio import temp_name
 
 MODEL = {"vocab_size": 32, "hidden": 16, "layers": 4, "heads": 2, "kv_heads": 2, "ffn_hidden": 24}
-KIND_IDX = {"master": 0, "m": 1, "v": 2}
+BUFFER_IDX = {"master": 0, "m": 1, "v": 2}
 
 
 def make_cfg(pp=1, dp=1, keep=2, **model):
@@ -35,24 +36,24 @@ def make_cfg(pp=1, dp=1, keep=2, **model):
     )
 
 
-def value(name, kind, step, shape):
+def value(name, buf, step, shape):
     """The deterministic content of a parameter state at a step (fp32, all bits used)."""
-    rng = np.random.default_rng([zlib.crc32(name.encode()), KIND_IDX[kind], step])
+    rng = np.random.default_rng([zlib.crc32(name.encode()), BUFFER_IDX[buf], step])
     return rng.standard_normal(shape, dtype=np.float32)
 
 
 def stage_tensors(cfg, stage, step):
-    """{"master"|"m"|"v": {name: array}} for one stage, as views of one flat buffer per kind."""
+    """{"master"|"m"|"v": {name: array}} for one stage, as views of one flat array per buffer."""
     params = [p for b in stage_blocks(cfg.model, cfg.parallel.pp, stage) for p in b.params]
     out = {}
-    for kind in KIND_IDX:
+    for buf in BUFFER_IDX:
         flat = np.empty(sum(p.size for p in params), np.float32)
         views, off = {}, 0
         for p in params:
             views[p.name] = flat[off : off + p.size].reshape(p.shape)
-            views[p.name][...] = value(p.name, kind, step, p.shape)
+            views[p.name][...] = value(p.name, buf, step, p.shape)
             off += p.size
-        out[kind] = views
+        out[buf] = views
     return out
 
 
@@ -70,11 +71,11 @@ def check_content(ckpt, step, names=None):
     model = ckpt["config"].model
     specs = {p.name: p for b in model_blocks(model) for p in b.params}
     for name in names or specs:
-        for kind in KIND_IDX:
-            want = value(name, kind, step, specs[name].shape)
-            got = ckpt[kind][name]
+        for buf in BUFFER_IDX:
+            want = value(name, buf, step, specs[name].shape)
+            got = ckpt[buf][name]
             assert got.dtype == np.float32
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, kind)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, buf)
 
 
 class ThreadComm:
@@ -194,10 +195,10 @@ def test_fast_writer_matches_plain_reference(tmp_path):
     with h5py.File(tmp_path / "fast" / "shard-s000.h5") as a, h5py.File(
         tmp_path / "plain" / "shard-s000.h5"
     ) as b:
-        for kind, group in ck.KINDS.items():
+        for buf, group in ck.BUFFERS.items():
             assert sorted(a[group]) == sorted(b[group])
             for n in a[group]:
-                assert np.array_equal(a[group][n][()], b[group][n][()]), (kind, n)
+                assert np.array_equal(a[group][n][()], b[group][n][()]), (buf, n)
         assert dict(a.attrs) == dict(b.attrs)
 
 
@@ -227,9 +228,9 @@ def test_streamed_shard_equals_mapping_shard(tmp_path, writer):
     assert e["sha256"] == ck.sha256_file(str(d / e["file"]))
     assert e["params"] == {n: list(s) for n, s in shapes.items()}
     with h5py.File(d / e["file"]) as f:
-        for kind, group in ck.KINDS.items():
+        for buf, group in ck.BUFFERS.items():
             for n in shapes:
-                assert np.array_equal(f[group][n][()], t[kind][n]), (kind, n)
+                assert np.array_equal(f[group][n][()], t[buf][n]), (buf, n)
 
 
 def test_fast_writer_copies_strided_and_rejects_non_fp32(tmp_path):
@@ -246,7 +247,7 @@ def test_fast_writer_copies_strided_and_rejects_non_fp32(tmp_path):
     t["m"]["embed.weight"] = t["m"]["embed.weight"].astype(np.float64)
     with pytest.raises(ck.CheckpointError, match="fp32"):
         ck.write_shard(str(tmp_path), 2, 0, cfg, t, {})
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert os.listdir(tmp_path) == ["shard-s000.h5"]  # the failed write left no temporary
 
 
 def test_load_subset_into_out_buffers(tmp_path):
@@ -255,11 +256,11 @@ def test_load_subset_into_out_buffers(tmp_path):
     names = ["layers.1.mlp.w_up", "head.weight"]
     flat = np.zeros(3 * (24 * 16 + 32 * 16), np.float32)
     out, off = {}, 0
-    for kind in KIND_IDX:
-        out[kind] = {}
+    for buf in BUFFER_IDX:
+        out[buf] = {}
         for n, shape in (("layers.1.mlp.w_up", (24, 16)), ("head.weight", (32, 16))):
             size = shape[0] * shape[1]
-            out[kind][n] = flat[off : off + size].reshape(shape)
+            out[buf][n] = flat[off : off + size].reshape(shape)
             off += size
     got = ck.load_checkpoint(path, names, out=out)
     assert set(got["master"]) == set(names)
@@ -282,8 +283,8 @@ def test_stage_state_round_trip(tmp_path):
     path = ck.save_checkpoint(str(tmp_path), 7, cfg, a.state_dict(), {"data_position": 7})
     b = params.StageState(blocks, "fp32", Ledger(), seed=2)
     ck.load_checkpoint(path, b.names, out=b.state_dict())
-    for kind in ("master", "m", "v"):
-        assert np.array_equal(a.buffer(kind), b.buffer(kind)), kind
+    for buf in ("master", "m", "v"):
+        assert np.array_equal(a.buffer(buf), b.buffer(buf)), buf
 
 
 @pytest.mark.parametrize("save_at,load_pp", [((2, 1), 1), ((1, 1), 4), ((4, 1), 2), ((2, 2), 4)])
@@ -433,7 +434,8 @@ def test_auto_skips_uncommitted_and_damaged(tmp_path):
     os.truncate(os.path.join(root, "ckpt-000003", "shard-s000.h5"), 100)
     partial = tmp_path / "ckpt-000004"  # a killed save: a temp shard, no manifest
     partial.mkdir()
-    (partial / ".shard-s000.h5.tmp").write_bytes(b"\0" * 1000)
+    with open(temp_name(partial / "shard-s000.h5"), "wb") as f:  # .shard-s000.h5.tmp.PID.RANDOM
+        f.write(b"\0" * 1000)
     logs = []
     path = ck.resolve_resume(CheckpointConfig(dir=root), "x", cfg.model, log=logs.append)
     assert path == os.path.join(root, "ckpt-000002")

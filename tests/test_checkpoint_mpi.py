@@ -23,7 +23,7 @@ from ratrain.config import CheckpointConfig, config_from_dict
 from ratrain.exec.spec import model_blocks, stage_blocks
 
 MODEL = {"vocab_size": 32, "hidden": 16, "layers": 4, "heads": 2, "kv_heads": 2, "ffn_hidden": 24}
-KIND_IDX = {"master": 0, "m": 1, "v": 2}
+BUFFER_IDX = {"master": 0, "m": 1, "v": 2}
 
 
 def world():
@@ -43,8 +43,8 @@ def make_cfg(pp, dp, keep=3):
     )
 
 
-def value(name, kind, step, shape):
-    rng = np.random.default_rng([zlib.crc32(name.encode()), KIND_IDX[kind], step])
+def value(name, buf, step, shape):
+    rng = np.random.default_rng([zlib.crc32(name.encode()), BUFFER_IDX[buf], step])
     return rng.standard_normal(shape, dtype=np.float32)
 
 
@@ -54,7 +54,7 @@ def stage_names(cfg, stage):
 
 def tensors(cfg, stage, step):
     return {
-        k: {p.name: value(p.name, k, step, p.shape) for p in stage_names(cfg, stage)} for k in KIND_IDX
+        k: {p.name: value(p.name, k, step, p.shape) for p in stage_names(cfg, stage)} for k in BUFFER_IDX
     }
 
 
@@ -108,9 +108,9 @@ def test_save_one_layout_load_every_other(root):
             got = ck.load_checkpoint(path, names)
             assert got["step"] == step and got["state"] == {"data_position": step}
             for p in stage_names(cfg, rank % lpp):
-                for kind in KIND_IDX:
-                    want = value(p.name, kind, step, p.shape)
-                    assert np.array_equal(got[kind][p.name].view(np.uint32), want.view(np.uint32))
+                for buf in BUFFER_IDX:
+                    want = value(p.name, buf, step, p.shape)
+                    assert np.array_equal(got[buf][p.name].view(np.uint32), want.view(np.uint32))
             covered = comm.allgather(names)
             assert {x for ns in covered for x in ns} == all_names
 

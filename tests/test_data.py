@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from ratrain import data as D
+from ratrain.data import corpus, tokens
 from ratrain.config import ConfigError, config_from_dict
 
 
@@ -51,7 +54,7 @@ def test_prepare_byte_round_trip(tmp_path):
     assert meta["num_tokens"] == res.num_train and meta["split"] == "train"
     assert meta["sha256"] == D.file_sha256(out)
     assert D.read_meta(res.val)["sha256"] == D.file_sha256(res.val)
-    assert not list(out.parent.glob("*.tmp"))  # no temporaries left behind
+    assert not [p for p in out.parent.iterdir() if ".tmp." in p.name]  # no temporaries left behind
     # the same inputs give the same bytes
     res2 = D.prepare([str(src)], out=tmp_path / "again", val_fraction=0.25)
     assert res2.train == tmp_path / "again" / "train.bin"
@@ -137,7 +140,7 @@ def test_ensure_default_corpus_once_and_concurrently(tmp_path, monkeypatch):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(D, "prepare", counting)
+    monkeypatch.setattr(corpus, "prepare", counting)  # the prepare ensure_default_corpus calls
     paths, errors = [], []
 
     def worker():
@@ -387,11 +390,22 @@ def test_errors(tmp_path):
 
 
 def test_scan_is_chunked(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "_SCAN_CHUNK", 7)
+    monkeypatch.setattr(tokens, "_SCAN_CHUNK", 7)
     ids = np.arange(100, dtype="<u2") % 50
     ids[93] = 77
     assert D.scan_max_id(ids, 60) == (77, 93)
     assert D.scan_max_id(ids, 100) == (77, None)
+
+
+def test_token_files_follow_the_umask(tmp_path):
+    """Token files and sidecars get the modes of any file the user creates (ratrain.fileio)."""
+    old = os.umask(0o027)
+    try:
+        D.write_tokens(tmp_path / "t.bin", np.arange(10), vocab_size=16)
+    finally:
+        os.umask(old)
+    for name in ("t.bin", "t.bin.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640, name
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,0 +1,71 @@
+"""HDF5 checkpoints that survive crashes, resume bit for bit, and reshard on load.
+
+Owns: the checkpoint directory layout and names (`names`), the one-process communicator and the
+rank-0-then-broadcast helper (`collective`), writing one stage's shard, fast and plain
+(`shard`), what a model's checkpoint must hold (`model`), the collective save, manifest, commit
+and `keep` (`commit`), verification and the choice of the checkpoint to resume from (`verify`),
+loading into any layout (`load`) and the `show` CLI (`show`, `__main__`).
+
+May import: `ratrain` (its version), `ratrain.config`, `ratrain.fileio` (every file is written
+through its one atomic-write protocol), `ratrain.exec.spec` from `model` only (the model's
+parameter names and stage split, a pure description: no kernels, no MPI) and third-party
+packages (numpy, h5py, yaml). Never comm, lifecycle, plan, train: collectives come in as a
+`comm` argument, the schedule is not its business.
+
+Layout of one checkpoint (`<checkpoint.dir>/ckpt-000100/`, default dir `<run.dir>/checkpoints`):
+
+    shard-s000.h5     stage 0's state, written by replica 0 of stage 0
+    shard-s001.h5     ...one file per pipeline stage
+    manifest.json     written last, by rank 0, after every shard is on disk: the commit mark
+
+    path = save_checkpoint(root, step, cfg, state.state_dict(), scalars, stage=s, replica=r, comm=c)
+    path = resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=c)   # or None: fresh
+    ck = load_checkpoint(path, state.names, out=state.state_dict())          # reads in place
+    python -m ratrain.checkpoint show runs/tiny/checkpoints/ckpt-000100 --verify
+"""
+
+from ratrain.checkpoint.commit import save_checkpoint
+from ratrain.checkpoint.load import load_checkpoint
+from ratrain.checkpoint.names import (
+    BUFFERS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    checkpoint_name,
+    checkpoint_root,
+    is_committed,
+    list_checkpoints,
+    shard_name,
+)
+from ratrain.checkpoint.shard import StateStream, sha256_file, write_shard
+from ratrain.checkpoint.show import show
+from ratrain.checkpoint.verify import (
+    model_mismatch,
+    read_manifest,
+    resolve_resume,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "BUFFERS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "CheckpointError",
+    "StateStream",
+    "checkpoint_name",
+    "checkpoint_root",
+    "is_committed",
+    "list_checkpoints",
+    "load_checkpoint",
+    "model_mismatch",
+    "read_manifest",
+    "resolve_resume",
+    "save_checkpoint",
+    "sha256_file",
+    "shard_name",
+    "show",
+    "verify_checkpoint",
+    "write_shard",
+]

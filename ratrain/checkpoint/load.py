@@ -1,0 +1,105 @@
+"""Loading a committed checkpoint into any pp x dp layout (resharding on load).
+
+Names are global, so each rank reads each parameter it needs from whichever shard holds it
+(saved at pp=4, resumed at pp=2), straight into its own buffers when it passes them:
+
+    ck = load_checkpoint(path, state.names, out=state.state_dict())          # reads in place
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+import yaml
+
+from ratrain.checkpoint.names import BUFFERS, CheckpointError
+from ratrain.checkpoint.verify import read_manifest
+from ratrain.config import config_from_dict
+
+
+def _read_into(ds: h5py.Dataset, dst) -> None:
+    if tuple(dst.shape) != tuple(ds.shape):
+        raise CheckpointError(
+            f"{ds.file.filename}:{ds.name} has shape {tuple(ds.shape)}, the destination "
+            f"{tuple(dst.shape)}"
+        )
+    if isinstance(dst, np.ndarray) and dst.dtype == ds.dtype and dst.flags.c_contiguous:
+        ds.read_direct(dst)  # straight into the caller's buffer
+    elif isinstance(dst, np.ndarray):
+        dst[...] = ds[()]
+    else:  # cupy: through host memory, one parameter at a time
+        dst.set(np.ascontiguousarray(ds[()], dtype=dst.dtype))
+
+
+def _by_file(path: str, manifest: dict, names: Iterable[str] | None) -> dict[str, list[str]]:
+    """{shard file: the asked-for names it holds} (None: every parameter)."""
+    where = {n: e["file"] for e in manifest["files"] for n in e["params"]}
+    names = list(where) if names is None else list(names)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise CheckpointError(
+            f"{path}: has no parameter {missing[0]!r} ({len(missing)} missing): a checkpoint of "
+            "another model?"
+        )
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(where[n], []).append(n)
+    return out
+
+
+def _read_shard(f: h5py.File, names: list[str], buffers: list[str], out, result: dict) -> None:
+    for n in names:
+        for b in buffers:
+            ds = f[f"{BUFFERS[b]}/{n}"]
+            if out is not None:
+                dst = out[b][n]
+                _read_into(ds, dst)
+            else:
+                dst = ds[()]
+            result[b][n] = dst
+
+
+def load_checkpoint(
+    path: str,
+    names: Iterable[str] | None = None,
+    *,
+    out: Mapping[str, Mapping[str, Any]] | None = None,
+    buffers: Iterable[str] = ("master", "m", "v"),
+) -> dict:
+    """Read a committed checkpoint's state for exactly the parameters `names` (None: all).
+
+    Reads each name from whichever shard holds it, so any pp x dp layout can load any
+    checkpoint. With `out` ({"master"|"m"|"v": {name: array}}, e.g. `StageState.state_dict()`)
+    the values are read straight into those arrays (no extra memory; materialise fp16 views
+    afterwards); otherwise new arrays are returned. fp32 in, fp32 out: bitwise exact.
+    `buffers` picks which of master, m, v to read.
+
+    Returns {"path", "step", "state" (the dict given to save), "config" (a Config),
+    "topology", "master", "m", "v" ({name: array})}. Verification is `resolve_resume`'s job
+    (collective); this function trusts the manifest's file list.
+    """
+    manifest = read_manifest(path)
+    buffers = list(buffers)
+    entries = {e["file"]: e for e in manifest["files"]}
+    result: dict[str, Any] = {b: {} for b in buffers}
+    for fname, fnames in _by_file(path, manifest, names).items():
+        held = entries[fname].get("kinds", list(BUFFERS))  # the manifest's word for buffers
+        for b in buffers:
+            if b not in held:
+                raise CheckpointError(f"{os.path.join(path, fname)}: holds no {b!r} state")
+        with h5py.File(os.path.join(path, fname), "r") as f:
+            _read_shard(f, fnames, buffers, out, result)
+    first = os.path.join(path, manifest["files"][0]["file"])
+    with h5py.File(first, "r") as f:
+        state = json.loads(f.attrs["state"])
+        step = int(f.attrs["step"])
+        config = config_from_dict(yaml.safe_load(f.attrs["config"]), first)
+    if step != manifest["step"]:
+        raise CheckpointError(f"{first}: step {step} but the manifest says {manifest['step']}")
+    result.update(path=path, step=step, state=state, config=config, topology=manifest["topology"])
+    return result

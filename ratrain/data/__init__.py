@@ -1,0 +1,68 @@
+"""Token files, the default corpus, and the batches of the design's data contract.
+
+Owns: the token file format, its sidecar and the names beside it, writing, opening and scanning
+token files (`tokens`); tokenizers, byte-level or a local Hugging Face tokenizer.json
+(`tokenizer`); the text ``prepare`` reads, named files and folders or the default corpus's
+standard-library sources (`sources`); ``prepare`` itself (`prepare`); the default corpus
+prepared on first use (`corpus`); the batches of a step, random access by step, and the eval
+batches (`dataset`); the trainer's check of its token files before any work (`checks`); the
+CLI ``python -m ratrain.data prepare|info`` (`__main__`).
+
+May import: `ratrain.config`, `ratrain.fileio` (every file is written through its one
+atomic-write protocol) and third-party packages (numpy; `tokenizers` only when a Hugging Face
+tokenizer is asked for). Nothing else of ratrain: collectives come in as a `comm` argument (the
+default corpus's rank-0 word is two point-to-point calls on it), and schedules are not its
+business.
+
+    python -m ratrain.data prepare                        # default corpus -> data/stdlib/train.bin
+    paths = check_data(cfg, comm)                         # before any work: DataError names the fix
+    train, ev = open_datasets(cfg, paths)
+    inputs, targets = train.batch_for_step(step, replica)  # (M, B, T) int64 each
+"""
+
+from ratrain.data.checks import DataPaths, check_data, open_datasets
+from ratrain.data.corpus import default_tokens_path, ensure_default_corpus
+from ratrain.data.dataset import BatchLayout, TokenDataset, eval_batches
+from ratrain.data.prepare import DEFAULT_VAL_FRACTION, Prepared, default_out, prepare
+from ratrain.data.sources import DEFAULT_CORPUS_BYTES, stdlib_files
+from ratrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ratrain.data.tokens import (
+    FORMAT,
+    DataError,
+    dtype_for_vocab,
+    file_sha256,
+    read_meta,
+    scan_max_id,
+    sidecar_path,
+    val_path,
+    write_tokens,
+)
+
+__all__ = [
+    "DEFAULT_CORPUS_BYTES",
+    "DEFAULT_VAL_FRACTION",
+    "FORMAT",
+    "BatchLayout",
+    "ByteTokenizer",
+    "DataError",
+    "DataPaths",
+    "HFTokenizer",
+    "Prepared",
+    "TokenDataset",
+    "check_data",
+    "default_out",
+    "default_tokens_path",
+    "dtype_for_vocab",
+    "ensure_default_corpus",
+    "eval_batches",
+    "file_sha256",
+    "load_tokenizer",
+    "open_datasets",
+    "prepare",
+    "read_meta",
+    "scan_max_id",
+    "sidecar_path",
+    "stdlib_files",
+    "val_path",
+    "write_tokens",
+]
