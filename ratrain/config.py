@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Sections
+# Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
+# that the sections repeat one shape; the fields are the config contract)
 # --------------------------------------------------------------------------------------------
 
 

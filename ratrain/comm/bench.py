@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import zlib
 
 import numpy as np
 from mpi4py import MPI
+
+from ratrain.shim import allocator
+from ratrain.shim.link import Link
+from ratrain.shim.platform import load_profile
 
 from . import collectives as coll
 from . import model as cost
@@ -109,9 +114,6 @@ def _args(argv=None):
 def make_link(a):
     if not a.link:
         return None
-    from ratrain.shim.link import Link
-    from ratrain.shim.platform import load_profile
-
     prof = load_profile(a.profile)
     bw = a.bandwidth if a.bandwidth is not None else prof.link_bandwidth
     lat = a.latency if a.latency is not None else (prof.link_latency or 0.0)
@@ -215,10 +217,66 @@ class Runner:
         return err, digest
 
 
+def _measure(runner, a, comm):
+    """Interleaved iterations of every algorithm at the runner's size: ({algo: [seconds]},
+    {algo: (max error, digest)} of the last iteration)."""
+    times = {algo: [] for algo in a.algos}
+    checks = {}
+    for it in range(a.warmup + a.iters):
+        for algo in a.algos:
+            runner.reset()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            runner.once(algo)
+            dt = time.perf_counter() - t0
+            if it >= a.warmup:
+                times[algo].append(dt)
+            if it == a.warmup + a.iters - 1:
+                checks[algo] = runner.check()
+    return times, checks
+
+
+def _model_s(a, algo, nb, p, link) -> float:
+    """What the link model says the op should take (the link's emulated rates)."""
+    bw, lat = link.bandwidth / link.time_scale, link.latency * link.time_scale
+    if a.op == "allreduce":
+        chosen = algo if algo != "auto" else coll.choose_algo(nb, p, link)
+        model = cost.seconds("allreduce", chosen, nb, p, lat, bw)
+        if a.dtype == "float16":  # partial sums travel as float32
+            wide = cost.seconds("allreduce", chosen, 2 * nb, p, lat, bw)
+            model = (model + wide) / 2 if chosen == "ring" else wide
+        return model
+    if a.op in ("pingpong", "sendrecv"):
+        return lat + nb / bw
+    if a.op == "stream":
+        return nb / bw + lat / a.window
+    return math.nan
+
+
+def _record(a, algo, p, nb, t, errs, digests, link) -> dict:
+    """One output line (see the module) from the slowest rank's iteration times `t`."""
+    med, best = float(np.median(t)), float(np.min(t))
+    rec = {
+        "op": a.op, "algo": algo, "ranks": p, "bytes": nb, "dtype": a.dtype,
+        "iters": a.iters, "time_s": med, "time_min_s": best,
+        "algbw_GBps": nb / med / 1e9, "busbw_GBps": nb / med / 1e9 * busbw_factor(a.op, p),
+        "busbw_best_GBps": nb / best / 1e9 * busbw_factor(a.op, p),
+        "ok": max(errs) == 0.0, "max_abs_err": max(errs),
+    }
+    if a.op in ("allreduce", "allgather", "bcast"):
+        rec["identical"] = len(set(digests)) == 1
+    if link is not None:
+        if a.op in ("allreduce", "pingpong", "sendrecv", "stream"):
+            rec["model_s"] = _model_s(a, algo, nb, p, link)
+        rec["link"] = {"bandwidth": link.bandwidth, "latency": link.latency,
+                       "time_scale": link.time_scale, "chunk_bytes": link.chunk_bytes}
+    if a.engine:
+        rec["engine"] = True
+    return rec
+
+
 def main(argv=None) -> int:
     a = _args(argv)
-    from ratrain.shim import allocator
-
     allocator.tune()  # the process keeps freed memory, as python -m ratrain.train does
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
@@ -232,19 +290,7 @@ def main(argv=None) -> int:
     try:
         for nbytes in a.size_list:
             runner.setup(nbytes, a.dtype)
-            times = {algo: [] for algo in a.algos}
-            checks = {}
-            for it in range(a.warmup + a.iters):
-                for algo in a.algos:
-                    runner.reset()
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    runner.once(algo)
-                    dt = time.perf_counter() - t0
-                    if it >= a.warmup:
-                        times[algo].append(dt)
-                    if it == a.warmup + a.iters - 1:
-                        checks[algo] = runner.check()
+            times, checks = _measure(runner, a, comm)
             for algo in a.algos:
                 t = np.array(times[algo])
                 comm.Allreduce(MPI.IN_PLACE, t, MPI.MAX)  # each iteration: the slowest rank
@@ -253,39 +299,10 @@ def main(argv=None) -> int:
                 if a.op == "stream":
                     t = t / a.window
                 err, digest = checks[algo]
-                errs = comm.gather(err, 0)
-                digests = comm.gather(digest, 0)
-                if r != 0:
-                    continue
-                nb = runner.n * runner.dtype.itemsize
-                med, best = float(np.median(t)), float(np.min(t))
-                rec = {
-                    "op": a.op, "algo": algo, "ranks": p, "bytes": nb, "dtype": a.dtype,
-                    "iters": a.iters, "time_s": med, "time_min_s": best,
-                    "algbw_GBps": nb / med / 1e9, "busbw_GBps": nb / med / 1e9 * busbw_factor(a.op, p),
-                    "busbw_best_GBps": nb / best / 1e9 * busbw_factor(a.op, p),
-                    "ok": max(errs) == 0.0, "max_abs_err": max(errs),
-                }
-                if a.op in ("allreduce", "allgather", "bcast"):
-                    rec["identical"] = len(set(digests)) == 1
-                if link is not None:
-                    bw, lat = link.bandwidth / link.time_scale, link.latency * link.time_scale
-                    if a.op == "allreduce":
-                        chosen = algo if algo != "auto" else coll.choose_algo(nb, p, link)
-                        model = cost.seconds("allreduce", chosen, nb, p, lat, bw)
-                        if a.dtype == "float16":  # partial sums travel as float32
-                            wide = cost.seconds("allreduce", chosen, 2 * nb, p, lat, bw)
-                            model = (model + wide) / 2 if chosen == "ring" else wide
-                        rec["model_s"] = model
-                    elif a.op in ("pingpong", "sendrecv"):
-                        rec["model_s"] = lat + nb / bw
-                    elif a.op == "stream":
-                        rec["model_s"] = nb / bw + lat / a.window
-                    rec["link"] = {"bandwidth": link.bandwidth, "latency": link.latency,
-                                   "time_scale": link.time_scale, "chunk_bytes": link.chunk_bytes}
-                if a.engine:
-                    rec["engine"] = True
-                print(json.dumps(rec), flush=True)
+                errs, digests = comm.gather(err, 0), comm.gather(digest, 0)
+                if r == 0:
+                    nb = runner.n * runner.dtype.itemsize
+                    print(json.dumps(_record(a, algo, p, nb, t, errs, digests, link)), flush=True)
     finally:
         if engine is not None:
             engine.close()

@@ -58,6 +58,10 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
     last chunk's copy and add, a neighbour a little behind) no longer add up step after step.
     Receives are posted in message order (MPI matches them in posting order) once the chunk they
     overwrite is consumed; reduce-scatter steps alternate between the two scratch arrays `tmps`.
+
+    One function on purpose: it is one generator whose yield points (waits on the link clock
+    and on requests) must live in one frame, and its closures share the send / receive cursors
+    and watermarks; split, the state would travel through every helper.
     """
     p, r = comm.Get_size(), comm.Get_rank()
     b = segments(x.size, p)

@@ -90,7 +90,13 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
             on_chunk(0, recv.size)
         return
 
-    # -- throttled: chunks, each released when its slot on the emulated wire ends --------------
+    yield from _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, link, on_chunk, item)
+
+
+def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, link, on_chunk, item):
+    """`exchange_op` through the link throttle: chunks, each released when its slot on the
+    emulated wire ends (the last when its slot starts, then the end marker); receives are
+    posted for every chunk at once and reported to `on_chunk` in order as they land."""
     pending: deque = deque()  # (request, lo, hi) of receive chunks, in order, then the end
     if rbuf is not None:
         for lo, hi in link.chunks(rbuf.size):

@@ -1,0 +1,13 @@
+"""Execution on one rank: the model's arithmetic, with no communication.
+
+Owns: what the model is made of, its blocks, parameters, stage split and flops (`spec`); pure
+kernels `forward(x, ..., xp) -> (y, cache)` / `backward(dy, cache, xp)` over numpy or cupy
+(`kernels`), the fp16 GEMM (`gemm`), the blocks built from them with their caches and
+recompute choices (`layers`), the execution context of threads, dtypes and RoPE tables
+(`context`); a stage's flat buffers of masters, moments, views and gradients (`params`); AdamW,
+clipping, the LR schedule and loss scaling (`optim`).
+
+May import: `ratrain.config` (the model's and optimizer's sections) and third-party numerics
+(numpy, threadpoolctl; cupy when given as `xp`). Never MPI, comm, lifecycle or plan: buffers are
+allocated through a ledger passed in, never imported.
+"""

@@ -44,6 +44,7 @@ from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
 from ratrain.lifecycle.policies import POLICIES, Policy, stage_infos
+from ratrain.lifecycle.rank import build_rank
 from ratrain.lifecycle.validate import validate_policy
 
 
@@ -112,8 +113,6 @@ def _time_config(args, policy) -> Config:
 def cmd_time(args) -> None:
     from mpi4py import MPI  # every rank of the benchmark: MPI is needed here
 
-    from ratrain.lifecycle.rank import build_rank
-
     comm = MPI.COMM_WORLD
     out = {}
     for policy in args.policies.split(","):
@@ -165,8 +164,6 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     """Train `cfg` for `steps` steps (random tokens) as `python -m ratrain.train` wires it (DDR
     cap, link throttle and compute / DDR pacing from `cfg.platform`); timings over the steps
     after the first `skip`. Collective; every rank returns the same dict."""
-    from ratrain.lifecycle.rank import build_rank  # loads MPI (more than one rank)
-
     rank = build_rank(cfg, comm, watchdog_s=120)
     ex, topo = rank.executor, rank.topo
     pacer = ex.pacer

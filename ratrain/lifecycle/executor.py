@@ -69,25 +69,8 @@ from ratrain.lifecycle.mailbox import Mailbox
 from ratrain.lifecycle.measure import measure_stage_sizes
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak
 from ratrain.lifecycle.policies import Policy, StageInfo, as_policy
-from ratrain.lifecycle.schedule import (
-    AllocGrad,
-    Backward,
-    DropView,
-    Forward,
-    FreeGrad,
-    GradNorm,
-    MaterializeView,
-    RecvBackward,
-    RecvForward,
-    SendBackward,
-    SendForward,
-    SyncGrad,
-    Update,
-    WaitGrad,
-    WaitView,
-    dispatch_table,
-    event_name,
-)
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.schedule import dispatch_table, event_name
 from ratrain.lifecycle.validate import check_lifecycle, validate_policy
 
 MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
@@ -155,16 +138,7 @@ class Executor:
         self.info = StageInfo.from_config(cfg, self.stage, state.blocks, self.policy)
         self.sharded = self.info.sharded
         self._shard_state()
-        self._lists = {False: self.policy.build_step(self.info, False)}
-        if self.policy.carries(self.info):
-            self._lists[True] = self.policy.build_step(self.info, True)
-        self._flush_list = self.policy.build_flush(self.info)
-        if validate:
-            infos = [replace(self.info, stage=s, blocks=tuple(all_blocks[s]),
-                             block_bytes=tuple(0 for _ in all_blocks[s])) for s in range(self.pp)]
-            validate_policy(self.policy, infos, steps=2)
-            check_lifecycle(self.policy.steps(self.info, 3), self.blocks, self.m, self.stage,
-                            self.info.fp16, self.sharded)
+        self._build_lists(all_blocks, validate)
 
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -180,18 +154,32 @@ class Executor:
             self.mailbox = Mailbox(p2p, self.ledger, self.act_shape, ctx.dtype, ctx.xp,
                                    self._comm_event)
         self.handlers = dispatch_table("Executor", {
-            Forward: self._forward, Backward: self._backward,
-            RecvForward: self._recv, RecvBackward: self._recv,
-            SendForward: self._send_forward, SendBackward: self._send_backward,
-            MaterializeView: self._materialize_view, WaitView: self._wait_view,
-            DropView: lambda a: self.state.drop_view(a.block), AllocGrad: self._alloc_grad,
-            FreeGrad: lambda a: self.state.free_grad(a.block), SyncGrad: self._sync_grad,
-            WaitGrad: self._wait_grad, GradNorm: self._grad_norm, Update: self._update,
+            sched.Forward: self._forward, sched.Backward: self._backward,
+            sched.RecvForward: self._recv, sched.RecvBackward: self._recv,
+            sched.SendForward: self._send_forward, sched.SendBackward: self._send_backward,
+            sched.MaterializeView: self._materialize_view, sched.WaitView: self._wait_view,
+            sched.DropView: lambda a: self.state.drop_view(a.block), sched.AllocGrad: self._alloc_grad,
+            sched.FreeGrad: lambda a: self.state.free_grad(a.block), sched.SyncGrad: self._sync_grad,
+            sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
         })
         self.events: list[tuple] = []  # (name, group, t0, t1, tid, args)
         self.step = -1  # before the first step (measurement may gather views)
         self._reset_step_state()
         self.compute.recompute, self.predicted_peak = self._choose_recompute()
+
+    def _build_lists(self, all_blocks, validate: bool) -> None:
+        """This rank's step lists (with and without carried work) and flush; `validate`: check
+        the policy on every stage of the pipeline, and this rank's lists, first."""
+        self._lists = {False: self.policy.build_step(self.info, False)}
+        if self.policy.carries(self.info):
+            self._lists[True] = self.policy.build_step(self.info, True)
+        self._flush_list = self.policy.build_flush(self.info)
+        if validate:
+            infos = [replace(self.info, stage=s, blocks=tuple(all_blocks[s]),
+                             block_bytes=tuple(0 for _ in all_blocks[s])) for s in range(self.pp)]
+            validate_policy(self.policy, infos, steps=2)
+            check_lifecycle(self.policy.steps(self.info, 3), self.blocks, self.m, self.stage,
+                            self.info.fp16, self.sharded)
 
     def _shard_state(self) -> None:
         """Shard a whole-block state for a policy that shards (ratrain, dp > 1), and check the
@@ -339,7 +327,7 @@ class Executor:
 
     # -- compute ----------------------------------------------------------------------------
 
-    def _forward(self, a: Forward) -> None:
+    def _forward(self, a: sched.Forward) -> None:
         x = self.recv_fwd.pop(a.mb, None) if self.stage > 0 else None
         y, loss = self.compute.forward(a.mb, x, self.inputs, self.targets, True, a.pre, a.post,
                                        self._hooks)
@@ -349,7 +337,7 @@ class Executor:
             self.ledger.track("comm.send_forward", y)
             self.out_fwd[a.mb] = y
 
-    def _backward(self, a: Backward) -> None:
+    def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
         dscale = self.scaler.scale / (self.m * self.dp)
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
@@ -361,22 +349,22 @@ class Executor:
     # -- point-to-point ---------------------------------------------------------------------
 
     def _recv(self, a) -> None:
-        into = self.recv_fwd if isinstance(a, RecvForward) else self.recv_bwd
+        into = self.recv_fwd if isinstance(a, sched.RecvForward) else self.recv_bwd
         into[a.mb] = self.mailbox.take(type(a), a.mb)
 
-    def _send_forward(self, a: SendForward) -> None:
-        self.mailbox.send(SendForward, a.mb, self.out_fwd.pop(a.mb))
+    def _send_forward(self, a: sched.SendForward) -> None:
+        self.mailbox.send(sched.SendForward, a.mb, self.out_fwd.pop(a.mb))
 
-    def _send_backward(self, a: SendBackward) -> None:
-        self.mailbox.send(SendBackward, a.mb, self.out_bwd.pop(a.mb))
+    def _send_backward(self, a: sched.SendBackward) -> None:
+        self.mailbox.send(sched.SendBackward, a.mb, self.out_bwd.pop(a.mb))
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def _alloc_grad(self, a: AllocGrad) -> None:
+    def _alloc_grad(self, a: sched.AllocGrad) -> None:
         if not self.state.has_grad(a.block):  # tied: the head's backward may have made embed's
             self.state.alloc_grad(a.block)
 
-    def _materialize_view(self, a: MaterializeView) -> None:
+    def _materialize_view(self, a: sched.MaterializeView) -> None:
         with self._pace_memory(self._view_bytes(a.block)):
             view = self.state.materialize_view(a.block)
         if a.gather and self.dp > 1:  # the other replicas' segments, in the engine
@@ -385,7 +373,7 @@ class Executor:
             self._comm_event(a.name(), t0, fut)
             self.gathers[a.block] = fut
 
-    def _wait_view(self, a: WaitView) -> None:
+    def _wait_view(self, a: sched.WaitView) -> None:
         fut = self.gathers.pop(a.block, None)
         if fut is not None:
             fut.result()
@@ -393,10 +381,10 @@ class Executor:
     def materialize_now(self, block: str) -> None:
         """Make a view outside the schedule (eval, measurement): cast, gather, wait. Collective
         over the stage's replicas when the state is sharded."""
-        self._materialize_view(MaterializeView(block, gather=self.sharded))
-        self._wait_view(WaitView(block))
+        self._materialize_view(sched.MaterializeView(block, gather=self.sharded))
+        self._wait_view(sched.WaitView(block))
 
-    def _sync_grad(self, a: SyncGrad) -> None:
+    def _sync_grad(self, a: sched.SyncGrad) -> None:
         for b in a.blocks:  # one ring collective per block: the same order under every policy
             if self.dp > 1:
                 t0 = time.perf_counter()
@@ -410,7 +398,7 @@ class Executor:
                 fut = _done()
             self.syncs[b] = fut
 
-    def _wait_grad(self, a: WaitGrad) -> None:
+    def _wait_grad(self, a: sched.WaitGrad) -> None:
         for b in a.blocks:
             self.syncs.pop(b).result()
             if a.scatter:
@@ -421,7 +409,7 @@ class Executor:
                 seg = self.state.grad_flat(b)[lo:hi]
             self.sq[b] = block_sq_norm(seg, self.ctx.xp)
 
-    def _grad_norm(self, a: GradNorm) -> None:
+    def _grad_norm(self, a: sched.GradNorm) -> None:
         facts = self.facts
         vec = facts.vector()
         for b, s in self.sq.items():  # (global block, dp segment): one contributor each
@@ -447,7 +435,7 @@ class Executor:
             loss_scale=loss_scale, skipped=skipped, peak_ddr_bytes=facts.peak(vec),
             local_peak_ddr_bytes=int(self.ledger.peak), step_time_s=0.0)
 
-    def _update(self, a: Update) -> None:
+    def _update(self, a: sched.Update) -> None:
         pend = self._pending
         if not pend.skipped:
             lo, hi = self.state.segment(a.block)

@@ -12,25 +12,8 @@ words; `grid(..., legend=True)` prints it under the grid.
 
 from __future__ import annotations
 
-from ratrain.lifecycle.schedule import (
-    AllocGrad,
-    Backward,
-    DropView,
-    Forward,
-    FreeGrad,
-    GradNorm,
-    MaterializeView,
-    RecvBackward,
-    RecvForward,
-    SendBackward,
-    SendForward,
-    SyncGrad,
-    Update,
-    WaitGrad,
-    WaitView,
-    dispatch_table,
-    expand,
-)
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.schedule import dispatch_table, expand
 
 LEGEND = """\
 F mbI / B mbI   forward / backward of micro-batch I through this stage's blocks
@@ -44,11 +27,71 @@ L<i> = layers.<i>; embed, head as they are"""
 
 _RECV, _SEND, _NORM, _COMPUTE, _LIFE = "recv", "send", "norm", "compute", "lifecycle"
 _PLAY = dispatch_table("grid.timeline", {
-    RecvForward: (_RECV, "fwd", 0), RecvBackward: (_RECV, "bwd", 0),
-    SendForward: (_SEND, "fwd", +1), SendBackward: (_SEND, "bwd", -1),
-    GradNorm: (_NORM,), Forward: (_COMPUTE,), Backward: (_COMPUTE,),
-}, ignore=(MaterializeView, WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, Update),
+    sched.RecvForward: (_RECV, "fwd", 0), sched.RecvBackward: (_RECV, "bwd", 0),
+    sched.SendForward: (_SEND, "fwd", +1), sched.SendBackward: (_SEND, "bwd", -1),
+    sched.GradNorm: (_NORM,), sched.Forward: (_COMPUTE,), sched.Backward: (_COMPUTE,),
+}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update),
     default=(_LIFE,))
+
+
+class _Player:
+    """Plays every rank's list on the unit clock (see the module); `cells[s]` is the result."""
+
+    def __init__(self, lists, blocks, f, b):
+        self.lists, self.blocks, self.f, self.b = lists, blocks, f, b
+        pp = len(lists)
+        self.t, self.ip = [0] * pp, [0] * pp
+        self.sent: dict[tuple[str, int, int], int] = {}  # (channel, receiving stage, mb) -> tick
+        self.cells: list[list] = [[] for _ in range(pp)]
+        self.loose: list[list[str]] = [[] for _ in range(pp)]  # lifecycle since the last compute
+        self.loose_tick = [0] * pp  # when the first of them ran
+
+    def add_loose(self, s, name):
+        if not self.loose[s]:
+            self.loose_tick[s] = self.t[s]
+        self.loose[s].append(name)
+
+    def flush_loose(self, s):
+        if self.loose[s]:
+            self.cells[s].append([self.loose_tick[s], "", self.loose[s]])
+            self.loose[s] = []
+
+    def current(self, s):
+        return self.lists[s][self.ip[s]] if self.ip[s] < len(self.lists[s]) else None
+
+    def play(self, s) -> bool:
+        """Advance stage `s` by one action; False when it must wait (a receive, the norm)."""
+        a = self.current(s)
+        what = _PLAY[type(a)]
+        t = self.t
+        if what[0] == _RECV:
+            key = (what[1], s, a.mb)
+            if key not in self.sent:
+                return False
+            t[s] = max(t[s], self.sent.pop(key))
+        elif what[0] == _SEND:
+            self.sent[(what[1], s + what[2], a.mb)] = t[s]
+        elif what[0] == _NORM:  # every rank meets: all advance together
+            if not all(self.current(r) is not None and _PLAY[type(self.current(r))][0] == _NORM
+                       for r in range(len(t))):
+                return False
+            tn = max(t)
+            for r in range(len(t)):
+                if t[r] != tn:
+                    self.flush_loose(r)
+                t[r] = tn
+                self.add_loose(r, a.name())
+                self.ip[r] += 1
+            return True
+        elif what[0] == _COMPUTE:
+            self.flush_loose(s)
+            hooks = [e.name() for blk, e in expand(a, self.blocks[s]) if blk is None]
+            self.cells[s].append([t[s], a.name(), hooks])
+            t[s] += self.f if isinstance(a, sched.Forward) else self.b
+        else:
+            self.add_loose(s, a.name())
+        self.ip[s] += 1
+        return True
 
 
 def timeline(lists, blocks=None, f: int = 1, b: int = 1):
@@ -57,66 +100,17 @@ def timeline(lists, blocks=None, f: int = 1, b: int = 1):
     `blocks[stage]` (block names) lets compute hooks show; sends are buffered here (the
     rendezvous check lives in `validate.simulate`)."""
     pp = len(lists)
-    blocks = blocks or [() for _ in range(pp)]
-    t = [0] * pp
-    ip = [0] * pp
-    sent: dict[tuple[str, int, int], int] = {}  # (channel, receiving stage, mb) -> tick
-    cells: list[list] = [[] for _ in range(pp)]
-    loose: list[list[str]] = [[] for _ in range(pp)]  # lifecycle since the last compute
-    loose_tick = [0] * pp  # when the first of them ran
-
-    def add_loose(s, name):
-        if not loose[s]:
-            loose_tick[s] = t[s]
-        loose[s].append(name)
-
-    def flush_loose(s):
-        if loose[s]:
-            cells[s].append([loose_tick[s], "", loose[s]])
-            loose[s] = []
-
-    def at_norm(r):
-        return ip[r] < len(lists[r]) and _PLAY[type(lists[r][ip[r]])][0] == _NORM
-
-    while any(ip[s] < len(lists[s]) for s in range(pp)):
+    player = _Player(lists, blocks or [() for _ in range(pp)], f, b)
+    while any(player.current(s) is not None for s in range(pp)):
         progress = False
         for s in range(pp):
-            while ip[s] < len(lists[s]):
-                a = lists[s][ip[s]]
-                what = _PLAY[type(a)]
-                if what[0] == _RECV:
-                    key = (what[1], s, a.mb)
-                    if key not in sent:
-                        break
-                    t[s] = max(t[s], sent.pop(key))
-                elif what[0] == _SEND:
-                    sent[(what[1], s + what[2], a.mb)] = t[s]
-                elif what[0] == _NORM:
-                    if not all(at_norm(r) for r in range(pp)):
-                        break
-                    tn = max(t)
-                    for r in range(pp):
-                        if t[r] != tn:
-                            flush_loose(r)
-                        t[r] = tn
-                        add_loose(r, a.name())
-                        ip[r] += 1
-                    progress = True
-                    continue
-                elif what[0] == _COMPUTE:
-                    flush_loose(s)
-                    hooks = [e.name() for blk, e in expand(a, blocks[s]) if blk is None]
-                    cells[s].append([t[s], a.name(), hooks])
-                    t[s] += f if isinstance(a, Forward) else b
-                else:
-                    add_loose(s, a.name())
-                ip[s] += 1
+            while player.current(s) is not None and player.play(s):
                 progress = True
         if not progress:
             raise ValueError("schedule is stuck (run validate.simulate for details)")
     for s in range(pp):
-        flush_loose(s)
-    return cells
+        player.flush_loose(s)
+    return player.cells
 
 
 def grid(lists, blocks=None, f: int = 1, b: int = 1, lifecycle: bool = True,

@@ -28,25 +28,8 @@ from ratrain.exec.params import (
     view_bytes_per_param,
 )
 from ratrain.exec.spec import RECOMPUTE, block_params, block_role
-from ratrain.lifecycle.schedule import (
-    AllocGrad,
-    Backward,
-    DropView,
-    Forward,
-    FreeGrad,
-    GradNorm,
-    MaterializeView,
-    RecvBackward,
-    RecvForward,
-    SendBackward,
-    SendForward,
-    SyncGrad,
-    Update,
-    WaitGrad,
-    WaitView,
-    dispatch_table,
-    expand,
-)
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.schedule import dispatch_table, expand
 
 
 @dataclass
@@ -146,11 +129,11 @@ class _Walk:
         self.grads: dict[str, int] = {}  # block -> bytes held
         self.msgs = 0  # received activations held until their micro-batch's backward
         self.table = dispatch_table("memory.simulate_peak", {
-            Forward: self._forward, Backward: self._backward, MaterializeView: self._view,
-            DropView: self._drop_view, AllocGrad: self._alloc, WaitGrad: self._wait,
-            FreeGrad: self._free, Update: self._update, RecvForward: self._recv_forward,
-            SendForward: self._message, RecvBackward: self._message, SendBackward: self._message,
-        }, ignore=(WaitView, SyncGrad, GradNorm))
+            sched.Forward: self._forward, sched.Backward: self._backward, sched.MaterializeView: self._view,
+            sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.WaitGrad: self._wait,
+            sched.FreeGrad: self._free, sched.Update: self._update, sched.RecvForward: self._recv_forward,
+            sched.SendForward: self._message, sched.RecvBackward: self._message, sched.SendBackward: self._message,
+        }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm))
 
     def bump(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.cur + extra)

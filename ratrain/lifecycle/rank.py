@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ratrain.comm.topology import Topology
 from ratrain.exec.context import ExecContext, auto_threads
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import stage_blocks
@@ -92,7 +93,6 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     stage = replica = 0
     if world > 1:
         from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
-        from ratrain.comm.topology import Topology
 
         topo = Topology(comm, p.pp, p.dp)
         stage, replica = topo.stage, topo.replica

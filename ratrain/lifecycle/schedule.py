@@ -72,30 +72,33 @@ class Action:
         return self.name()
 
 
+# Deliberate repetition below: one small explicit record per action (its docstring and its word),
+# so that the whole vocabulary reads in one place; the shared fields live in the bases.
+
 # -- compute ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Forward(Action):
+class _Compute(Action):
+    mb: int
+    pre: Hooks = ()  # lifecycle actions run just before a block's part (e.g. AllocGrad)
+    post: Hooks = ()  # ... just after it (e.g. SyncGrad / DropView after the last backward)
+    group: ClassVar[str] = "compute"
+
+
+@dataclass(frozen=True)
+class Forward(_Compute):
     """Run this stage's blocks forward on micro-batch `mb` (in block order), keeping what each
     layer's recompute choice lets it keep for the backward."""
 
-    mb: int
-    pre: Hooks = ()  # lifecycle actions run just before a block's forward
-    post: Hooks = ()  # ... just after it
-    group: ClassVar[str] = "compute"
     word: ClassVar[str] = "F"
 
 
 @dataclass(frozen=True)
-class Backward(Action):
+class Backward(_Compute):
     """Run this stage's blocks backward on micro-batch `mb` (in reverse block order), adding
     into each block's gradient buffer."""
 
-    mb: int
-    pre: Hooks = ()  # e.g. AllocGrad just before the block's first backward
-    post: Hooks = ()  # e.g. SyncGrad / DropView just after the block's last backward
-    group: ClassVar[str] = "compute"
     word: ClassVar[str] = "B"
 
 
@@ -103,38 +106,36 @@ class Backward(Action):
 
 
 @dataclass(frozen=True)
-class RecvForward(Action):
-    """Wait for micro-batch `mb`'s activations from the previous stage (posted early)."""
-
+class _Message(Action):
     mb: int
     group: ClassVar[str] = "p2p"
+
+
+@dataclass(frozen=True)
+class RecvForward(_Message):
+    """Wait for micro-batch `mb`'s activations from the previous stage (posted early)."""
+
     word: ClassVar[str] = "recv-fwd"
 
 
 @dataclass(frozen=True)
-class SendForward(Action):
+class SendForward(_Message):
     """Hand micro-batch `mb`'s output activations to the next stage (non-blocking)."""
 
-    mb: int
-    group: ClassVar[str] = "p2p"
     word: ClassVar[str] = "send-fwd"
 
 
 @dataclass(frozen=True)
-class RecvBackward(Action):
+class RecvBackward(_Message):
     """Wait for the gradient of micro-batch `mb`'s output from the next stage (posted early)."""
 
-    mb: int
-    group: ClassVar[str] = "p2p"
     word: ClassVar[str] = "recv-bwd"
 
 
 @dataclass(frozen=True)
-class SendBackward(Action):
+class SendBackward(_Message):
     """Hand the gradient of micro-batch `mb`'s input to the previous stage (non-blocking)."""
 
-    mb: int
-    group: ClassVar[str] = "p2p"
     word: ClassVar[str] = "send-bwd"
 
 
@@ -142,80 +143,76 @@ class SendBackward(Action):
 
 
 @dataclass(frozen=True)
-class MaterializeView(Action):
+class _OfBlock(Action):
+    block: str
+    group: ClassVar[str] = "lifecycle"
+
+
+@dataclass(frozen=True)
+class _OfBlocks(Action):
+    blocks: tuple[str, ...]
+    scatter: bool = False  # the optimizer state is sharded over dp: a reduce-scatter
+    group: ClassVar[str] = "lifecycle"
+
+
+@dataclass(frozen=True)
+class MaterializeView(_OfBlock):
     """Make the block's working (fp16) view from its fp32 master; in fp32 the view is the master.
 
     `gather` (optimizer state sharded over the dp replicas): cast this replica's master segment
     into its segment of the view and start the ring all-gather of the view in the comm engine
     (non-blocking); `WaitView` completes it."""
 
-    block: str
     gather: bool = False
-    group: ClassVar[str] = "lifecycle"
 
     def verb(self) -> str:
         return "gather-view" if self.gather else "view"
 
 
 @dataclass(frozen=True)
-class WaitView(Action):
+class WaitView(_OfBlock):
     """Wait for the block's view all-gather (sharded optimizer state), before its first use."""
 
-    block: str
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "wait-view"
 
 
 @dataclass(frozen=True)
-class DropView(Action):
+class DropView(_OfBlock):
     """Release the block's separate working view (fp16, or a sharded master's copy)."""
 
-    block: str
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "drop-view"
 
 
 @dataclass(frozen=True)
-class AllocGrad(Action):
+class AllocGrad(_OfBlock):
     """Allocate the block's zeroed fp32 gradient buffer, before its first backward."""
 
-    block: str
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "alloc-grad"
 
 
 @dataclass(frozen=True)
-class FreeGrad(Action):
+class FreeGrad(_OfBlock):
     """Release the block's gradient buffer, after its update."""
 
-    block: str
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "free-grad"
 
 
 @dataclass(frozen=True)
-class SyncGrad(Action):
+class SyncGrad(_OfBlocks):
     """Start the data-parallel sum of these blocks' gradients (one ring collective per block).
 
     `scatter` (optimizer state sharded over the dp replicas): a ring reduce-scatter, after which
     replica q holds the reduced segment q only (the same per-element order as the all-reduce)."""
-
-    blocks: tuple[str, ...]
-    scatter: bool = False
-    group: ClassVar[str] = "lifecycle"
 
     def verb(self) -> str:
         return "sync-scatter" if self.scatter else "sync"
 
 
 @dataclass(frozen=True)
-class WaitGrad(Action):
+class WaitGrad(_OfBlocks):
     """Wait for these blocks' syncs; computes the fp64 sum of squares of this replica's segment
     of each block. `scatter`: the sync was a reduce-scatter; only the own segment is kept."""
 
-    blocks: tuple[str, ...]
-    scatter: bool = False
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "wait-sync"
 
 
@@ -228,11 +225,9 @@ class GradNorm(Action):
 
 
 @dataclass(frozen=True)
-class Update(Action):
+class Update(_OfBlock):
     """AdamW of one block with the step's clip coefficient and loss scale."""
 
-    block: str
-    group: ClassVar[str] = "lifecycle"
     word: ClassVar[str] = "update"
 
 

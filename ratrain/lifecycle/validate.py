@@ -26,28 +26,11 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
 from __future__ import annotations
 
 from ratrain.lifecycle.policies import Policy
-from ratrain.lifecycle.schedule import (
-    AllocGrad,
-    Backward,
-    DropView,
-    Forward,
-    FreeGrad,
-    GradNorm,
-    MaterializeView,
-    RecvBackward,
-    RecvForward,
-    SendBackward,
-    SendForward,
-    SyncGrad,
-    Update,
-    WaitGrad,
-    WaitView,
-    dispatch_table,
-    expand,
-)
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.schedule import dispatch_table, expand
 
-LIFECYCLE = (MaterializeView, WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad,
-             GradNorm, Update)
+LIFECYCLE = (sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad,
+             sched.GradNorm, sched.Update)
 
 
 class ScheduleError(ValueError):
@@ -59,14 +42,14 @@ class ScheduleError(ValueError):
 # Per micro-batch action: (what must already have happened for the same micro-batch on this
 # stage, given (first stage?, last stage?)), and which end of the pipeline it cannot occur at.
 _NEEDS = dispatch_table("validate.check_pipeline", {
-    Forward: lambda first, last: [] if first else [RecvForward],
-    SendForward: lambda first, last: [Forward],
-    Backward: lambda first, last: [Forward] + ([] if last else [RecvBackward]),
-    SendBackward: lambda first, last: [Backward],
-    RecvForward: lambda first, last: [],
-    RecvBackward: lambda first, last: [],
+    sched.Forward: lambda first, last: [] if first else [sched.RecvForward],
+    sched.SendForward: lambda first, last: [sched.Forward],
+    sched.Backward: lambda first, last: [sched.Forward] + ([] if last else [sched.RecvBackward]),
+    sched.SendBackward: lambda first, last: [sched.Backward],
+    sched.RecvForward: lambda first, last: [],
+    sched.RecvBackward: lambda first, last: [],
 }, ignore=LIFECYCLE, default=None)
-_NOT_AT = {RecvForward: "first", SendBackward: "first", SendForward: "last", RecvBackward: "last"}
+_NOT_AT = {sched.RecvForward: "first", sched.SendBackward: "first", sched.SendForward: "last", sched.RecvBackward: "last"}
 
 
 def check_pipeline(lists, m: int) -> None:
@@ -93,8 +76,8 @@ def check_pipeline(lists, m: int) -> None:
             for need in needs(first, last):
                 if (need, mb) not in seen:
                     raise ScheduleError(f"{where}: comes before {need.__name__}({mb})")
-        for t, ok in ((Forward, True), (Backward, True), (SendForward, not last),
-                      (RecvForward, not first), (SendBackward, not first), (RecvBackward, not last)):
+        for t, ok in ((sched.Forward, True), (sched.Backward, True), (sched.SendForward, not last),
+                      (sched.RecvForward, not first), (sched.SendBackward, not first), (sched.RecvBackward, not last)):
             missing = [mb for mb in range(m) if ok and (t, mb) not in seen]
             if missing:
                 raise ScheduleError(f"stage {s}: no {t.__name__} of micro-batch(es) {missing}")
@@ -107,12 +90,12 @@ def check_pipeline(lists, m: int) -> None:
 # receive of stage s+1 on the same channel.
 _LOCAL, _COLLECTIVE = "local", "collective"
 _RENDEZVOUS = dispatch_table("validate.simulate", {
-    SendForward: ("fwd", +1, "send"),
-    RecvForward: ("fwd", -1, "recv"),
-    SendBackward: ("bwd", -1, "send"),
-    RecvBackward: ("bwd", +1, "recv"),
-    GradNorm: _COLLECTIVE,
-}, ignore=(Forward, Backward, *[t for t in LIFECYCLE if t is not GradNorm]), default=_LOCAL)
+    sched.SendForward: ("fwd", +1, "send"),
+    sched.RecvForward: ("fwd", -1, "recv"),
+    sched.SendBackward: ("bwd", -1, "send"),
+    sched.RecvBackward: ("bwd", +1, "recv"),
+    sched.GradNorm: _COLLECTIVE,
+}, ignore=(sched.Forward, sched.Backward, *[t for t in LIFECYCLE if t is not sched.GradNorm]), default=_LOCAL)
 
 
 def simulate(lists) -> list[list[int]]:
@@ -197,21 +180,21 @@ class _Lifecycle:
         self.norm_step = None
         self.k = 0
         self.table = dispatch_table("validate.check_lifecycle", {
-            Forward: self._use_view, Backward: self._backward,
-            MaterializeView: self._materialize, WaitView: self._wait_view,
-            DropView: self._drop_view, AllocGrad: self._alloc, SyncGrad: self._sync,
-            WaitGrad: self._wait, Update: self._update, FreeGrad: self._free,
-        }, ignore=(RecvForward, SendForward, RecvBackward, SendBackward, GradNorm))
+            sched.Forward: self._use_view, sched.Backward: self._backward,
+            sched.MaterializeView: self._materialize, sched.WaitView: self._wait_view,
+            sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.SyncGrad: self._sync,
+            sched.WaitGrad: self._wait, sched.Update: self._update, sched.FreeGrad: self._free,
+        }, ignore=(sched.RecvForward, sched.SendForward, sched.RecvBackward, sched.SendBackward, sched.GradNorm))
 
     def fail(self, e, msg):
         raise ScheduleError(f"stage {self.stage}, step {self.k}, {e}: {msg}")
 
     def event(self, blk, e) -> None:
-        flag = {SyncGrad: "scatter", WaitGrad: "scatter", MaterializeView: "gather"}.get(type(e))
+        flag = {sched.SyncGrad: "scatter", sched.WaitGrad: "scatter", sched.MaterializeView: "gather"}.get(type(e))
         if flag is not None and getattr(e, flag) != self.sharded:
             self.fail(e, f"{flag}={getattr(e, flag)} on a stage whose optimizer state is "
                          f"{'' if self.sharded else 'not '}sharded")
-        if isinstance(e, GradNorm):
+        if isinstance(e, sched.GradNorm):
             late = [b for b, x in self.st.items() if x.waited != self.k]
             if late:
                 self.fail(e, f"global norm before the sync wait of {late}")

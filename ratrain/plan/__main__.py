@@ -106,28 +106,11 @@ def main(argv=None) -> int:
         print(f"calibrated ({cal.method}): measured step {cal.measured_step_s:.4g} s over "
               f"{cal.steps_used} steps, model {cal.predicted_step_s:.4g} s")
     if args.match_tokens_per_s:
-        p = cfg.parallel
-        lay = Layout(p.pp, clusters // p.pp, p.micro_batch, p.num_micro_batches)
-
-        def step_at(rate: float) -> float:
-            c = cost.with_rates(cost.rates.with_("compute_flops", rate, "fit"))
-            plans = plan_layout(cfg, lay, "ratrain", c, cap)
-            best = max((q for q in plans if q.result), key=lambda q: q.tokens_per_s, default=None)
-            if best is None:
-                raise ValueError(f"the config's layout {lay} does not fit the cap")
-            return lay.global_batch * m.seq_len / best.tokens_per_s
-
-        target = lay.global_batch * m.seq_len / args.match_tokens_per_s
         try:
-            rate = fit_compute_rate(step_at, target, lo=1e9, hi=1e16)
+            cost = _match_rate(cfg, cost, clusters, cap, args.match_tokens_per_s)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        cost = cost.with_rates(cost.rates.with_(
-            "compute_flops", rate,
-            f"calibrated: the config's layout pp={lay.pp} dp={lay.dp} m={lay.num_micro_batches} "
-            f"under ratrain predicts {args.match_tokens_per_s:,.0f} tokens/s on {clusters} "
-            "clusters"))
 
     print(f"model: {args.config}  {m.num_params() / 1e9:.2f}B parameters, {m.layers} layers, "
           f"seq {m.seq_len}, {cfg.precision}; {clusters} clusters, DDR cap "
@@ -135,22 +118,7 @@ def main(argv=None) -> int:
     _print_rates(cost.rates)
 
     plans = search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs)
-    for pol in policies:
-        print(f"\n== {pol}: best layouts on {clusters} clusters ==")
-        if not plans[pol]:
-            print("  nothing fits under the cap")
-            continue
-        print(f"  {'pp':>3} {'dp':>4} {'mb':>2} {'m':>4} {'step s':>8} {'tokens/s':>9} "
-              f"{'peak GiB':>8} {'recompute':>16} {'exposed s':>9} {'bubble s':>8}")
-        for q in plans[pol][: args.top]:
-            lay = q.layout
-            print(f"  {lay.pp:>3} {lay.dp:>4} {lay.micro_batch:>2} {lay.num_micro_batches:>4} "
-                  f"{q.step_s:>8.2f} {q.tokens_per_s:>9.0f} {_gib(q.peak_bytes):>8} "
-                  f"{lay.describe(m.layers):>16} {q.result.comm_exposed_s:>9.3f} "
-                  f"{q.result.bubble_s:>8.2f}")
-    if len(policies) > 1 and plans.get("ratrain") and plans.get("baseline-1f1b"):
-        r, b = plans["ratrain"][0], plans["baseline-1f1b"][0]
-        print(f"\nratrain / baseline-1f1b (best of each): {r.tokens_per_s / b.tokens_per_s:.3f}x")
+    _print_plans(plans, policies, clusters, m.layers, args.top)
 
     if args.scale:
         _print_scaling(cfg, plans, policies, args.scale, cost, cap)
@@ -158,6 +126,46 @@ def main(argv=None) -> int:
         _print_memory(cfg, cap, clusters)
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _match_rate(cfg, cost: CostModel, clusters: int, cap, tokens_per_s: float) -> CostModel:
+    """`cost` with the compute rate at which the config's own layout under `ratrain` predicts
+    `tokens_per_s` on `clusters` (ValueError when that layout does not fit the cap)."""
+    p, m = cfg.parallel, cfg.model
+    lay = Layout(p.pp, clusters // p.pp, p.micro_batch, p.num_micro_batches)
+
+    def step_at(rate: float) -> float:
+        c = cost.with_rates(cost.rates.with_("compute_flops", rate, "fit"))
+        plans = plan_layout(cfg, lay, "ratrain", c, cap)
+        best = max((q for q in plans if q.result), key=lambda q: q.tokens_per_s, default=None)
+        if best is None:
+            raise ValueError(f"the config's layout {lay} does not fit the cap")
+        return lay.global_batch * m.seq_len / best.tokens_per_s
+
+    rate = fit_compute_rate(step_at, lay.global_batch * m.seq_len / tokens_per_s, lo=1e9, hi=1e16)
+    return cost.with_rates(cost.rates.with_(
+        "compute_flops", rate,
+        f"calibrated: the config's layout pp={lay.pp} dp={lay.dp} m={lay.num_micro_batches} "
+        f"under ratrain predicts {tokens_per_s:,.0f} tokens/s on {clusters} clusters"))
+
+
+def _print_plans(plans, policies, clusters: int, layers: int, top: int) -> None:
+    for pol in policies:
+        print(f"\n== {pol}: best layouts on {clusters} clusters ==")
+        if not plans[pol]:
+            print("  nothing fits under the cap")
+            continue
+        print(f"  {'pp':>3} {'dp':>4} {'mb':>2} {'m':>4} {'step s':>8} {'tokens/s':>9} "
+              f"{'peak GiB':>8} {'recompute':>16} {'exposed s':>9} {'bubble s':>8}")
+        for q in plans[pol][:top]:
+            lay = q.layout
+            print(f"  {lay.pp:>3} {lay.dp:>4} {lay.micro_batch:>2} {lay.num_micro_batches:>4} "
+                  f"{q.step_s:>8.2f} {q.tokens_per_s:>9.0f} {_gib(q.peak_bytes):>8} "
+                  f"{lay.describe(layers):>16} {q.result.comm_exposed_s:>9.3f} "
+                  f"{q.result.bubble_s:>8.2f}")
+    if len(policies) > 1 and plans.get("ratrain") and plans.get("baseline-1f1b"):
+        r, b = plans["ratrain"][0], plans["baseline-1f1b"][0]
+        print(f"\nratrain / baseline-1f1b (best of each): {r.tokens_per_s / b.tokens_per_s:.3f}x")
 
 
 def _print_rates(rates: Rates) -> None:

@@ -13,25 +13,8 @@ import math
 from dataclasses import dataclass
 
 from ratrain.exec.spec import block_role
-from ratrain.lifecycle.schedule import (
-    AllocGrad,
-    Backward,
-    DropView,
-    Forward,
-    FreeGrad,
-    GradNorm,
-    MaterializeView,
-    RecvBackward,
-    RecvForward,
-    SendBackward,
-    SendForward,
-    SyncGrad,
-    Update,
-    WaitGrad,
-    WaitView,
-    dispatch_table,
-    expand,
-)
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.schedule import dispatch_table, expand
 
 NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + loss
 
@@ -62,16 +45,16 @@ class _Flatten:
         self.cost, self.step, self.shards = cost, step, shards
         self.out: list[_Item] = []
         self.table = dispatch_table("simulate", {
-            Forward: self._compute, Backward: self._compute,
-            SendForward: self._send, SendBackward: self._send,
-            RecvForward: self._recv, RecvBackward: self._recv,
-            Update: self._update, MaterializeView: self._view,
-            WaitView: lambda a: self._add("waitview", a, blocks=(a.block,)),
-            SyncGrad: lambda a: self._add("sync", a, blocks=a.blocks,
+            sched.Forward: self._compute, sched.Backward: self._compute,
+            sched.SendForward: self._send, sched.SendBackward: self._send,
+            sched.RecvForward: self._recv, sched.RecvBackward: self._recv,
+            sched.Update: self._update, sched.MaterializeView: self._view,
+            sched.WaitView: lambda a: self._add("waitview", a, blocks=(a.block,)),
+            sched.SyncGrad: lambda a: self._add("sync", a, blocks=a.blocks,
                                           coll="scatter" if a.scatter else "allreduce"),
-            WaitGrad: lambda a: self._add("wait", a, blocks=a.blocks),
-            GradNorm: lambda a: self._add("norm", a),
-        }, ignore=(DropView, AllocGrad, FreeGrad))  # memory only
+            sched.WaitGrad: lambda a: self._add("wait", a, blocks=a.blocks),
+            sched.GradNorm: lambda a: self._add("norm", a),
+        }, ignore=(sched.DropView, sched.AllocGrad, sched.FreeGrad))  # memory only
 
     def _add(self, op, a, **kw):
         self.out.append(_Item(op, step=self.step, label=a.name(), **kw))
@@ -94,19 +77,19 @@ class _Flatten:
                 self.table[type(ev)](ev)
                 continue
             role = block_role(blk)
-            if isinstance(ev, Forward):
+            if isinstance(ev, sched.Forward):
                 self.busy("compute", cost.forward_time(role), a.name())
             else:
                 t = cost.backward_time(role, self.recompute.get(blk, "none"))
                 self.busy("compute", t, a.name(), t - cost.backward_time(role))
 
     def _send(self, a):
-        d = "f" if isinstance(a, SendForward) else "b"
+        d = "f" if isinstance(a, sched.SendForward) else "b"
         peer = self.stage + (1 if d == "f" else -1)
         self._add("send", a, key=(self.step, d, a.mb, self.stage), peer=peer)
 
     def _recv(self, a):
-        d = "f" if isinstance(a, RecvForward) else "b"
+        d = "f" if isinstance(a, sched.RecvForward) else "b"
         src = self.stage - (1 if d == "f" else -1)
         self._add("recv", a, key=(self.step, d, a.mb, src))
 
@@ -299,84 +282,92 @@ class Sim:
         self.waiting.setdefault(key, []).append(r)
 
     def advance(self, t: float, r: int) -> None:
+        """Run rank `r`'s items from its program counter until one blocks or takes time. Each
+        item op has a step method returning True to go on with the next item, False to stop
+        (the rank is blocked, or busy until an event wakes it)."""
         rk = self.ranks[r]
+        steps = {"busy": self._busy, "send": self._send, "recv": self._recv,
+                 "sync": self._submit, "gather": self._submit, "waitview": self._waitview,
+                 "wait": self._wait, "norm": self._norm, "end": self._end}
         while rk.pc < len(rk.items):
             it = rk.items[rk.pc]
-            if it.op == "busy":
-                rk.pc += 1
-                acc = rk.busy.setdefault(it.step, {})
-                for c, s in it.parts.items():
-                    acc[c] = acc.get(c, 0.0) + s
-                if self.timeline is not None:
-                    self.timeline.append((rk.stage, t, t + it.dur, it.label))
-                self.at(t + it.dur, self.advance, r)
+            if not steps[it.op](t, r, rk, it):
                 return
-            if it.op == "send":
-                if self.send_mode == "eager":
-                    self._transfer(t, it.key, r)
-                    rk.pc += 1
-                    continue
-                if it.key not in self.posted_send:
-                    self.posted_send.add(it.key)
-                    if it.key in self.posted_recv:
-                        self._transfer(t, it.key, r)
-                if it.key not in self.delivered:
-                    self._block(rk, t, it.key, r)
-                    return
-                self._unblock(rk, t, it.step, self.sent[it.key])
-                rk.pc += 1
-                continue
-            if it.op == "recv":
-                if self.send_mode == "rendezvous" and it.key not in self.posted_recv:
-                    self.posted_recv.add(it.key)
-                    if it.key in self.posted_send:
-                        self._transfer(t, it.key, it.key[3])
-                if it.key not in self.delivered:
-                    self._block(rk, t, it.key, r)
-                    return
-                self._unblock(rk, t, it.step, self.sent.get(it.key))
-                rk.pc += 1
-                continue
-            if it.op in ("sync", "gather"):
-                coll = it.coll if it.op == "sync" else "gather"
-                rk.engine_q.extend((it.step, b, coll) for b in it.blocks)
-                self._engine_next(t, r)
-                rk.pc += 1
-                continue
-            if it.op == "waitview":
-                b = it.blocks[0]
-                n = rk.views_used.get(b, 0)
-                if rk.gathered.get(b, 0) <= n:
-                    self._block(rk, t, ("view", r, b, n), r)
-                    return
-                rk.views_used[b] = n + 1
-                self._unblock(rk, t, it.step, -math.inf)
-                rk.pc += 1
-                continue
-            if it.op == "wait":
-                missing = [b for b in it.blocks if (it.step, b) not in rk.synced]
-                if missing:
-                    self._block(rk, t, ("sync", r, it.step, missing[0]), r)
-                    return
-                self._unblock(rk, t, it.step, -math.inf)
-                rk.pc += 1
-                continue
-            if it.op == "norm":
-                done = rk.norm_done.get(it.step)
-                if done is None:
-                    self._arrive_norm(t, r, it.step)
-                    return
-                if t < done:
-                    return  # woken at `done`
-                # waiting for the other stages is bubble, the collective is communication
-                self._unblock(rk, t, it.step, done - self._norm_cost())
-                rk.pc += 1
-                continue
-            if it.op == "end":
-                rk.end[it.step] = t
-                rk.pc += 1
-                continue
-            raise AssertionError(it.op)  # pragma: no cover
+            rk.pc += 1
+
+    def _busy(self, t, r, rk, it) -> bool:
+        rk.pc += 1  # done once its time has passed: resume after it
+        acc = rk.busy.setdefault(it.step, {})
+        for c, s in it.parts.items():
+            acc[c] = acc.get(c, 0.0) + s
+        if self.timeline is not None:
+            self.timeline.append((rk.stage, t, t + it.dur, it.label))
+        self.at(t + it.dur, self.advance, r)
+        return False
+
+    def _send(self, t, r, rk, it) -> bool:
+        if self.send_mode == "eager":
+            self._transfer(t, it.key, r)
+            return True
+        if it.key not in self.posted_send:
+            self.posted_send.add(it.key)
+            if it.key in self.posted_recv:
+                self._transfer(t, it.key, r)
+        if it.key not in self.delivered:
+            self._block(rk, t, it.key, r)
+            return False
+        self._unblock(rk, t, it.step, self.sent[it.key])
+        return True
+
+    def _recv(self, t, r, rk, it) -> bool:
+        if self.send_mode == "rendezvous" and it.key not in self.posted_recv:
+            self.posted_recv.add(it.key)
+            if it.key in self.posted_send:
+                self._transfer(t, it.key, it.key[3])
+        if it.key not in self.delivered:
+            self._block(rk, t, it.key, r)
+            return False
+        self._unblock(rk, t, it.step, self.sent.get(it.key))
+        return True
+
+    def _submit(self, t, r, rk, it) -> bool:
+        coll = it.coll if it.op == "sync" else "gather"
+        rk.engine_q.extend((it.step, b, coll) for b in it.blocks)
+        self._engine_next(t, r)
+        return True
+
+    def _waitview(self, t, r, rk, it) -> bool:
+        b = it.blocks[0]
+        n = rk.views_used.get(b, 0)
+        if rk.gathered.get(b, 0) <= n:
+            self._block(rk, t, ("view", r, b, n), r)
+            return False
+        rk.views_used[b] = n + 1
+        self._unblock(rk, t, it.step, -math.inf)
+        return True
+
+    def _wait(self, t, r, rk, it) -> bool:
+        missing = [b for b in it.blocks if (it.step, b) not in rk.synced]
+        if missing:
+            self._block(rk, t, ("sync", r, it.step, missing[0]), r)
+            return False
+        self._unblock(rk, t, it.step, -math.inf)
+        return True
+
+    def _norm(self, t, r, rk, it) -> bool:
+        done = rk.norm_done.get(it.step)
+        if done is None:
+            self._arrive_norm(t, r, it.step)
+            return False
+        if t < done:
+            return False  # woken at `done`
+        # waiting for the other stages is bubble, the collective is communication
+        self._unblock(rk, t, it.step, done - self._norm_cost())
+        return True
+
+    def _end(self, t, r, rk, it) -> bool:
+        rk.end[it.step] = t
+        return True
 
     def _norm_cost(self) -> float:
         world = len(self.ranks) * self.dp

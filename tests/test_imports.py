@@ -1,0 +1,196 @@
+"""The architecture, checked from the code: imports point down the layers, there is no cycle, and
+a ratrain import inside a function says in a comment why it is not at the top.
+
+Layers (a package may import only packages of a lower layer, and its own modules):
+
+    0  ratrain (the version), ratrain.fileio
+    1  config, metrics
+    2  shim
+    3  comm, exec, data
+    4  lifecycle, checkpoint, hf          (checkpoint and hf know the model's parameters)
+    5  plan
+    6  train, bench, export, compare      (the commands)
+
+The checker reads every module's source with `ast` (nothing is imported), so it also runs on a
+planted tree in `test_checker_catches_an_upward_import_and_a_cycle`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "ratrain"
+
+LAYERS = {
+    "ratrain": 0, "ratrain.fileio": 0,
+    "ratrain.config": 1, "ratrain.metrics": 1,
+    "ratrain.shim": 2,
+    "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,
+    "ratrain.lifecycle": 4, "ratrain.checkpoint": 4, "ratrain.hf": 4,
+    "ratrain.plan": 5,
+    "ratrain.train": 6, "ratrain.bench": 6, "ratrain.export": 6, "ratrain.compare": 6,
+}
+
+
+def _module_name(root: Path, path: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(root: Path, path: Path):
+    """(imported module, line, inside a function?, comment on that line or the one above?)."""
+    src = path.read_text()
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    me = _module_name(root, path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    top = root.name
+    out = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - child.level + 1]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                names = [mod] if child.module else [f"{mod}.{a.name}" for a in child.names]
+            for n in names:
+                if n == top or n.startswith(top + "."):
+                    ln = child.lineno
+                    said = "#" in lines[ln - 1] or (ln > 1 and lines[ln - 2].strip().startswith("#"))
+                    out.append((n, ln, in_function, said))
+            visit(child, inner)
+
+    visit(tree, False)
+    return me, out
+
+
+def _layer_of(module: str, layers: dict) -> tuple[str, int] | None:
+    """The longest key of `layers` that is `module` or a package holding it."""
+    best = None
+    for key, level in layers.items():
+        if (module == key or module.startswith(key + ".")) and (best is None or len(key) > len(best[0])):
+            best = (key, level)
+    return best
+
+
+def check(root: Path, layers: dict) -> list[str]:
+    """Every violation under `root`: an import upwards or sideways between packages, a module
+    no layer names, a cycle, a function-local ratrain import without a reason."""
+    problems, graph = [], {}
+    modules = {_module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    for path in modules.values():
+        me, imports = _imports(root, path)
+        mine = _layer_of(me, layers)
+        if mine is None:
+            problems.append(f"{me}: in no layer (add its package to LAYERS)")
+            continue
+        for target, line, local, said in imports:
+            while target not in modules and "." in target:  # `from pkg import name`
+                target = target.rsplit(".", 1)[0]
+            theirs = _layer_of(target, layers)
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if theirs is None:
+                problems.append(f"{where}: imports {target}, which is in no layer")
+                continue
+            if theirs[0] != mine[0] and theirs[0] != root.name and theirs[1] >= mine[1]:
+                problems.append(f"{where}: {me} (layer {mine[1]}) imports {target} (layer "
+                                f"{theirs[1]}): imports must point down")
+            if local and not said:
+                problems.append(f"{where}: a ratrain import inside a function needs a comment "
+                                "saying why (keeping MPI or an optional dependency unloaded)")
+            if target != me:
+                graph.setdefault(me, set()).add(target)
+    problems += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
+    return problems
+
+
+def _cycles(graph: dict) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (iterative DFS)."""
+    found, state = [], {}
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        stack = [(start, iter(sorted(graph.get(start, ()))))]
+        path, on_path = [start], {start}
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                state[node] = 2
+            elif nxt in on_path:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                path.append(nxt)
+                on_path.add(nxt)
+    return found
+
+
+def test_ratrain_imports_point_down_without_cycles():
+    assert check(ROOT, LAYERS) == []
+
+
+def test_every_package_init_says_what_it_owns_and_may_import():
+    for init in sorted(ROOT.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "may import" in doc.lower(), f"{init}: say what the package owns and what it may import"
+
+
+def _plant(tmp_path, files: dict) -> Path:
+    root = tmp_path / "ratrain"
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def test_checker_catches_an_upward_import_and_a_cycle(tmp_path):
+    layers = {"ratrain": 0, "ratrain.shim": 2, "ratrain.comm": 3, "ratrain.plan": 5}
+    root = _plant(tmp_path, {
+        "__init__.py": "",
+        "shim/__init__.py": "",
+        "shim/link.py": "from ratrain.comm.engine import CommEngine\n",  # upward
+        "comm/__init__.py": "",
+        "comm/engine.py": "from ratrain.shim import link\nfrom . import wire\n",
+        "comm/wire.py": "from .engine import x\n",  # a cycle inside comm
+        "plan/__init__.py": "",
+        "plan/cost.py": "def f():\n    from ratrain.comm import engine\n",  # no reason given
+    })
+    problems = check(root, layers)
+    assert any("ratrain.shim.link (layer 2) imports ratrain.comm.engine (layer 3)" in p
+               for p in problems), problems
+    assert any(p.startswith("import cycle:") and "ratrain.comm.wire" in p for p in problems)
+    assert any("plan/cost.py:2" in p and "needs a comment" in p for p in problems)
+    # the same tree without them is clean
+    root2 = _plant(tmp_path / "ok", {
+        "__init__.py": "", "shim/__init__.py": "", "shim/link.py": "import os\n",
+        "comm/__init__.py": "", "comm/engine.py": "from ratrain.shim import link\n",
+        "plan/__init__.py": "",
+        "plan/cost.py": "def f():\n    from ratrain.comm import engine  # loads MPI\n",
+    })
+    assert check(root2, layers) == []
+
+
+@pytest.mark.parametrize("module", sorted(p.name for p in ROOT.glob("*.py")))
+def test_every_top_level_module_has_a_layer(module):
+    assert _layer_of(f"ratrain.{module[:-3]}".replace(".__init__", ""), LAYERS) is not None
