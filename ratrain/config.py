@@ -9,19 +9,14 @@ an unknown section or key, a value of the wrong type, or an impossible combinati
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad configuration: the message names the key, the value and the fix."""
-
+from ratrain.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
 # --------------------------------------------------------------------------------------------
 # Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
@@ -147,6 +142,9 @@ class OptimConfig:
     no_decay: tuple[str, ...] = ()  # parameter-name globs exempt from weight decay
     loss_scale_init: float = 65536.0  # fp16 dynamic loss scaling (torch.amp.GradScaler defaults)
     loss_scale_window: int = 2000
+    # consecutive steps with a non-finite loss or gradient norm (each one skipped) after which
+    # the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16 (overflows are normal)
+    max_nonfinite_steps: int = 0
 
     def check(self) -> None:
         _positive(self, "optim", "lr")
@@ -161,6 +159,13 @@ class OptimConfig:
         _choice(self, "optim", "lr_schedule", ("constant", "cosine"))
         _positive(self, "optim", "loss_scale_init")
         _positive(self, "optim", "loss_scale_window")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError(f"optim.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 0 "
+                              "(0 = auto)")
+
+    def nonfinite_limit(self, precision: str) -> int:
+        """Consecutive non-finite steps that stop the run (`max_nonfinite_steps`, 0 = auto)."""
+        return self.max_nonfinite_steps or (20 if precision == "fp16" else 1)
 
 
 @dataclass(frozen=True)
@@ -213,8 +218,13 @@ class PlatformConfig:
 class CheckpointConfig:
     dir: str = ""  # "" = <run.dir>/checkpoints
     interval: int = 0  # steps between checkpoints; 0 = only none
-    keep: int = 2
-    resume: str = "auto"  # auto | never | PATH
+    keep: int = 2  # committed checkpoints kept (older ones pruned; before a save if space is short)
+    # auto: the newest usable checkpoint (an error when there are some but none is usable) |
+    # never: start over (checkpoints stay; metrics.jsonl is appended to) | PATH: that checkpoint
+    resume: str = "auto"
+    # a save that fails (disk full, I/O error): stop (exit 5; the last committed checkpoint is
+    # intact) | continue (warn and try again at the next interval)
+    on_error: str = "stop"
 
     def check(self) -> None:
         if self.interval < 0:
@@ -222,21 +232,56 @@ class CheckpointConfig:
         _positive(self, "checkpoint", "keep")
         if not self.resume:
             raise ConfigError("checkpoint.resume is empty: use auto, never or a checkpoint path")
+        _choice(self, "checkpoint", "on_error", ("stop", "continue"))
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/default"
+    name: str = ""  # the run's name (Slurm: the job name); run.dir defaults to runs/<name>
+    dir: str = ""  # where the run writes; "" = runs/<run.name>, or runs/default without a name
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
+    # seconds of wall clock from start-up the run may use (0 = no limit): it stops at a step
+    # boundary early enough to write a checkpoint, then exits 75 (run again to continue)
+    time_limit: float = 0.0
+    # signals that ask for a graceful stop (checkpoint at the next step boundary, exit 75); a
+    # second one exits at once with what is committed; [] = the default actions
+    stop_signals: tuple[str, ...] = ("TERM", "USR1")
+    stop_grace: float = 300.0  # seconds a graceful stop may take before exiting at once; 0 = no limit
+
+    SIGNALS = ("TERM", "INT", "USR1", "USR2", "HUP", "XCPU")
+
+    def __post_init__(self) -> None:
+        if not self.dir:  # resolved once, so that every reader sees the same path
+            object.__setattr__(self, "dir", os.path.join("runs", self.name or "default"))
 
     def check(self) -> None:
         _positive(self, "run", "steps")
         _positive(self, "run", "log_interval")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
+        if os.sep in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name={self.name!r} must be a plain name (no {os.sep!r})")
+        for key in ("time_limit", "stop_grace"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"run.{key}={getattr(self, key)} must be >= 0 (0 = no limit)")
+        bad = [s for s in self.stop_signals if s.upper().removeprefix("SIG") not in self.SIGNALS]
+        if bad:
+            raise ConfigError(f"run.stop_signals: {bad[0]!r} is not one of {', '.join(self.SIGNALS)}")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    # seconds: a rank that gives no sign of life this long (stopped, hung, node lost) ends the
+    # job on every rank, named; also the longest a message or collective of a step may wait;
+    # 0 = no watchdog
+    timeout: float = 300.0
+
+    def check(self) -> None:
+        if self.timeout < 0 or 0 < self.timeout < 1:
+            raise ConfigError(f"comm.timeout={self.timeout} must be 0 (off) or >= 1 second")
 
 
 @dataclass(frozen=True)
@@ -251,6 +296,7 @@ class Config:
     platform: PlatformConfig = field(default_factory=PlatformConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -278,7 +324,7 @@ class Config:
     # -- conversions ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
+        return to_plain(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -306,14 +352,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         try:
             with open(path) as f:
-                data = yaml.safe_load(f) or {}
+                data = yaml.load(f, Loader=StrictLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {source!r} does not exist") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}:{e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    data = _deepcopy(data)
+    data = deepcopy(data)
     for ov in overrides:
         _apply_override(data, ov)
     return config_from_dict(data, source)
@@ -321,7 +369,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     try:
-        return _build(Config, data, "", source)
+        return build(Config, data, "", source)
     except ConfigError as e:
         msg = str(e)
         if not msg.startswith(source):
@@ -348,80 +396,6 @@ def _apply_override(data: dict, ov: str) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls, data: Any, prefix: str, source: str):
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{prefix.rstrip('.') or 'the top level'} must be a mapping, got {data!r}"
-        )
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        where = f"section {prefix.rstrip('.')!r}" if prefix else "the top level"
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]!s} in {where}; valid keys are: {', '.join(names)}"
-        )
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        kwargs[name] = _coerce(hints[name], data[name], f"{prefix}{name}", source)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - guarded above
-        raise ConfigError(str(e)) from None
-
-
-def _coerce(tp, value, key: str, source: str):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, key + ".", source)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key, source)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} must be a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], v, key, source) for v in value)
-        if len(value) != len(args):
-            raise ConfigError(f"{key}={list(value)!r} must have {len(args)} entries")
-        return tuple(_coerce(a, v, key, source) for a, v in zip(args, value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} must be an integer") from None
-        if not f.is_integer():
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} must be a number") from None
-    if tp is str:
-        if value is None:
-            return ""
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
-
-
 def _positive(obj, section: str, key: str) -> None:
     v = getattr(obj, key)
     if not v > 0:
@@ -435,24 +409,9 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-def _to_plain(obj):
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _deepcopy(d):
-    if isinstance(d, dict):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deepcopy(v) for v in d]
-    return d
-
-
 __all__ = [
     "CheckpointConfig",
+    "CommConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -463,6 +422,7 @@ __all__ = [
     "PlatformConfig",
     "RunConfig",
     "ScheduleConfig",
+    "StrictLoader",
     "config_from_dict",
     "load_config",
     "replace",

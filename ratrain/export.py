@@ -3,6 +3,7 @@
     python -m ratrain.export --hf OUT_DIR --checkpoint PATH
     python -m ratrain.export --hf OUT_DIR --config jobs/tiny.yaml [--set k=v ...]
     python -m ratrain.export --hf OUT_DIR --config jobs/tiny.yaml --init
+    ... --force                     # OUT_DIR may hold files already (model files replaced)
 
 `--checkpoint PATH` is a committed checkpoint (`.../ckpt-000100`) or a checkpoints directory
 (its newest committed checkpoint is taken); its shards are verified (sizes and SHA-256) first.
@@ -77,8 +78,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a config value (with --config)")
     ap.add_argument("--init", action="store_true",
                     help="export the config's initial weights instead of a checkpoint")
+    ap.add_argument("--force", action="store_true",
+                    help="export into a directory that is not empty (its model files replaced)")
     args = ap.parse_args(argv)
     try:
+        if os.path.isdir(args.hf) and os.listdir(args.hf) and not args.force:
+            raise ValueError(f"--hf {args.hf}: the directory is not empty: give a new or empty "
+                             "one, or add --force to replace its model files")
+        if os.path.exists(args.hf) and not os.path.isdir(args.hf):
+            raise ValueError(f"--hf {args.hf}: a file, not a directory")
         if args.checkpoint and (args.config or args.init):
             raise ValueError("give either --checkpoint or --config [--init], not both")
         if args.checkpoint:

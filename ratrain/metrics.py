@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 import sys
 import time
 
-from ratrain.fileio import atomic_write
+from ratrain.fileio import open_append, open_no_follow
 
 REQUIRED = (
     "step",
@@ -44,8 +45,12 @@ def _eta(seconds: float) -> str:
 class MetricsWriter:
     """Appends one JSON object per step to `<run_dir>/metrics.jsonl` and prints progress.
 
-    Only the writing rank creates one (rank 0 of the last stage, which knows the loss). On
-    resume, records past the resumed step are dropped first so the file stays one curve.
+    Only the writing rank creates one (rank 0 of the last stage, which knows the loss). The
+    file is only ever appended to, never through a symbolic link: a resumed or restarted run
+    first appends a `{"event": "start", "from_step": k, ...}` record, and the records of steps
+    that were recorded before (re-run after resuming from an older checkpoint, or a restart
+    with `checkpoint.resume: never`) carry `"rerun": true`; a reader keeps the last record of
+    each step (`read_curve`). Only a torn last line (a crash in mid-write) is cut off.
     """
 
     def __init__(self, run_dir: str, total_steps: int, resume_step: int = 0, out=sys.stdout):
@@ -55,27 +60,40 @@ class MetricsWriter:
         self._t0 = time.perf_counter()
         self._steps_timed = 0
         self._time_sum = 0.0
-        self._truncate_after(resume_step)
-        self._f = open(self.path, "a")
+        self.recorded = self._cut_torn_line()  # the last step recorded so far (0: none)
+        self._f = open_append(self.path)
+        if self.recorded or resume_step:
+            self.write_event({"event": "start", "from_step": resume_step,
+                              "recorded_until": self.recorded,
+                              "time": datetime.datetime.now().isoformat(timespec="seconds")})
 
-    def _truncate_after(self, step: int) -> None:
-        if not os.path.exists(self.path):
-            return
-        keep = []
-        with open(self.path) as f:
-            for line in f:
+    def _cut_torn_line(self) -> int:
+        """Cut a torn last line off the file (nothing else); return the last step recorded."""
+        last = 0
+        try:
+            fd = open_no_follow(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return 0
+        with os.fdopen(fd, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                f.truncate(end)
+            for line in data[:end].splitlines():
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                if rec.get("step", 0) <= step:
-                    keep.append(json.dumps(rec) + "\n")
-        atomic_write(self.path, "".join(keep))
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "loss" in rec:
+                    last = max(last, int(rec.get("step", 0)))
+        return last
 
     def write(self, rec: dict, flops_per_token: float | None = None, log: bool = True) -> None:
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
+        if rec["step"] <= self.recorded:
+            rec = {**rec, "rerun": True}
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         if rec["step"] > 1 or self.total_steps == 1:  # the first step pays warm-up
@@ -110,3 +128,20 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def read_curve(path: str) -> list[dict]:
+    """The step records of a `metrics.jsonl` (or of a run directory), one per step in step
+    order: the last record of each step (a re-run replaces the earlier one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn line
+            if isinstance(rec, dict) and "loss" in rec and "step" in rec:
+                by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]

@@ -6,8 +6,10 @@ their drivers (`progress`); point-to-point verbs named by direction (`p2p`); rin
 collectives written on point-to-point (`ring`, `tree`, `collectives`, buffers and reductions in
 `arrays`), MPI's own as the reference only (`mpiref`); what each algorithm costs, pure
 arithmetic shared with the planner (`model`); the engine thread that overlaps communication
-with compute, with its watchdog (`engine`); one failing rank stopping the job (`abort`); the
-benchmark `python -m ratrain.comm.bench`.
+with compute, with its operation timeout (`engine`); one failing rank stopping the job, every
+rank saying why (`abort`); the job's watchdog: heartbeats, the rank that stopped answering named
+on every rank (`watchdog`); the control plane's small pickled exchanges that never block inside
+MPI (`control`); the benchmark `python -m ratrain.comm.bench`.
 
 May import: `ratrain.shim` (the link model and throttle, the allocator) and `ratrain.config`;
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
