@@ -330,14 +330,21 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def check_world(self, world_size: int) -> None:
-        """The layout must match the launched world, before any work."""
-        if world_size != self.parallel.world_size:
-            raise ConfigError(
-                f"world size {world_size} != parallel.pp x parallel.dp = {self.parallel.pp} x "
-                f"{self.parallel.dp} = {self.parallel.world_size}: launch "
-                f"{self.parallel.world_size} ranks (mpirun -n {self.parallel.world_size}) or set "
-                "parallel.pp / parallel.dp to match"
-            )
+        """The layout must match the launched world, before any work. Under srun, a world of
+        one in a step of several tasks means srun started singletons: the error says why."""
+        if world_size == self.parallel.world_size:
+            return
+        msg = (f"world size {world_size} != parallel.pp x parallel.dp = {self.parallel.pp} x "
+               f"{self.parallel.dp} = {self.parallel.world_size}: launch "
+               f"{self.parallel.world_size} ranks (mpirun -n {self.parallel.world_size}) or set "
+               "parallel.pp / parallel.dp to match")
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "")
+        if world_size == 1 and tasks.isdigit() and int(tasks) > 1:
+            msg = (f"world size 1 but srun started {tasks} tasks: each task is an MPI world of "
+                   "its own, so srun's MPI plugin is not one this MPI uses; with Open MPI use "
+                   "srun --mpi=pmix (RATRAIN_SRUN_MPI=pmix for slurm/train.sbatch; srun "
+                   "--mpi=list shows the plugins), or RATRAIN_LAUNCHER=mpirun")
+        raise ConfigError(msg)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ ended).
 
 Signals (`run.stop_signals`, default TERM and USR1): the first asks for a graceful stop at the
 next step boundary (the trainer agrees on it across ranks, writes a checkpoint, exits 75); a
-second one, or `run.stop_grace` seconds without having stopped, calls `hard_exit(76)`.
+second one, or `run.stop_grace` seconds without having stopped, calls `hard_exit(76)`. A repeat
+within `REPEAT_S` of the first is the same request arriving twice (Slurm signals the ranks and the
+batch script, which forwards it) and is ignored.
 `run.time_limit` asks for the same stop when the time left would not cover another step and a
 checkpoint.
 """
@@ -46,12 +48,15 @@ import socket
 import threading
 import time
 
-from ratrain.fileio import open_no_follow
+from ratrain.fileio import atomic_write, open_no_follow
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_SILENT = 0, 1, 2, 3
 EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_STOPPED, EXIT_INTERRUPTED = 4, 5, 75, 76
+STATES = {None: "running", EXIT_OK: "finished", EXIT_DIVERGED: "diverged",
+          EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped"}
 
 LOCK_NAME = ".ratrain.lock"
+REPEAT_S = 2.0  # a second signal sooner than this after the first is a duplicate
 
 try:
     import fcntl
@@ -182,6 +187,16 @@ def lock_dirs(run_dir: str, ckpt_dir: str, log) -> list[RunLock]:
     return locks
 
 
+def write_status(run_dir: str, step: int, code: int | None = None) -> None:
+    """`<run_dir>/status.json`, one line: {"state", "exit", "step", "time"} (rank 0 writes it
+    when the run starts and when it ends its own way), so that a batch script whose launcher
+    reports the ranks' exit badly (srun kills the ranks still exiting once one has exited
+    non-zero) still knows how the run ended."""
+    info = {"state": STATES.get(code, "failed"), "exit": code, "step": step,
+            "time": round(time.time(), 3)}
+    atomic_write(os.path.join(run_dir, "status.json"), json.dumps(info) + "\n")
+
+
 # --------------------------------------------------------------------------------------------
 # Stop requests
 # --------------------------------------------------------------------------------------------
@@ -194,6 +209,7 @@ class StopRequests:
         self.cfg, self.hard_exit, self.clock = run_cfg, hard_exit, clock
         self.t0 = clock()
         self.reason: str | None = None  # why a stop was asked for (first request)
+        self.t_request = 0.0
         self._previous: dict = {}
         self._grace: threading.Timer | None = None
         if install:
@@ -204,6 +220,8 @@ class StopRequests:
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.reason is not None:
+            if self.clock() - self.t_request < REPEAT_S:
+                return  # the same request, delivered twice
             self.hard_exit(EXIT_INTERRUPTED, f"a second signal ({name}) while stopping: exiting "
                                              "now; the last committed checkpoint is kept")
             return
@@ -213,7 +231,7 @@ class StopRequests:
         """Ask for a stop at the next step boundary; start the grace timer."""
         if self.reason is not None:
             return
-        self.reason = reason
+        self.reason, self.t_request = reason, self.clock()
         if self.cfg.stop_grace:
             self._grace = threading.Timer(self.cfg.stop_grace, self.hard_exit, (
                 EXIT_INTERRUPTED, f"the graceful stop ({reason}) did not finish within "
@@ -247,4 +265,5 @@ class StopRequests:
 __all__ = [
     "EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_SILENT",
     "EXIT_STOPPED", "EXIT_USAGE", "LOCK_NAME", "RunLock", "RunLocked", "StopRequests", "lock_dirs",
+    "write_status",
 ]

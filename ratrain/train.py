@@ -55,6 +55,7 @@ from ratrain.runctl import (
     EXIT_USAGE,
     StopRequests,
     lock_dirs,
+    write_status,
 )
 from ratrain.shim import allocator
 
@@ -246,16 +247,20 @@ class Trainer:
         self.ctl.barrier()  # the run directory exists before any rank writes into it
         if self.rank == 0:
             atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
+            write_status(cfg.run.dir, self.start_step)
             self._banner()
         if self.writes_metrics:
             self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps, self.start_step)
         self.stop = StopRequests(cfg.run, self._hard_exit)
+        self.step_reached = self.start_step
         try:
             code = self._loop()
         finally:
             self.stop.close()
         if cfg.run.trace and code in (EXIT_OK, EXIT_STOPPED):
             self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
+        if self.rank == 0:
+            write_status(cfg.run.dir, self.step_reached, code)
         self.close()
         return code
 
@@ -264,6 +269,7 @@ class Trainer:
         for step in range(self.start_step, cfg.run.steps):
             n = step + 1  # steps are numbered from 1 in metrics and checkpoints
             self._doing(f"step {n}")
+            self.step_reached = n
             t0 = time.perf_counter()
             res = self.executor.run_step(step, self._batch(step))
             dt = time.perf_counter() - t0
@@ -454,10 +460,10 @@ def main(argv=None) -> int:
     ctl = Control.for_job(comm, timeout)
     if backstop:
         faulthandler.cancel_dump_traceback_later()
-    try:
-        return _main(args, comm, ctl)
-    finally:
-        ctl.close()
+    with abort_on_error():  # an error on one rank, even in start-up, ends every rank
+        code = _main(args, comm, ctl)
+    ctl.close()  # collective: every rank gets here with the same code
+    return code
 
 
 def _main(args, comm, ctl) -> int:
@@ -472,8 +478,7 @@ def _main(args, comm, ctl) -> int:
             print(f"ratrain: {setup.finished}", flush=True)
         return EXIT_OK
     try:
-        with abort_on_error():
-            return Trainer(setup, comm, ctl).run()
+        return Trainer(setup, comm, ctl).run()
     finally:
         setup.release()
 

@@ -97,6 +97,13 @@ def test_world_size_mismatch_says_how_to_launch():
         cfg.check_world(3)
 
 
+def test_world_of_one_under_srun_names_the_plugin(monkeypatch):
+    cfg = load_config(None, ["parallel.pp=2", "parallel.dp=2"])
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ConfigError, match=r"srun started 4 tasks.*srun --mpi=pmix.*mpirun"):
+        cfg.check_world(1)
+
+
 def test_num_params_matches_block_spec():
     from ratrain.exec.spec import model_blocks
 

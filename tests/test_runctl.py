@@ -92,6 +92,9 @@ def test_first_signal_asks_to_stop_second_exits_at_once():
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.local_reason(1.0, 1.0) == "SIGUSR1" and not exits
+        os.kill(os.getpid(), signal.SIGUSR1)  # the same request delivered twice: ignored
+        assert not exits
+        stop.t_request -= 3.0
         os.kill(os.getpid(), signal.SIGUSR1)
         assert exits == [EXIT_INTERRUPTED]
     finally:

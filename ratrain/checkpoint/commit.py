@@ -146,6 +146,26 @@ def _commit(root, path, step, cfg: Config, gathered, keep, log) -> str:
     return path
 
 
+def _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer) -> dict:
+    """This rank's part of a save (its shard on replica 0) and its report for rank 0."""
+    entry, error, space = None, None, False
+    if replica == 0:
+        try:
+            entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
+            text = " ".join(str(e).split())  # h5py's messages span lines
+            error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
+            space = is_space_error(e)
+    if isinstance(tensors, StateStream):
+        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
+    try:
+        digest = hashlib.sha256(state_json(state).encode()).hexdigest()
+    except TypeError as e:
+        digest, error = "", error or f"rank {rank}: {e}"
+    return {"rank": rank, "stage": stage, "replica": replica, "entry": entry, "error": error,
+            "state": digest, "space": space}
+
+
 def save_checkpoint(
     root: str,
     step: int,
@@ -191,22 +211,7 @@ def save_checkpoint(
         if isinstance(tensors, StateStream):
             tensors.drain()  # every replica still takes part in the stream's gathers
         raise
-    entry, error, space = None, None, False
-    if replica == 0:
-        try:
-            entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
-        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
-            text = " ".join(str(e).split())  # h5py's messages span lines
-            error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
-            space = is_space_error(e)
-    if isinstance(tensors, StateStream):
-        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
-    try:
-        digest = hashlib.sha256(state_json(state).encode()).hexdigest()
-    except TypeError as e:
-        digest, error = "", error or f"rank {rank}: {e}"
-    mine = {"rank": rank, "stage": stage, "replica": replica, "entry": entry, "error": error,
-            "state": digest, "space": space}
+    mine = _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer)
     gathered = comm.gather(mine, root=0)
 
     def commit():
