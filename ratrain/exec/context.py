@@ -4,7 +4,8 @@ It carries the array module `xp`, the `ModelConfig`, the compute dtype of activa
 weight views (float32 or float16), RoPE tables cached per sequence length, the DDR ledger (GEMM
 scratch and transient workspace are accounted there while a block runs) and the compute threads.
 
-Threads: `threads` (run.threads; 0 = auto = min(2, usable cores)) Python threads split each
+Threads: `threads` (run.threads; 0 = auto = the usable cores; a rank built by
+`lifecycle.rank` shares them with the node's other ranks) Python threads split each
 micro-batch along the batch dimension when B >= 2; each thread then runs single-threaded BLAS
 (numpy releases the GIL in matmul and most ufunc loops). With one chunk the calling thread runs
 it with `threads` BLAS threads. Weight-gradient partials of the chunks are summed in chunk
@@ -28,7 +29,7 @@ def auto_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(2, cores))
+    return max(1, cores)
 
 
 class _Blas:
