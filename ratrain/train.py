@@ -26,11 +26,11 @@ from ratrain.checkpoint import (
     save_checkpoint,
 )
 from ratrain.comm.abort import abort_on_error
-from ratrain.config import Config, ConfigError, config_from_dict, load_config
+from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, eval_batches, open_datasets
 from ratrain.exec.params import BUFFERS
 from ratrain.fileio import atomic_write
-from ratrain.hf import check_hf, hf_model_config, load_hf_params
+from ratrain.hf import check_hf, import_model_section, load_hf_params
 from ratrain.lifecycle.rank import build_rank
 from ratrain.metrics import MetricsWriter
 from ratrain.shim import allocator
@@ -85,12 +85,7 @@ def resolve_config(args) -> Config:
     cfg = load_config(args.config, args.overrides)
     if cfg.init.from_hf:
         # The model section comes from the checkpoint's config.json (seq_len stays ours).
-        hf_model = hf_model_config(cfg.init.from_hf)
-        data = cfg.to_dict()
-        seq_len = data["model"]["seq_len"]
-        data["model"].update(hf_model)
-        data["model"]["seq_len"] = seq_len
-        cfg = config_from_dict(data, f"{args.config} + {cfg.init.from_hf}/config.json")
+        cfg = import_model_section(cfg, cfg.init.from_hf, args.overrides)
     return cfg
 
 
