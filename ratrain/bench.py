@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from ratrain.config import load_config
-from ratrain.exec.context import BLAS
+from ratrain.exec.context import sgemm_rate
 from ratrain.lifecycle.rank import build_rank
 from ratrain.shim import allocator
 
@@ -140,18 +140,8 @@ def torch_remote(threads: int, malloc: str):
 
 def sgemm_step(threads: int, n: int = 2048):
     """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-
-    def step():
-        with BLAS.limit(threads):
-            t = time.perf_counter()
-            np.matmul(a, b, out=c)
-            return 2 * n**3 / (time.perf_counter() - t) / 1e9
-
-    return step
+    rate = sgemm_rate(threads, n)
+    return lambda: rate() / 1e9
 
 
 def throughput(a) -> dict:

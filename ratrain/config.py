@@ -455,6 +455,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     return config_from_dict(data, source)
 
 
+def with_overrides(cfg: Config, overrides, source: str = "<config>") -> Config:
+    """`cfg` with `section.key=value` overrides applied as `--set` applies them; validated."""
+    data = cfg.to_dict()
+    for ov in overrides:
+        _apply_override(data, ov)
+    return config_from_dict(data, source)
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     try:
         return _build(Config, data, "", source)
@@ -594,4 +602,5 @@ __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "InitConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig",
     "config_from_dict", "job_path", "load_config", "replace", "shipped_jobs",
+    "with_overrides",
 ]

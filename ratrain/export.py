@@ -40,13 +40,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ratrain.checkpoint import (
-    checkpoint_root,
-    is_committed,
-    list_checkpoints,
-    load_checkpoint,
-    verify_checkpoint,
-)
+from ratrain.api import committed_path, newest_committed
+from ratrain.checkpoint import checkpoint_root, load_checkpoint, verify_checkpoint
 from ratrain.config import Config, ConfigError, ModelConfig, load_config, replace
 from ratrain.data import DataError, load_tokenizer
 from ratrain.exec.spec import init_param, model_blocks
@@ -235,25 +230,6 @@ def initial_params(cfg) -> dict[str, np.ndarray]:
     return {p.name: init_param(p, cfg.init.seed) for b in model_blocks(cfg.model) for p in b.params}
 
 
-def newest_committed(root: str) -> str | None:
-    done = [p for _, p in list_checkpoints(root) if is_committed(p)]
-    return done[-1] if done else None
-
-
-def committed_path(path: str) -> str:
-    """A committed checkpoint: `path` itself, or the newest one in a checkpoints directory."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    if is_committed(path):
-        return path
-    newest = newest_committed(path)
-    if newest is None:
-        raise FileNotFoundError(
-            f"{path}: neither a committed checkpoint (no manifest.json) nor a directory holding one"
-        )
-    return newest
-
-
 def checkpoint_params(path: str) -> tuple[dict[str, np.ndarray], Config, int]:
     """(master weights by global name, the run's config, step) of a verified committed
     checkpoint (or the newest in a checkpoints directory)."""
@@ -372,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["checkpoint_params", "committed_path", "export_hf", "hf_config_dict",
+__all__ = ["checkpoint_params", "export_hf", "hf_config_dict",
            "initial_params", "main", "run_tokenizer", "to_dtype", "write_safetensors"]
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -63,6 +64,23 @@ class _Blas:
 
 
 BLAS = _Blas()  # numpy's BLAS thread count, per region
+
+
+def sgemm_rate(threads: int, n: int = 1024):
+    """A function that times one (n x n) @ (n x n) float32 GEMM with `threads` BLAS threads and
+    returns its rate in flop/s: the host's measured peak (benchmarks, MFU on `host`)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+
+    def once() -> float:
+        with BLAS.limit(threads):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            return 2 * n**3 / max(time.perf_counter() - t, 1e-9)
+
+    return once
 
 
 class ExecContext:
@@ -167,4 +185,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BLAS", "ExecContext", "auto_threads"]
+__all__ = ["BLAS", "ExecContext", "auto_threads", "sgemm_rate"]

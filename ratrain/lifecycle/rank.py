@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ratrain.comm.topology import Topology
-from ratrain.exec.context import ExecContext
+from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.executor import Executor
@@ -48,6 +48,15 @@ class Rank:
     ctx: ExecContext
     engine: object | None  # comm.engine.CommEngine (None for one process)
     executor: Executor
+
+    def peak_flops(self) -> float:
+        """This rank's peak compute rate in flop/s, for MFU: the platform's (`compute_flops`,
+        in emulated time under `time_scale`), or on a profile without one (`host`) the
+        measured sgemm rate at the rank's thread count (best of three)."""
+        if self.profile.compute_flops:
+            return self.profile.compute_flops / self.profile.time_scale
+        rate = sgemm_rate(self.ctx.threads)
+        return max(rate() for _ in range(3))
 
     def close(self) -> None:
         if self.engine is not None:
