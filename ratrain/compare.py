@@ -77,9 +77,12 @@ def plot(png: str, a, b, steps, devs, names, key) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ratrain.compare", description=__doc__.split("\n")[1])
-    ap.add_argument("run_a")
-    ap.add_argument("run_b")
+    ap = argparse.ArgumentParser(
+        prog="python -m ratrain.compare",
+        description="Compare the loss curves of two runs: prints max_rel_dev=<float> steps=<n> "
+        "over the steps both hold; exit 1 when over --tol.")
+    ap.add_argument("run_a", help="a run directory (holding metrics.jsonl) or a metrics file")
+    ap.add_argument("run_b", help="the reference run (the deviation is relative to it)")
     ap.add_argument("--tol", type=float, default=None, help="fail (exit 1) above this max_rel_dev")
     ap.add_argument("--png", default=None, help="draw both curves and their relative difference")
     ap.add_argument("--key", default="loss", help="metric to compare (default: loss)")
