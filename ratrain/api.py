@@ -34,7 +34,14 @@ import numpy as np
 
 from ratrain.checkpoint import is_committed, list_checkpoints, load_checkpoint
 from ratrain.config import Config, ConfigError, ParallelConfig, replace
-from ratrain.data import DataError, TokenDataset, eval_batches, load_tokenizer, val_path
+from ratrain.data import (
+    DataError,
+    TokenDataset,
+    default_tokens_path,
+    eval_batches,
+    load_tokenizer,
+    val_path,
+)
 from ratrain.exec import kernels, layers
 from ratrain.exec.gemm import matmul
 from ratrain.hf import CONFIG, import_model_section, load_hf_params
@@ -313,10 +320,10 @@ def eval_dataset(cfg: Config, tokens: str | None = None) -> TokenDataset:
     beside data.tokens (DataError naming the fix when there is none)."""
     path = tokens or cfg.data.eval_tokens
     if not path:
-        if not cfg.data.tokens:
-            raise DataError("no token file to evaluate on: give --tokens FILE (the run used the "
-                            "default corpus: data/stdlib/val.bin)")
-        path = str(val_path(cfg.data.tokens))
+        train = cfg.data.tokens or default_tokens_path()  # "": the default corpus, as training
+        path = str(val_path(train))
+        if not os.path.exists(path):
+            raise DataError(f"the run's held-out file {path} does not exist: give --tokens FILE")
     return TokenDataset.from_config(cfg, path, eval=True)
 
 
