@@ -34,11 +34,8 @@ from ratrain.config import with_overrides
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m ratrain.eval",
-        description="Loss and perplexity of a checkpoint on a token file (alone or under "
-        "mpirun / srun, any pp x dp layout).",
-    )
+    about = "Loss and perplexity of a checkpoint on a token file (alone, mpirun or srun)."
+    ap = argparse.ArgumentParser(prog="python -m ratrain.eval", description=about)
     ap.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="a committed checkpoint, or a checkpoints directory (its newest)")
     ap.add_argument("--tokens", metavar="FILE", default=None,

@@ -20,6 +20,7 @@ from ratrain import api
 from ratrain.config import ConfigError, load_config, shipped_jobs
 from ratrain.data import DataError, prepare, read_meta, write_tokens
 from ratrain.data.checks import DataPaths, record_tokenizer
+from tests._tokenizer_util import make_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """
@@ -96,25 +97,7 @@ def test_byte_prepare_separates_documents_only_when_asked(tmp_path):
 
 @pytest.fixture()
 def bpe(tmp_path):
-    """A small byte-level BPE tokenizer.json with <|endoftext|>, trained here."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    path = tmp_path / "tok" / "tokenizer.json"
-    path.parent.mkdir()
-    tok.save(str(path))
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(5):
-        (docs / f"{i}.py").write_text("".join(texts[i * 40:(i + 1) * 40]))
-    return path, docs
+    return make_bpe(tmp_path)
 
 
 def test_tokenizer_prepare_ends_documents_and_is_recorded(bpe, tmp_path):
