@@ -270,7 +270,7 @@ def cmd_job(args) -> None:
               flush=True)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ratrain.lifecycle.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -322,7 +322,11 @@ def main(argv=None) -> int:
                    help="comma-separated policies to time, interleaved")
     t.add_argument("--trace", default="", metavar="PREFIX",
                    help="write each policy's Chrome trace to PREFIX.<policy>.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.cmd == "time" and not args.config:
         for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
                      ("micro_batch", 2), ("steps", 5)):
