@@ -21,7 +21,7 @@ from ratrain.shim.platform import resolve_platform
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
