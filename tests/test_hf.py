@@ -416,3 +416,41 @@ def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
             logits.reshape(-1, m.vocab_size), torch.tensor(ids[:, 1:]).reshape(-1)
         )
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_export_fp16_bf16_round_to_nearest_even(tmp_path):
+    from ratrain.export import to_dtype
+
+    params = random_params()
+    out = export_hf(params, M, str(tmp_path / "f16"), dtype="fp16")
+    back = load_hf_params(out, M)
+    for name, arr in params.items():
+        np.testing.assert_array_equal(back[name], arr.astype(np.float16).astype(np.float32))
+    out = export_hf(params, M, str(tmp_path / "bf16"), dtype="bf16")
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    back = load_hf_params(out, M)
+    for name, arr in params.items():
+        b = back[name]
+        assert not (b.view(np.uint32) & 0xFFFF).any()  # bf16 values, widened exactly
+        np.testing.assert_allclose(b, arr, rtol=2.0**-8)
+    # ties go to the even mantissa; NaN stays NaN
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), np.nan, 3.0], np.float32)
+    got = (to_dtype(x, "bf16").astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got[[0, 1, 2, 4]], [1.0, 1 + 2**-6, -1.0, 3.0])
+    assert np.isnan(got[3])
+
+
+def test_export_force_replaces_a_sharded_checkpoint(tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00001.safetensors").write_bytes(b"x")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    (out / "README.md").write_text("mine")
+    with pytest.raises(HFError, match="not empty"):
+        export_hf(random_params(), M, str(out))
+    export_hf(random_params(), M, str(out), force=True)
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "generation_config.json",
+                                       "model.safetensors"]
+    np.testing.assert_array_equal(load_hf_params(str(out), M)["embed.weight"],
+                                  random_params()["embed.weight"])
