@@ -171,7 +171,7 @@ def trial_signal(i, sig, launcher, rnd, tokens, ref):
     rerun = sum(bool(r.get("rerun")) for r in recs)
     same = curve(run) == ref
     ok = (info["JobState"] == "COMPLETED" and stopped is not None and int(info["Restarts"]) >= 1
-          and f"checkpoint step {stopped}:" in text and rerun == 0 and same)
+          and f"ckpt-{stopped:06d} (" in text and rerun == 0 and same)
     return {"trial": i, "signal": sig, "launcher": launcher, "signalled_after_step": seen,
             "stopped_at": stopped, "restarts": int(info["Restarts"]), "rerun_steps": rerun,
             "curve_equal": same, "state": info["JobState"], "ok": ok}

@@ -1,8 +1,20 @@
-"""Per-step metrics: `metrics.jsonl` records and the progress line printed on rank 0."""
+"""Per-step metrics: `metrics.jsonl` records, `eval.jsonl` records and the progress line
+printed on rank 0.
+
+`metrics.jsonl` holds one record per training step, every record with the same fields and
+types (`REQUIRED`, plus `mfu` and `elapsed_s` from the trainer); eval results go to their own
+file, `eval.jsonl` (`step, eval_loss, eval_ppl, eval_tokens, elapsed_s`), so a table of either
+file has one type per column. The progress line shows MFU (model flops utilisation: achieved
+flop/s over the peak of every rank) and the time elapsed since the run (or its resume) began.
+
+Both files are only ever appended to, never through a symbolic link: a resumed or restarted run
+adds its records after the old ones, and a step recorded before that is trained again carries
+`"rerun": true` (every record has the field); a reader keeps the last record of each step
+(`read_curve`). Only a torn last line (a crash in mid-write) is cut off.
+"""
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -11,6 +23,7 @@ import time
 
 from ratrain.fileio import open_append, open_no_follow
 
+EVAL_FILE = "eval.jsonl"
 REQUIRED = (
     "step",
     "loss",
@@ -45,15 +58,11 @@ def _eta(seconds: float) -> str:
 class MetricsWriter:
     """Appends one JSON object per step to `<run_dir>/metrics.jsonl` and prints progress.
 
-    Only the writing rank creates one (rank 0 of the last stage, which knows the loss). The
-    file is only ever appended to, never through a symbolic link: a resumed or restarted run
-    first appends a `{"event": "start", "from_step": k, ...}` record, and the records of steps
-    that were recorded before (re-run after resuming from an older checkpoint, or a restart
-    with `checkpoint.resume: never`) carry `"rerun": true`; a reader keeps the last record of
-    each step (`read_curve`). Only a torn last line (a crash in mid-write) is cut off.
+    Only the writing rank creates one (rank 0 of the last stage, which knows the loss); see
+    the module for what a resumed or restarted run appends.
     """
 
-    def __init__(self, run_dir: str, total_steps: int, resume_step: int = 0, out=sys.stdout):
+    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.total_steps = total_steps
         self.out = out
@@ -62,10 +71,7 @@ class MetricsWriter:
         self._time_sum = 0.0
         self.recorded = self._cut_torn_line()  # the last step recorded so far (0: none)
         self._f = open_append(self.path)
-        if self.recorded or resume_step:
-            self.write_event({"event": "start", "from_step": resume_step,
-                              "recorded_until": self.recorded,
-                              "time": datetime.datetime.now().isoformat(timespec="seconds")})
+        self._eval = None
 
     def _cut_torn_line(self) -> int:
         """Cut a torn last line off the file (nothing else); return the last step recorded."""
@@ -92,8 +98,7 @@ class MetricsWriter:
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
-        if rec["step"] <= self.recorded:
-            rec = {**rec, "rerun": True}
+        rec = {**rec, "rerun": rec["step"] <= self.recorded}
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         if rec["step"] > 1 or self.total_steps == 1:  # the first step pays warm-up
@@ -115,19 +120,28 @@ class MetricsWriter:
         ]
         if flops_per_token:
             parts.append(f"{rec['tokens_per_s'] * flops_per_token / 1e9:.1f} GFLOP/s")
+        if rec.get("mfu") is not None:
+            parts.append(f"MFU {100 * rec['mfu']:.1f}%")
         parts.append(f"peak {_human(rec['peak_ddr_bytes'])}")
         if rec.get("skipped"):
             parts.append(f"SKIPPED (overflow, scale -> {rec['loss_scale']:g})")
+        if "elapsed_s" in rec:
+            parts.append(f"elapsed {_eta(rec['elapsed_s'])}")
         parts.append(f"ETA {_eta(eta)}")
         return " | ".join(parts)
 
     def write_event(self, rec: dict) -> None:
-        """Non-step records (eval losses) go to the same file, without a `loss` key clash."""
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        """An eval record, to `eval.jsonl` (appended; its own file so that `metrics.jsonl`
+        keeps one type per field)."""
+        if self._eval is None:
+            self._eval = open_append(os.path.join(os.path.dirname(self.path), EVAL_FILE))
+        self._eval.write(json.dumps(rec) + "\n")
+        self._eval.flush()
 
     def close(self) -> None:
         self._f.close()
+        if self._eval is not None:
+            self._eval.close()
 
 
 def read_curve(path: str) -> list[dict]:

@@ -1,5 +1,6 @@
-"""metrics.jsonl is only ever appended to: a restart marks re-run steps, a torn last line is cut,
-a link is never followed; `read_curve` keeps the last record of each step."""
+"""metrics.jsonl is only ever appended to: a restart marks re-run steps (every record has the
+field), a torn last line is cut, a link is never followed; `read_curve` keeps the last record of
+each step; eval.jsonl is never opened through a link either."""
 
 import io
 import json
@@ -25,15 +26,13 @@ def test_restart_appends_and_marks_rerun_steps(tmp_path):
     for s in (1, 2, 3, 4):
         w.write(rec(s, 10.0 - s))
     w.close()
-    w = MetricsWriter(str(tmp_path), 6, resume_step=2, out=io.StringIO())  # resumed from step 2
+    w = MetricsWriter(str(tmp_path), 6, out=io.StringIO())  # resumed from step 2
     for s in (3, 4, 5):
         w.write(rec(s, 20.0 - s))
     w.close()
     got = lines(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4, 3, 4, 5]  # nothing dropped
-    start = [r for r in got if r.get("event") == "start"]
-    assert start == [{**start[0], "from_step": 2, "recorded_until": 4}]
-    assert [r.get("rerun", False) for r in got if "loss" in r] == [False] * 4 + [True, True, False]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 3, 4, 5]  # nothing dropped
+    assert [r["rerun"] for r in got] == [False] * 4 + [True, True, False]  # in every record
     curve = read_curve(str(tmp_path))
     assert [(r["step"], r["loss"]) for r in curve] == [(1, 9.0), (2, 8.0), (3, 17.0), (4, 16.0),
                                                        (5, 15.0)]
@@ -42,10 +41,10 @@ def test_restart_appends_and_marks_rerun_steps(tmp_path):
 def test_a_torn_last_line_is_cut_and_nothing_else(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps(rec(1, 1.0)) + "\n" + '{"step": 2, "lo')
-    w = MetricsWriter(str(tmp_path), 3, resume_step=1, out=io.StringIO())
+    w = MetricsWriter(str(tmp_path), 3, out=io.StringIO())
     w.write(rec(2, 2.0))
     w.close()
-    assert [r.get("step") for r in lines(p)] == [1, None, 2]
+    assert [r.get("step") for r in lines(p)] == [1, 2]
 
 
 def test_metrics_never_follow_a_link(tmp_path):
@@ -56,4 +55,10 @@ def test_metrics_never_follow_a_link(tmp_path):
     os.symlink(victim, run / "metrics.jsonl")
     with pytest.raises(OSError):
         MetricsWriter(str(run), 3, out=io.StringIO())
+    assert victim.read_text() == "keep"
+    os.unlink(run / "metrics.jsonl")
+    os.symlink(victim, run / "eval.jsonl")
+    w = MetricsWriter(str(run), 3, out=io.StringIO())
+    with pytest.raises(OSError):
+        w.write_event({"step": 1, "eval_loss": 1.0})
     assert victim.read_text() == "keep"

@@ -44,7 +44,8 @@ def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path):
     env = dict(os.environ, RATRAIN_VENV=sys.prefix, TMPDIR=str(tmp_path))
     p = subprocess.run(
         ["bash", str(ROOT / "scripts" / "slurm-local.sh"), "run", str(state), sys.executable,
-         str(ROOT / "benchmarks" / "slurm_trials.py"), "quick", "--tokens", str(tokens)],
+         str(ROOT / "benchmarks" / "slurm_trials.py"), "quick", "--tokens", str(tokens),
+         "--work", str(tmp_path / "work")],
         capture_output=True, text=True, env=env, timeout=900)
     if "could not install" in p.stderr:
         pytest.skip(f"Slurm could not be installed: {p.stderr.strip()[-300:]}")

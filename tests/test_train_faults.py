@@ -41,7 +41,7 @@ def start(cfg, run_dir, *sets):
     [
         (["optim.lr=.inf"], "optim.lr=inf must be a finite number"),
         (["platform.profile=nope"], "unknown platform profile 'nope'"),
-        (["platform.ddr_bytes=100000"], "memory plan needs about"),
+        (["platform.ddr_bytes=100000"], "over the DDR cap"),
         (["parallel.micro_batch=5000000"], "available"),  # the host's memory, no cap
         (["comm.timeout=-1"], "comm.timeout=-1.0 must be 0"),
     ],
@@ -83,7 +83,8 @@ def test_signal_stops_with_a_checkpoint_and_resumes_bitwise(job, tmp_path):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 75, out + err
     stopped = int(out.split("stopped at step ")[1].split()[0])
-    assert f"checkpoint step {stopped}: " in out and "run the same command again" in out
+    assert f"checkpoint saved: {part}/checkpoints/ckpt-{stopped:06d} (" in out
+    assert "run the same command again" in out
     assert (part / "checkpoints" / f"ckpt-{stopped:06d}" / "manifest.json").exists()
     again = train(job, part, *sets)
     assert f"steps {stopped + 1}..60" in again.stdout
@@ -93,6 +94,7 @@ def test_signal_stops_with_a_checkpoint_and_resumes_bitwise(job, tmp_path):
     # the run is finished: a further start says so and does nothing
     done = train(job, part, *sets)
     assert "the run is finished" in done.stdout and len(metrics(part)) == 60
+    assert "| loss" not in done.stdout and "ratrain: 1" not in done.stdout  # nothing built
 
 
 def test_two_runs_on_one_directory(job, tmp_path):

@@ -138,7 +138,7 @@ def test_a_stopped_rank_ends_a_training_job(tmp_path):
          f"run.dir={tmp_path}/run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env)
     for line in p.stdout:
-        if line.startswith("checkpoint step 10:"):
+        if "checkpoint saved:" in line and "ckpt-000010" in line:
             break
     ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout
     pids = sorted(int(x) for x in ranks.split())

@@ -7,8 +7,7 @@ rank, played over its action lists (`memory`), and the activation sizes measured
 kernels (`measure`); the executor that runs a rank's lists (`executor`) with its stage compute
 (`compute`), its pipeline messages (`mailbox`), the step's global facts (`facts`) and whole
 blocks for checkpoints (`fullstate`); timelines out (`trace`); the one way to build a rank
-(`rank`); the start-up check of a rank's memory plan against the cap (`preflight`);
-`python -m ratrain.lifecycle.bench` (grids, memory and timing of the policies).
+(`rank`); `python -m ratrain.lifecycle.bench` (grids, memory and timing of the policies).
 
 May import: `ratrain.comm`, `ratrain.exec`, `ratrain.shim`, `ratrain.config`,
 `ratrain.fileio`. Never plan or the commands (the planner builds on this package, not the

@@ -1,22 +1,14 @@
-"""Run configuration: frozen dataclasses loaded strictly from YAML.
-
-Every key of the design's contract lives here, with its type and default. Loading is strict:
-an unknown section or key, a value of the wrong type, or an impossible combination raises
-`ConfigError` naming the key, the value, the file and what to do instead, before any work.
-
-    cfg = load_config("jobs/tiny.yaml", overrides=["parallel.pp=2", "optim.lr=1e-3"])
+"""The sections of a run's configuration: one frozen dataclass each, its keys typed, defaulted,
+documented in its docstring (`key: meaning`, which docs/CONFIG.md is generated from) and checked
+in `check()`. `ratrain.config` assembles them into `Config` and loads them from YAML.
 """
 
 from __future__ import annotations
 
 import os
-import typing
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass
 
-import yaml
-
-from ratrain.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
+from ratrain.typedyaml import ConfigError
 
 # --------------------------------------------------------------------------------------------
 # Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
@@ -26,6 +18,24 @@ from ratrain.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_pla
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model: a LLaMA-family decoder. With init.from_hf every key but seq_len comes from
+    the imported config.json.
+
+    vocab_size: tokens in the vocabulary (embedding rows and LM-head outputs); every id in the data
+        must be below it
+    hidden: width of the residual stream (model dimension)
+    layers: decoder layers
+    heads: attention heads (must divide hidden; hidden / heads is the head size, even for RoPE)
+    kv_heads: key/value heads for grouped-query attention (must divide heads; = heads: plain
+        multi-head)
+    ffn_hidden: inner width of the SwiGLU MLP
+    seq_len: tokens per training sequence (the context the model is trained on)
+    rope_theta: RoPE base frequency
+    norm_eps: RMSNorm epsilon
+    tie_embeddings: share the embedding matrix with the LM head (needs parallel.pp=1)
+    max_positions: longest sequence the model is meant for, exported as max_position_embeddings; 0
+        = seq_len (init.from_hf: config.json's)
+    """
     vocab_size: int = 256
     hidden: int = 128
     layers: int = 4
@@ -36,6 +46,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    max_positions: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +72,11 @@ class ModelConfig:
             )
         _positive(self, "model", "rope_theta")
         _positive(self, "model", "norm_eps")
+        if self.max_positions and self.max_positions < self.seq_len:
+            raise ConfigError(
+                f"model.max_positions={self.max_positions} is below model.seq_len={self.seq_len}: "
+                "raise it, or set 0 (= seq_len)"
+            )
 
     def num_params(self) -> int:
         """Parameters of the whole model (embedding, layers, final norm, LM head)."""
@@ -81,6 +97,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the ranks are laid out: pp pipeline stages x dp data-parallel replicas (world size =
+    pp x dp); global batch = micro_batch x num_micro_batches x dp sequences.
+
+    pp: pipeline stages (each holds a contiguous slice of layers)
+    dp: data-parallel replicas
+    micro_batch: sequences per micro-batch
+    num_micro_batches: micro-batches per step on each replica (gradient accumulation; the
+        pipeline's m)
+    layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible
+    """
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
@@ -114,6 +140,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
+    """When things happen (never what is computed: every policy gives bitwise the same losses).
+
+    policy: baseline-1f1b | megatron-1f1b | ratrain | gpipe: where gradient sync, update and view
+        materialisation are placed
+    recompute: none | selective | full | auto: what a layer's backward re-runs (auto: the fewest
+        layers full that fit the DDR cap)
+    shard_optimizer: under ratrain with dp > 1, shard each block's fp32 master and AdamW moments
+        over the replicas
+    """
     policy: str = "ratrain"
     recompute: str = "none"
     # ratrain with dp > 1: shard each block's fp32 master and AdamW moments over the replicas
@@ -130,6 +165,23 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """AdamW (torch.optim.AdamW's arithmetic) with fp32 masters, warm-up and cosine decay.
+
+    lr: peak learning rate
+    betas: AdamW (beta1, beta2)
+    eps: AdamW epsilon
+    weight_decay: decoupled weight decay
+    grad_clip: clip the global gradient norm to this; 0 disables clipping
+    warmup_steps: linear warm-up steps from 0 to lr
+    lr_schedule: constant | cosine (after warm-up)
+    min_lr: cosine floor
+    decay_steps: cosine length after warm-up; 0 = run.steps - warmup_steps
+    no_decay: parameter-name globs exempt from weight decay, e.g. "*norm*" or [embed.*, "*norm*"]
+    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default)
+    loss_scale_window: fp16: steps without overflow before the scale doubles
+    max_nonfinite_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
+        after which the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16
+    """
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -170,12 +222,27 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Token files (a flat uint16/uint32 array, nanoGPT's .bin layout) and the held-out eval.
+
+    tokens: training token file; "" = the embedded default corpus (prepared on first use)
+    order: sequential | shuffled windows of seq_len + 1 tokens
+    seed: shuffle seed (order: shuffled)
+    eval_tokens: held-out token file; "" = the val split beside tokens, if any
+    eval_interval: steps between eval losses (written to eval.jsonl); 0 = never
+    eval_batches: batches of the held-out file each eval reads (the same ones every time)
+    tokenizer: the tokenizer of the token files: "byte" or a tokenizer.json path; "" = what the
+        token file's sidecar records (filled in at start-up, carried to checkpoints and exports)
+    tokenizer_sha256: SHA-256 of the tokenizer.json; "" = filled in at start-up; set: the file must
+        match it
+    """
     tokens: str = ""  # token file; "" = the embedded default corpus (prepared on first use)
     order: str = "sequential"
     seed: int = 0
     eval_tokens: str = ""  # held-out token file; "" = the `.val` split beside `tokens`, if any
     eval_interval: int = 0  # steps between eval losses; 0 = never
     eval_batches: int = 4
+    tokenizer: str = ""
+    tokenizer_sha256: str = ""
 
     def check(self) -> None:
         _choice(self, "data", "order", ("sequential", "shuffled"))
@@ -187,6 +254,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class InitConfig:
+    """Where the starting weights come from (a resumed checkpoint takes precedence).
+
+    seed: seed of the random initialisation (each parameter a function of the seed and its name
+        alone)
+    from_hf: a Hugging Face LLaMA directory (config.json + safetensors) to start from; the model
+        section then comes from its config.json
+    """
     seed: int = 1234
     from_hf: str = ""  # directory with config.json + model.safetensors; "" = random init
 
@@ -197,6 +271,16 @@ class InitConfig:
 
 @dataclass(frozen=True)
 class PlatformConfig:
+    """The platform each rank plays (ratrain/shim/profiles); null values keep the profile's.
+
+    profile: host (this machine, no cap, no pacing) | mt3000 | a profile YAML path
+    ddr_bytes: DDR cap per rank in bytes (the ledger refuses to go over it)
+    link_bandwidth: link bandwidth in bytes/s
+    link_latency: link latency in s
+    compute_flops: compute rate per rank in flop/s (pacing, and the peak MFU is taken against)
+    time_scale: emulated time = platform time x time_scale
+    emulate: throttle links and pace compute to the profile
+    """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
     ddr_bytes: int | None = None
@@ -216,6 +300,18 @@ class PlatformConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """HDF5 checkpoints: written every interval steps and at the last step, resumed from.
+
+    dir: checkpoints directory; "" = <run.dir>/checkpoints
+    interval: steps between checkpoints (and one at the last step); 0 = none
+    keep: committed checkpoints kept (older ones are deleted; before a save when the disk is
+        short: a save needs room for keep + 1)
+    resume: auto (the newest committed checkpoint that verifies; none at all: start fresh; some
+        but none usable: an error naming each) | never (start over; checkpoints stay, metrics are
+        appended to) | a checkpoint path
+    on_error: a save that fails (disk full, I/O error): stop (exit 5; the last committed
+        checkpoint is intact) | continue (warn and try again at the next interval)
+    """
     dir: str = ""  # "" = <run.dir>/checkpoints
     interval: int = 0  # steps between checkpoints; 0 = only none
     keep: int = 2  # committed checkpoints kept (older ones pruned; before a save if space is short)
@@ -237,12 +333,31 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """The run: where it writes, how long it goes, and when it stops early.
+
+    name: the run's name (under Slurm, the job name); dir defaults to runs/<name>
+    dir: run directory (config.yaml, metrics.jsonl, eval.jsonl, status.json, trace.json,
+        checkpoints); "" = runs/<name>, or runs/default without a name
+    steps: total optimizer steps (a resumed run continues up to this step)
+    log_interval: steps between progress lines
+    trace: write trace.json (Chrome trace events; Perfetto) at the end
+    threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
+        affinity, shared by the node's ranks that have the same cores)
+    tensorboard: also log scalars to <run.dir>/tensorboard (needs the tensorboard extra:
+        tensorboardX)
+    time_limit: seconds of wall clock from start-up the run may use; it stops at a step boundary
+        early enough to write a checkpoint and exits 75 (run again to continue); 0 = no limit
+    stop_signals: signals that ask for a graceful stop (checkpoint at the next step boundary,
+        exit 75; a second one exits at once with what is committed); [] = the default actions
+    stop_grace: seconds a graceful stop may take before the run exits at once; 0 = no limit
+    """
     name: str = ""  # the run's name (Slurm: the job name); run.dir defaults to runs/<name>
     dir: str = ""  # where the run writes; "" = runs/<run.name>, or runs/default without a name
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
+    tensorboard: bool = False
     # seconds of wall clock from start-up the run may use (0 = no limit): it stops at a step
     # boundary early enough to write a checkpoint, then exits 75 (run again to continue)
     time_limit: float = 0.0
@@ -274,133 +389,17 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    # seconds: a rank that gives no sign of life this long (stopped, hung, node lost) ends the
-    # job on every rank, named; also the longest a message or collective of a step may wait;
-    # 0 = no watchdog
-    timeout: float = 300.0
+    """Communication between ranks: the job's watchdog.
+
+    timeout: seconds a rank may give no sign of life (stopped, hung, its node lost) before the
+        job ends on every rank naming it (exit 3); also the longest a message or collective of a
+        step may wait; 0 = no watchdog
+    """
+    timeout: float = 300.0  # seconds; 0 = no watchdog
 
     def check(self) -> None:
         if self.timeout < 0 or 0 < self.timeout < 1:
             raise ConfigError(f"comm.timeout={self.timeout} must be 0 (off) or >= 1 second")
-
-
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    precision: str = "fp32"
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    init: InitConfig = field(default_factory=InitConfig)
-    platform: PlatformConfig = field(default_factory=PlatformConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            sub = getattr(self, f.name)
-            if hasattr(sub, "check"):
-                sub.check()
-        _choice(self, "", "precision", ("fp32", "fp16"))
-        m, p = self.model, self.parallel
-        if p.pp > m.layers:
-            raise ConfigError(
-                f"parallel.pp={p.pp} is more pipeline stages than model.layers={m.layers}: "
-                "every stage needs at least one layer; lower parallel.pp"
-            )
-        if p.layers_per_stage is not None and sum(p.layers_per_stage) != m.layers:
-            raise ConfigError(
-                f"parallel.layers_per_stage={list(p.layers_per_stage)} sums to "
-                f"{sum(p.layers_per_stage)} but model.layers={m.layers}"
-            )
-        if m.tie_embeddings and p.pp > 1:
-            raise ConfigError(
-                "model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
-                "and the LM head live on different stages; untie them or use parallel.pp=1"
-            )
-
-    # -- conversions ------------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_plain(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def check_world(self, world_size: int) -> None:
-        """The layout must match the launched world, before any work. Under srun, a world of
-        one in a step of several tasks means srun started singletons: the error says why."""
-        if world_size == self.parallel.world_size:
-            return
-        msg = (f"world size {world_size} != parallel.pp x parallel.dp = {self.parallel.pp} x "
-               f"{self.parallel.dp} = {self.parallel.world_size}: launch "
-               f"{self.parallel.world_size} ranks (mpirun -n {self.parallel.world_size}) or set "
-               "parallel.pp / parallel.dp to match")
-        tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "")
-        if world_size == 1 and tasks.isdigit() and int(tasks) > 1:
-            msg = (f"world size 1 but srun started {tasks} tasks: each task is an MPI world of "
-                   "its own, so srun's MPI plugin is not one this MPI uses; with Open MPI use "
-                   "srun --mpi=pmix (RATRAIN_SRUN_MPI=pmix for slurm/train.sbatch; srun "
-                   "--mpi=list shows the plugins), or RATRAIN_LAUNCHER=mpirun")
-        raise ConfigError(msg)
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Read `path` (YAML), apply `section.key=value` overrides, validate; raise ConfigError."""
-    source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                data = yaml.load(f, Loader=StrictLoader) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {source!r} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
-        except ConfigError as e:
-            raise ConfigError(f"{source}:{e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    data = deepcopy(data)
-    for ov in overrides:
-        _apply_override(data, ov)
-    return config_from_dict(data, source)
-
-
-def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
-    try:
-        return build(Config, data, "", source)
-    except ConfigError as e:
-        msg = str(e)
-        if not msg.startswith(source):
-            msg = f"{source}: {msg}"
-        raise ConfigError(msg) from None
-
-
-def _apply_override(data: dict, ov: str) -> None:
-    if "=" not in ov:
-        raise ConfigError(f"--set {ov!r}: expected section.key=value, e.g. --set optim.lr=1e-3")
-    key, raw = ov.split("=", 1)
-    parts = key.strip().split(".")
-    hints = typing.get_type_hints(Config)
-    if parts[0] not in hints:
-        raise ConfigError(
-            f"--set {ov!r}: unknown section {parts[0]!r}; sections are {', '.join(hints)}"
-        )
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {ov!r}: {p!r} is not a section")
-    node[parts[-1]] = value
 
 
 def _positive(obj, section: str, key: str) -> None:
@@ -416,21 +415,5 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-__all__ = [
-    "CheckpointConfig",
-    "CommConfig",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "InitConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "PlatformConfig",
-    "RunConfig",
-    "ScheduleConfig",
-    "StrictLoader",
-    "config_from_dict",
-    "load_config",
-    "replace",
-]
+__all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "InitConfig", "ModelConfig",
+           "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig"]

@@ -1,30 +1,19 @@
-"""Train a model: `python -m ratrain.train --config FILE [--set section.key=value ...]`.
+"""One rank's training loop: steps, metrics, evaluation, checkpoints, and how a run ends.
 
-Runs alone (one process, no launcher) or under `mpirun -n N` / `srun`. Every check of the
-input (config, world size, data, Hugging Face import, the memory plan against the DDR cap or
-the node's memory, checkpoint, room for checkpoints, the run directory's lock) runs before any
-work, on every rank, and the ranks agree on the verdict: a bad input stops every rank with the
-same message (printed once, by rank 0) and exit code 2. After start-up, an exception on any
-rank aborts the whole job (MPI_Abort; every rank prints why) instead of leaving the others
-hanging, and the job's watchdog (`comm.timeout`, `ratrain.comm.watchdog`) ends it when a rank
-stops answering. A run stops early and cleanly on a signal or `run.time_limit` (a checkpoint
-at the step reached, exit 75), on `optim.max_nonfinite_steps` non-finite steps (exit 4) and on
-a checkpoint that cannot be written (exit 5, unless `checkpoint.on_error: continue`); the exit
-codes are `ratrain.runctl`'s.
-
-This module is the thin entry: it wires config -> platform -> topology -> state -> executor
-and loops over steps; the schedule and its numerics live in `ratrain.lifecycle`.
+`Trainer(setup, comm, ctl).run()` builds the rank (`lifecycle.rank.build_rank`), resumes or
+imports its weights, and loops over steps; after each step every rank agrees whether to stop (a
+signal or `run.time_limit` on any rank: `runctl.StopRequests`, one tiny all-reduce through the
+engine), and the loop ends early on `optim.max_nonfinite_steps` non-finite steps or a checkpoint
+that cannot be written. It returns the exit code (`ratrain.runctl`). The schedule and its
+numerics live in `ratrain.lifecycle`.
 """
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,18 +22,14 @@ from ratrain.checkpoint import (
     StateStream,
     checkpoint_root,
     load_checkpoint,
-    read_manifest,
-    resolve_resume,
     save_checkpoint,
 )
-from ratrain.checkpoint.space import checkpoint_bytes, room_problem
-from ratrain.comm.abort import abort, abort_on_error
-from ratrain.config import CommConfig, Config, ConfigError, config_from_dict, load_config
-from ratrain.data import check_data, eval_batches, open_datasets
+from ratrain.checkpoint.space import checkpoint_bytes
+from ratrain.comm.abort import abort
+from ratrain.data import eval_batches, open_datasets
 from ratrain.exec.params import BUFFERS
 from ratrain.fileio import atomic_write
-from ratrain.hf import check_hf, hf_model_config, load_hf_params
-from ratrain.lifecycle.preflight import memory_problem
+from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
 from ratrain.metrics import MetricsWriter
 from ratrain.runctl import (
@@ -52,136 +37,11 @@ from ratrain.runctl import (
     EXIT_DIVERGED,
     EXIT_OK,
     EXIT_STOPPED,
-    EXIT_USAGE,
     StopRequests,
-    lock_dirs,
     write_status,
 )
-from ratrain.shim import allocator
-
-
-class StartupError(RuntimeError):
-    """Bad input found before any work; the message is the same on every rank."""
-
-
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m ratrain.train",
-        description="Train a LLaMA-family model with ratrain (one process, mpirun or srun).",
-    )
-    ap.add_argument("--config", required=True, help="YAML job file (see jobs/)")
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value (repeatable), e.g. --set optim.lr=1e-3",
-    )
-    return ap.parse_args(argv)
-
-
-# --------------------------------------------------------------------------------------------
-# Start-up: every check before any work, agreed across ranks
-# --------------------------------------------------------------------------------------------
-
-
-def agree(comm, fn, *args):
-    """Run `fn` on every rank; if it fails on any rank, raise StartupError with the first
-    failing rank's message on every rank. (A start-up control-plane exchange, not training
-    traffic.)"""
-    result, err = None, None
-    try:
-        result = fn(*args)
-    except (ConfigError, ValueError, OSError, RuntimeError, KeyError) as e:
-        err = str(e) or type(e).__name__
-    errs = comm.allgather(err) if comm.Get_size() > 1 else [err]
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if bad:
-        rank, msg = bad[0]
-        if comm.Get_size() > 1 and not all(e == msg for _, e in bad):
-            msg = f"{msg} (rank {rank}; other ranks failed too)"
-        raise StartupError(msg)
-    return result
-
-
-def resolve_config(args) -> Config:
-    cfg = load_config(args.config, args.overrides)
-    if cfg.init.from_hf:
-        # The model section comes from the checkpoint's config.json (seq_len stays ours).
-        hf_model = hf_model_config(cfg.init.from_hf)
-        data = cfg.to_dict()
-        seq_len = data["model"]["seq_len"]
-        data["model"].update(hf_model)
-        data["model"]["seq_len"] = seq_len
-        cfg = config_from_dict(data, f"{args.config} + {cfg.init.from_hf}/config.json")
-    return cfg
-
-
-@dataclass
-class Setup:
-    cfg: Config
-    data_paths: object
-    resume: str | None
-    finished: str | None = None  # a message: the run is already done, nothing to train
-    locks: list = field(default_factory=list)  # RunLock of run.dir (and checkpoint.dir), rank 0
-
-    def release(self) -> None:
-        for lock in self.locks:
-            lock.release()
-
-
-def check_memory(cfg: Config, rank: int) -> None:
-    """The memory plan of this rank's stage against the DDR cap (or the node's memory)."""
-    from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
-
-    problem = memory_problem(cfg, rank % cfg.parallel.pp, local_ranks() or 1)
-    if problem:
-        raise ConfigError(problem)
-
-
-def finished_message(cfg: Config, resume: str | None) -> str | None:
-    """Why there is nothing to train: the checkpoint to resume is at run.steps already."""
-    if resume is None:
-        return None
-    step = read_manifest(resume)["step"]
-    if step < cfg.run.steps:
-        return None
-    return (f"the run is finished: {resume} is step {step} of run.steps={cfg.run.steps}; "
-            "nothing to do (raise run.steps to train further)")
-
-
-def startup(args, comm) -> Setup:
-    cfg = agree(comm, resolve_config, args)
-    agree(comm, cfg.check_world, comm.Get_size())
-    data_paths = agree(comm, check_data, cfg, comm)
-    if cfg.init.from_hf:
-        agree(comm, check_hf, cfg.init.from_hf, cfg.model)
-    agree(comm, check_memory, cfg, comm.Get_rank())
-    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
-    done = agree(comm, finished_message, cfg, resume)
-    if done:
-        return Setup(cfg, data_paths, resume, finished=done)
-    root = checkpoint_root(cfg.checkpoint, cfg.run.dir)
-    if cfg.checkpoint.interval and cfg.checkpoint.on_error == "stop":
-        agree(comm, lambda: comm.Get_rank() == 0 and _no_room(root, cfg))
-    locks = agree(comm, lambda: [] if comm.Get_rank() else lock_dirs(cfg.run.dir, root, _note))
-    return Setup(cfg, data_paths, resume, locks=locks)
-
-
-def _note(msg: str) -> None:
-    print(f"ratrain: {msg}", file=sys.stderr, flush=True)
-
-
-def _no_room(root: str, cfg: Config) -> None:
-    problem = room_problem(root, cfg)
-    if problem:
-        raise OSError(problem)
-
-
-# --------------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------------
+from ratrain.tblog import TensorBoard
+from ratrain.train.startup import Setup
 
 
 class Trainer:
@@ -207,7 +67,7 @@ class Trainer:
             self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
         self.writes_metrics = self.executor.reports_loss
-        self.metrics = None
+        self.metrics = self.tb = None
         self.nonfinite = 0  # consecutive non-finite steps
         self.save_s = 0.0  # the last checkpoint's duration (the time limit keeps room for one)
         self.stop: StopRequests | None = None
@@ -249,8 +109,11 @@ class Trainer:
             atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
             write_status(cfg.run.dir, self.start_step)
             self._banner()
+        self.t_start = time.perf_counter()
         if self.writes_metrics:
-            self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps, self.start_step)
+            self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
+            self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            self.tb = TensorBoard(cfg.run.dir) if cfg.run.tensorboard else None
         self.stop = StopRequests(cfg.run, self._hard_exit)
         self.step_reached = self.start_step
         try:
@@ -305,9 +168,13 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_s": tokens_per_step / dt,
             "peak_ddr_bytes": int(res.peak_ddr_bytes),
+            "mfu": tokens_per_step / dt * cfg.model.flops_per_token() / self.peak,
+            "elapsed_s": time.perf_counter() - self.t_start,
         }
         log = n % cfg.run.log_interval == 0 or n == cfg.run.steps or n == self.start_step + 1
         self.metrics.write(rec, cfg.model.flops_per_token(), log=log)
+        if self.tb is not None:
+            self.tb.log(rec, "train")
 
     def _diverged(self, n: int, res) -> bool:
         """Whether `optim.max_nonfinite_steps` consecutive steps were not finite (every rank
@@ -367,8 +234,14 @@ class Trainer:
         batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
         loss = self.executor.eval_loss(batches)
         if self.metrics is not None:
-            self.metrics.write_event({"step": n, "eval_loss": loss})
-            print(f"step {n:>5d} | eval loss {loss:.4f}", flush=True)
+            rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+                   "eval_tokens": len(batches) * self.cfg.parallel.global_batch
+                   * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
+            self.metrics.write_event(rec)
+            if self.tb is not None:
+                self.tb.log(rec, "eval")
+            print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
+                  flush=True)
 
     def _save(self, n: int, stopping: bool = False) -> bool:
         """Checkpoint step n and log it; on failure (the same error on every rank) say so and
@@ -390,8 +263,8 @@ class Trainer:
         self.save_s = time.perf_counter() - t0
         if self.rank == 0:
             size = checkpoint_bytes(path)
-            print(f"checkpoint step {n}: {path}, {size / 2**20:.2f} MiB ({size} bytes) in "
-                  f"{self.save_s:.2f} s", flush=True)
+            print(f"step {n:>5d} | checkpoint saved: {path} ({size / 2**20:.2f} MiB, {size} "
+                  f"bytes, {self.save_s:.2f} s)", flush=True)
         return True
 
     def _write_checkpoint(self, n: int) -> str:
@@ -423,69 +296,19 @@ class Trainer:
             f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
             f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
             f"{cfg.precision}, policy {cfg.schedule.policy}, recompute {cfg.schedule.recompute}, "
-            f"platform {self.profile.name}, steps {self.start_step + 1}..{cfg.run.steps}, "
-            f"run dir {cfg.run.dir}",
+            f"platform {self.profile.name}, {self.parts.ctx.threads} threads/rank, "
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
+            + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
         )
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
         self.parts.close()
 
 
-def _comm_timeout(args) -> float:
-    """comm.timeout of the job as this process reads it alone (before MPI starts; the default
-    when the config is bad: start-up will say why on every rank)."""
-    try:
-        return load_config(args.config, args.overrides).comm.timeout
-    except ConfigError:
-        return CommConfig.timeout
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    timeout = _comm_timeout(args)
-    # MPI's start-up and the watchdog's own set-up are collectives that no watchdog covers yet:
-    # should a rank stop meanwhile, dump the stacks and exit instead of waiting for ever.
-    backstop = timeout and "mpi4py.MPI" not in sys.modules
-    if backstop:
-        faulthandler.dump_traceback_later(timeout + 30, exit=True)
-    from mpi4py import MPI  # after the arguments: --help needs no MPI
-
-    from ratrain.comm.control import Control  # loads MPI, after the backstop is armed
-
-    allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
-    comm = MPI.COMM_WORLD
-    ctl = Control.for_job(comm, timeout)
-    if backstop:
-        faulthandler.cancel_dump_traceback_later()
-    with abort_on_error():  # an error on one rank, even in start-up, ends every rank
-        code = _main(args, comm, ctl)
-    ctl.close()  # collective: every rank gets here with the same code
-    return code
-
-
-def _main(args, comm, ctl) -> int:
-    try:
-        setup = startup(args, ctl)
-    except StartupError as e:
-        if comm.Get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    if setup.finished:
-        if comm.Get_rank() == 0:
-            print(f"ratrain: {setup.finished}", flush=True)
-        return EXIT_OK
-    try:
-        return Trainer(setup, comm, ctl).run()
-    finally:
-        setup.release()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-__all__ = ["StartupError", "Trainer", "agree", "check_memory", "finished_message", "main",
-           "resolve_config", "startup"]
+__all__ = ["Trainer"]
