@@ -91,6 +91,11 @@ class ParallelConfig:
     micro_batch: int = 1
     num_micro_batches: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    # which grid axis stays inside a node: "pp" (a replica's stages are neighbouring ranks) or
+    # "dp" (a stage's replicas are); see comm.topology and docs/BENCHMARKS.md (Nodes)
+    placement: str = "pp"
+
+    PLACEMENTS = ("pp", "dp")
 
     @property
     def world_size(self) -> int:
@@ -103,6 +108,7 @@ class ParallelConfig:
     def check(self) -> None:
         for key in ("pp", "dp", "micro_batch", "num_micro_batches"):
             _positive(self, "parallel", key)
+        _choice(self, "parallel", "placement", self.PLACEMENTS)
         if self.layers_per_stage is not None:
             if len(self.layers_per_stage) != self.pp:
                 raise ConfigError(
@@ -200,13 +206,19 @@ class PlatformConfig:
     compute_flops: float | None = None  # flop/s per rank
     time_scale: float = 1.0  # emulated time = platform time x time_scale
     emulate: bool = False  # throttle links and pace compute to the profile
+    intra_bandwidth: float | None = None  # bytes/s between two ranks of one node
+    intra_latency: float | None = None  # s
+    ranks_per_node: int | None = None  # ranks sharing a node and its network interface
 
     def check(self) -> None:
-        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops"):
+        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
+                    "intra_bandwidth", "intra_latency"):
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"platform.{key}={v} must be >= 0")
         _positive(self, "platform", "time_scale")
+        if self.ranks_per_node is not None:
+            _positive(self, "platform", "ranks_per_node")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,13 @@ engine -> executor.
     rank.close()
 
 Every part comes from the config: the platform profile (`platform.*`) gives the DDR cap of the
-ledger, the link throttle of the communication engine and the compute pacer (both only under
-`platform.emulate`); the stage's blocks come from `parallel.pp` / `layers_per_stage`; a policy
+ledger, the link throttle of the communication engine in two tiers (inside a node, and the
+node's interface, whose slots the node's ranks share) and the compute pacer (both only under
+`platform.emulate`, where one host's ranks are also cut into nodes of the profile's
+`ranks_per_node`); `parallel.placement` lays the grid on the ranks (`comm.topology`); the
+staging windows of the hierarchical collectives are sized for the stage's largest gradient and
+accounted in the ledger (`comm.shm`); the stage's blocks come from `parallel.pp` /
+`layers_per_stage`; a policy
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
 whole stage's state is never allocated; `run.threads` (0: the cores the node gives each rank)
 sets the compute threads. `load(state)` runs after the state is built and before the executor
@@ -22,14 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.comm.topology import Topology
+from ratrain.comm.topology import NodeLinks, Topology, coords
 from ratrain.exec.context import ExecContext, auto_threads
-from ratrain.exec.params import StageState
-from ratrain.exec.spec import stage_blocks
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
+from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
 from ratrain.lifecycle.policies import as_policy
 from ratrain.shim.ledger import Ledger
-from ratrain.shim.link import Link
+from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
 from ratrain.shim.platform import Profile, resolve_platform
 
@@ -48,32 +53,60 @@ class Rank:
     ctx: ExecContext
     engine: object | None  # comm.engine.CommEngine (None for one process)
     executor: Executor
+    slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.slots is not None:
+            self.slots.free()
         if self.topo is not None:
             self.topo.free()
         self.ctx.close()
 
 
-def local_threads(cfg, comm=None) -> int:
+def local_threads(cfg, topo=None) -> int:
     """Compute threads per rank: `run.threads`, or the cores this process may use shared among
-    the ranks of its node (at most `auto_threads()`)."""
+    the ranks of its node (at most `auto_threads()`). Results never depend on it."""
     if cfg.run.threads:
         return cfg.run.threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    per_node = 1
-    if comm is not None and comm.Get_size() > 1:
-        from mpi4py import MPI  # comm is an MPI communicator here: MPI is loaded already
-
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        per_node = node.Get_size()
-        node.Free()
+    per_node = topo.host_ranks if topo is not None else 1
     return max(1, min(auto_threads(), cores // per_node))
+
+
+def _open_comm(cfg, comm, profile, ledger, watchdog_s):
+    """The topology, the engine (with the two-tier link throttle under emulation) and the
+    node's shared interface slots, for a world of more than one rank."""
+    from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
+    from ratrain.comm.shm import SharedSlots  # likewise
+
+    p = cfg.parallel
+    stage, _ = coords(comm.Get_rank(), p.pp, p.dp, p.placement)
+    largest = max(block_params(cfg.model, b.role) for b in
+                  stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage))
+    topo = Topology(comm, p.pp, p.dp, p.placement,
+                    profile.ranks_per_node if profile.emulate else None,
+                    shm_bytes=GRAD_BYTES_PER_PARAM * largest)
+    slots = engine = None
+    try:
+        ledger.reserve("comm.shm", topo.shm_bytes)
+        tiers = None
+        if profile.emulate and profile.link_bandwidth:
+            slots = SharedSlots(topo.node_comm)
+            tiers = Tiers.from_profile(profile, shared=slots)
+        engine = CommEngine(topo, watchdog_s=watchdog_s,
+                            link=NodeLinks(tiers, topo) if tiers is not None else None,
+                            ledger=ledger)
+    except BaseException:
+        if slots is not None:
+            slots.free()
+        topo.free()
+        raise
+    return topo, engine, slots
 
 
 def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,
@@ -89,15 +122,11 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     profile = resolve_platform(cfg.platform)
     rank_id = comm.Get_rank() if comm is not None else 0
     ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
-    topo = engine = None
+    topo = engine = slots = None
     stage = replica = 0
     if world > 1:
-        from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
-
-        topo = Topology(comm, p.pp, p.dp)
+        topo, engine, slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
         stage, replica = topo.stage, topo.replica
-        engine = CommEngine(topo, watchdog_s=watchdog_s, link=Link.from_profile(profile),
-                            ledger=ledger)
     try:
         shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
         state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
@@ -106,16 +135,18 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         if load is not None:
             load(state)
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
-                          threads=local_threads(cfg, comm))
+                          threads=local_threads(cfg, topo))
         pacer = Pacer(profile) if profile.emulate else None
         executor = Executor(cfg, topo, state, ctx, engine, ledger, validate=validate, pacer=pacer)
     except BaseException:
         if engine is not None:
             engine.close()
+        if slots is not None:
+            slots.free()
         if topo is not None:
             topo.free()
         raise
-    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor)
+    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
 
 
 __all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads"]

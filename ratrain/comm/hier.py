@@ -1,0 +1,436 @@
+"""Hierarchical collectives: shared memory inside a node, one chain of messages per local rank
+across nodes, shared memory again on the way back.
+
+A `NodeGroup` is a communicator whose members are grouped by node: a *run* is a maximal
+sequence of consecutive members (in rank order) on one node (with the usual packing, one run per
+node). Each run stages its members' data in an MPI shared-memory window (`shm.Staging`); the
+buffer is cut into `lanes` slices (lanes = the smallest run's size), and member c of every run
+carries lane c between the runs. Data moves in rounds of one chunk per lane, so the shared
+memory phases and the network overlap, and a window of `depth` rounds bounds the memory.
+
+The order of reduction (`allreduce`, `reduce_scatter`) is a left fold over the communicator's
+ranks in rank order, for every element:
+
+    x[0] + x[1] + x[2] + ... + x[p-1]            (((x0 + x1) + x2) + ...), in the work dtype
+
+whatever the grouping into nodes: lane c's partial of a chunk leaves run 0 as the fold of run
+0's members, run j adds its members one by one in rank order to the partial it receives from
+run j-1 and passes it on, and the last run holds the result, which goes back along the chain
+(all-reduce: everything; reduce-scatter: what the earlier runs' members own). So a run is
+bitwise the same however its ranks are packed into nodes, one node or one rank per node
+(`collectives.reference_allreduce(xs, "hier")` computes it in one process). float16 is
+reduced in float32 and rounded once, on the way out; the all-gather moves bytes only.
+
+Cost (`comm.model`): inside a node each rank moves 2(L-1)/L n bytes (the fold of its lane
+and the copy of the others'), the node's interface carries n each way between two nodes (a
+ring's traffic), and an interior node of a longer chain 2n; rounds overlap the two.
+
+    group = NodeGroup(comm, nodes_of_members)      # collective over comm (a window per run)
+    run(hier_reduce_op(buf, group, tag=..., link=...))          # all-reduce in place
+    seg = run(hier_reduce_op(buf, group, scatter=True))          # reduce-scatter: own segment
+    run(hier_allgather_op(buf, group))                           # segment q from rank q to all
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .arrays import as_ufunc, flat, scratch, segments, work_dtype
+from .progress import Scheduler, Task
+from .shm import LocalStaging, Staging
+from .wire import recv_op, send_op
+
+MAX_CHUNK_BYTES = 1 << 20  # a lane's chunk of one round, at most
+MIN_CHUNK_BYTES = 4096
+DEPTH = 3  # rounds in flight
+
+
+def chunk_bytes_for(nbytes: int, lanes: int, depth: int = DEPTH) -> int:
+    """The chunk of one lane and round for buffers of up to `nbytes`: a power of two, so that a
+    buffer of that size takes about `depth` rounds, between 4 KiB and 1 MiB."""
+    want = max(1, -(-nbytes // (lanes * depth)))
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, 1 << (want - 1).bit_length()))
+
+
+def runs_of(nodes) -> list[tuple[int, int]]:
+    """The maximal runs [a, b) of consecutive members on the same node."""
+    runs, a = [], 0
+    for q in range(1, len(nodes) + 1):
+        if q == len(nodes) or nodes[q] != nodes[a]:
+            runs.append((a, q))
+            a = q
+    return runs
+
+
+class NodeGroup:
+    """`comm`'s members grouped by node (`nodes[q]`: the node of member q), with a staging
+    window per run. Collective over `comm`; `free()` too."""
+
+    def __init__(self, comm, nodes, chunk_bytes: int = MAX_CHUNK_BYTES, depth: int = DEPTH):
+        p, r = comm.Get_size(), comm.Get_rank()
+        if len(nodes) != p:
+            raise ValueError(f"NodeGroup: {len(nodes)} node ids for a communicator of {p} ranks")
+        self.comm, self.p, self.rank = comm, p, r
+        self.runs = runs_of(list(nodes))
+        self.run = next(j for j, (a, b) in enumerate(self.runs) if a <= r < b)
+        a, b = self.runs[self.run]
+        self.index, self.size = r - a, b - a
+        self.lanes = min(b - a for a, b in self.runs)
+        self.nodes = len(set(nodes))
+        self.run_comm = comm.Split(self.run, r)  # collective over comm
+        if self.size > 1:
+            self.staging = Staging(self.run_comm, self.lanes, chunk_bytes, depth)
+        else:
+            self.staging = LocalStaging(self.lanes, chunk_bytes, depth)
+        self._queue: deque = deque()  # collectives of this group, in submission order
+
+    def peer(self, run: int, lane: int) -> int:
+        """The member that carries `lane` in `run`."""
+        return self.runs[run][0] + lane
+
+    def enter(self):
+        """A place in line: collectives on one group run one after another (they share the
+        staging's rounds), in submission order, which is the same on every member."""
+        token = object()
+        self._queue.append(token)
+        return token
+
+    def turn(self, token) -> bool:
+        return self._queue[0] is token
+
+    def leave(self, token) -> None:
+        self._queue.remove(token)
+
+    def free(self) -> None:
+        self.staging.free()
+        self.run_comm.Free()
+
+    def __repr__(self) -> str:
+        return (f"NodeGroup({self.p} ranks in {len(self.runs)} runs on {self.nodes} nodes, "
+                f"lanes {self.lanes}, member {self.index} of run {self.run})")
+
+
+class _Parts:
+    """The concurrent parts of one collective (copy in, lane, copy out, messages), driven as
+    one operation: `spawn` adds a part; `drive()` yields until every part is done."""
+
+    def __init__(self):
+        self.sched = Scheduler()
+        self.errors: list = []
+
+    def spawn(self, op) -> list:
+        """Start `op`; returns a box whose first item becomes True when it is done."""
+        box = [False]
+        self.sched.add(Task(op, lambda _v, box=box: box.__setitem__(0, True), self.errors.append))
+        return box
+
+    def drive(self):
+        def poll():
+            self.sched.poll()
+            return bool(self.errors) or not self.sched.tasks
+
+        while self.sched.tasks and not self.errors:
+            yield poll
+        if self.errors:
+            raise self.errors[0]
+
+
+def _done(boxes) -> bool:
+    return all(b[0] for b in boxes)
+
+
+class _Collective:
+    """What the parts of one hierarchical collective share: the group, the rounds, the data."""
+
+    def __init__(self, x, group, tag, link, dtype):
+        st = group.staging
+        self.x, self.g, self.st, self.tag, self.dtype = x, group, st, tag, np.dtype(dtype)
+        self.comm = group.comm
+        self.link = link
+        self.intra = getattr(link, "intra", None)
+        self.j, self.R = group.run, len(group.runs)
+        self.i, self.L, self.C = group.index, group.size, group.lanes
+        self.lane = self.i if self.i < self.C else None
+        n = x.size
+        self.lb = segments(n, self.C)
+        self.S = st.chunk_bytes // self.dtype.itemsize  # elements of one lane's chunk
+        longest = max(self.lb[c + 1] - self.lb[c] for c in range(self.C))
+        self.K = max(1, -(-longest // self.S))  # rounds
+        sb = segments(n, group.p)
+        self.sb = sb
+        self.starts = [sb[a] for a, _ in group.runs]
+        self.ends = [sb[b] for _, b in group.runs]
+        self.own = (sb[group.rank], sb[group.rank + 1])
+        self.base = st.take(self.K)
+        self.parts = _Parts()
+        self.out_sends: dict[int, list] = {}  # output slot -> boxes of sends reading it
+
+    def chunk(self, r: int, c: int) -> tuple[int, int]:
+        """Elements [lo, hi) of lane c in round r (empty past the lane's end)."""
+        end = self.lb[c + 1]
+        lo = min(self.lb[c] + r * self.S, end)
+        return lo, min(lo + self.S, end)
+
+    # -- waiting on the other members ------------------------------------------------------
+
+    def until(self, row, value: int):
+        """Wait until every counter of `row` (a staging counter row) reaches `value`."""
+        st = self.st
+
+        def ok():
+            st.fence()
+            return int(row.min()) >= value
+
+        if not ok():
+            yield ok
+
+    def wait(self, boxes):
+        if not _done(boxes):
+            yield lambda: _done(boxes)
+
+    def out_free(self, g: int):
+        """Wait until output slot g mod depth may be written for round g."""
+        yield from self.until(self.st.read, g - self.st.depth + 1)
+        yield from self.wait(self.out_sends.pop(g % self.st.depth, []))
+
+    def pace(self, nbytes: float):
+        """Under the link throttle, the intra-node tier's time for `nbytes` of shared memory."""
+        if self.intra is not None and nbytes > 0:
+            yield self.intra.reserve(int(nbytes), after=None)
+
+    def send(self, arr, peer) -> list:
+        return self.parts.spawn(send_op(arr, peer, self.tag, self.comm, self.link, verb="hier"))
+
+    def recv(self, arr, peer) -> list:
+        return self.parts.spawn(recv_op(arr, peer, self.tag, self.comm, self.link, verb="hier"))
+
+    # -- the members' parts ----------------------------------------------------------------
+
+    def copy_in(self, lo_hi=None):
+        """Copy this member's data into its slots, round by round: the whole buffer, or only
+        elements within `lo_hi` (the all-gather's own segment)."""
+        st, x, i = self.st, self.x, self.i
+        for r in range(self.K):
+            g = self.base + r
+            yield from self.until(st.consumed, g - st.depth + 1)
+            dst = st.slot(i, g, self.dtype)
+            for c in range(self.C):
+                lo, hi = self.chunk(r, c)
+                a, b = (lo, hi) if lo_hi is None else (max(lo, lo_hi[0]), min(hi, lo_hi[1]))
+                if a < b:
+                    dst[c, a - lo : b - lo] = x[a:b]
+            st.fence()
+            st.filled[i] = g + 1
+
+    def copy_out(self, lo_hi=None):
+        """Copy the results out of the output slots, round by round (all, or within `lo_hi`)."""
+        st, x, i = self.st, self.x, self.i
+        share = (self.L - 1) / self.L
+        for r in range(self.K):
+            g = self.base + r
+            yield from self.until(st.ready, g + 1)
+            out = st.out(g, self.dtype)
+            moved = 0
+            for c in range(self.C):
+                lo, hi = self.chunk(r, c)
+                a, b = (lo, hi) if lo_hi is None else (max(lo, lo_hi[0]), min(hi, lo_hi[1]))
+                if a < b:
+                    x[a:b] = out[c, a - lo : b - lo]  # float16: rounded here, once
+                    moved += b - a
+            yield from self.pace(share * moved * x.itemsize)
+            st.fence()
+            st.read[i] = g + 1
+
+    def drive(self, *parts):
+        for part in parts:
+            self.parts.spawn(part)
+        yield from self.parts.drive()
+
+
+class _Reduce(_Collective):
+    """All-reduce (`scatter=False`) or reduce-scatter: the lane's fold forward, the results back."""
+
+    def __init__(self, x, group, ufunc, tag, link, ledger, scatter):
+        super().__init__(x, group, tag, link, work_dtype(x.dtype))
+        self.ufunc, self.ledger, self.scatter = ufunc, ledger, scatter
+
+    def back_hi(self, j: int, hi: int) -> int:
+        """The end of what run j needs of a chunk ending at `hi`: all of it for an all-reduce,
+        up to the end of runs 0..j's segments for a reduce-scatter."""
+        return min(hi, self.ends[j]) if self.scatter else hi
+
+    def forward(self, accs):
+        """Lane c: receive round r's partial from the previous run, add this run's members in
+        rank order, send it on; the last run publishes the result and sends it back."""
+        st, c, j, D = self.st, self.lane, self.j, self.st.depth
+        free = [[True] for _ in range(D)]  # boxes: acc buffer s no longer being sent
+        recvs: dict[int, list] = {}
+        posted = 0
+
+        def post_ahead(r):
+            nonlocal posted
+            while posted < self.K and posted <= r + D - 1 and free[posted % D][0]:
+                lo, hi = self.chunk(posted, c)
+                if j > 0 and hi > lo:
+                    recvs[posted] = self.recv(accs[posted % D][: hi - lo], self.g.peer(j - 1, c))
+                else:
+                    recvs[posted] = [True]
+                posted += 1
+
+        for r in range(self.K):
+            g, s = self.base + r, r % D
+            lo, hi = self.chunk(r, c)
+            m = hi - lo
+            post_ahead(r)
+            while posted <= r:
+                yield lambda s=s: free[s][0]
+                post_ahead(r)
+            yield from self.wait([recvs.pop(r)])
+            yield from self.until(st.filled, g + 1)
+            a = accs[s][:m]
+            if j == 0:
+                np.copyto(a, st.slot(0, g, a.dtype)[c, :m])
+            for k in range(1 if j == 0 else 0, self.L):
+                self.ufunc(a, st.slot(k, g, a.dtype)[c, :m], out=a)  # left fold, rank order
+            yield from self.pace((self.L - 1) * m * a.itemsize)
+            st.fence()
+            st.consumed[c] = g + 1
+            if j < self.R - 1:
+                if m:
+                    free[s] = self.send(a, self.g.peer(j + 1, c))
+                continue
+            yield from self.out_free(g)  # the last run: a result
+            st.out(g, a.dtype)[c, :m] = a
+            st.fence()
+            st.ready[c] = g + 1
+            back = self.back_hi(j - 1, hi) - lo if j > 0 else 0
+            if back > 0:
+                free[s] = self.send(a[:back], self.g.peer(j - 1, c))
+
+    def backward(self):
+        """Lane c of a run before the last: receive the results it needs from the next run
+        into the output slots, pass on what the runs before it need."""
+        st, c, j, D = self.st, self.lane, self.j, self.st.depth
+        recvs: dict[int, list] = {}
+        posted = 0
+        for r in range(self.K):
+            while posted < self.K and posted <= r + D - 1:
+                g2 = self.base + posted
+                if posted > r:  # post ahead only into a slot that is free already
+                    st.fence()
+                    if int(st.read.min()) < g2 - D + 1 or not _done(self.out_sends.get(g2 % D, [])):
+                        break
+                yield from self.out_free(g2)
+                lo, hi = self.chunk(posted, c)
+                n = self.back_hi(j, hi) - lo
+                out = st.out(g2, self.dtype)[c, : max(n, 0)]
+                recvs[posted] = self.recv(out, self.g.peer(j + 1, c)) if n > 0 else [True]
+                posted += 1
+            g = self.base + r
+            yield from self.wait([recvs.pop(r)])
+            st.fence()
+            st.ready[c] = g + 1
+            lo, hi = self.chunk(r, c)
+            n = self.back_hi(j - 1, hi) - lo if j > 0 else 0
+            if n > 0:
+                box = self.send(st.out(g, self.dtype)[c, :n], self.g.peer(j - 1, c))
+                self.out_sends.setdefault(g % D, []).append(box)
+
+    def run(self):
+        parts = [self.copy_in(), self.copy_out(self.own if self.scatter else None)]
+        if self.lane is None:
+            yield from self.drive(*parts)
+            return
+        D = self.st.depth
+        with scratch(self.ledger, "comm.hier", D * self.S, self.dtype) as acc:
+            accs = [acc[s * self.S : (s + 1) * self.S] for s in range(D)]
+            parts.append(self.forward(accs))
+            if self.j < self.R - 1:
+                parts.append(self.backward())
+            yield from self.drive(*parts)
+
+
+class _Gather(_Collective):
+    """All-gather: member q's segment to every member; runs pass prefixes forward and
+    suffixes back (bytes only, no arithmetic)."""
+
+    def lane_part(self):
+        st, c, j, D = self.st, self.lane, self.j, self.st.depth
+        run0, run1 = self.g.runs[j]
+        for r in range(self.K):
+            g = self.base + r
+            lo, hi = self.chunk(r, c)
+            yield from self.out_free(g)
+            out = st.out(g, self.dtype)[c]
+            pre, suf = (lo, min(hi, self.starts[j])), (max(lo, self.ends[j]), hi)
+            got_pre, got_suf = [True], [True]
+            if j > 0 and pre[1] > pre[0]:
+                got_pre = self.recv(out[: pre[1] - lo], self.g.peer(j - 1, c))
+            if j < self.R - 1 and suf[1] > suf[0]:
+                got_suf = self.recv(out[suf[0] - lo : hi - lo], self.g.peer(j + 1, c))
+            yield from self.until(st.filled, g + 1)
+            moved = 0
+            for k in range(run1 - run0):  # this run's members' segments, from their slots
+                a, b = max(lo, self.sb[run0 + k]), min(hi, self.sb[run0 + k + 1])
+                if a < b:
+                    out[a - lo : b - lo] = st.slot(k, g, self.dtype)[c, a - lo : b - lo]
+                    moved += b - a
+            yield from self.pace((self.L - 1) / self.L * moved * self.dtype.itemsize)
+            st.fence()
+            st.consumed[c] = g + 1
+            sends = []  # forward once the prefix is in, back once the suffix is (two chains)
+            yield from self.wait([got_pre])
+            fwd = min(hi, self.ends[j]) - lo
+            if j < self.R - 1 and fwd > 0:
+                sends.append(self.send(out[:fwd], self.g.peer(j + 1, c)))
+            yield from self.wait([got_suf])
+            bwd = max(lo, self.starts[j])
+            if j > 0 and hi > bwd:
+                sends.append(self.send(out[bwd - lo : hi - lo], self.g.peer(j - 1, c)))
+            self.out_sends[g % D] = sends
+            st.fence()
+            st.ready[c] = g + 1
+
+    def run(self):
+        parts = [self.copy_in(self.own), self.copy_out()]
+        if self.lane is not None:
+            parts.append(self.lane_part())
+        yield from self.drive(*parts)
+
+
+def _in_turn(group, body):
+    """Run the collective made by `body()` when the group's earlier collectives are done."""
+    token = group.enter()
+    try:
+        if not group.turn(token):
+            yield lambda: group.turn(token)
+        yield from body().run()
+    finally:
+        group.leave(token)
+
+
+def hier_reduce_op(buf, group, op="sum", tag=0, link=None, ledger=None, scatter=False):
+    """All-reduce `buf` in place over `group.comm` (returns `buf`), or with `scatter=True`
+    reduce-scatter it (returns the view of this rank's segment, `segments(n, p)`; the rest of
+    `buf` is scratch afterwards), in the documented order."""
+    x = flat(buf)
+    ufunc = as_ufunc(op)
+    lo, hi = segments(x.size, group.p)[group.rank : group.rank + 2]
+    if group.p > 1 and x.size:
+        yield from _in_turn(group, lambda: _Reduce(x, group, ufunc, tag, link, ledger, scatter))
+    return x[lo:hi] if scatter else buf
+
+
+def hier_allgather_op(buf, group, tag=0, link=None):
+    """Fill `buf` in place with every member's segment (member q contributes
+    `segments(n, p)[q:q+2]`); returns `buf`."""
+    x = flat(buf)
+    if group.p > 1 and x.size:
+        yield from _in_turn(group, lambda: _Gather(x, group, tag, link, x.dtype))
+    return buf
+
+
+__all__ = ["DEPTH", "MAX_CHUNK_BYTES", "NodeGroup", "chunk_bytes_for", "hier_allgather_op",
+           "hier_reduce_op", "runs_of"]
