@@ -170,6 +170,7 @@ cmd_run() {
   command -v "$mpirun" >/dev/null || die "mpirun '$mpirun' not found (set MPIRUN=/path/to/mpirun)"
   mpirun=$(command -v "$mpirun")
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}  # shared-memory windows: sm, not the wheel's UCX
   local run
   run=$(mktemp -d "$STATE/run.XXXXXX")
   ip netns exec "$first" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$first" \

@@ -13,7 +13,7 @@ if [ "${RATRAIN_TEST_TORCH:-0}" = 1 ]; then
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-export OMPI_MCA_mpi_yield_when_idle=1
+export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_osc=^ucx
 export PYTHONHASHSEED=0
 .venv/bin/ruff check ratrain tests benchmarks
 .venv/bin/python -m pytest -q "$@"

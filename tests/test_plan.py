@@ -39,6 +39,9 @@ POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
 class _Rates:
     link_bandwidth: float = math.inf
     link_latency: float = 0.0
+    intra_bandwidth: float = math.inf
+    intra_latency: float = 0.0
+    ranks_per_node: int = 1  # every rank its own node: one link each, as before nodes
 
 
 class Uniform:
@@ -65,9 +68,17 @@ class Uniform:
     def view_bytes(self, role):
         return self.grad / 2
 
-    def ring_half_terms(self, nbytes, p):
-        lat, wire = self.allreduce_terms(nbytes, p)
-        return lat / 2, wire / 2
+    def nodes(self, pp, dp):
+        return C.NodeLayout(pp, dp, "pp", self.rates.ranks_per_node)
+
+    def collective_terms(self, op, nbytes, nodes, local):
+        """A flat ring over the nodes' interfaces (no intra-node bytes)."""
+        lat, wire = self.allreduce_terms(nbytes, nodes * local)
+        return (lat, 0.0, wire) if op == "allreduce" else (lat / 2, 0.0, wire / 2)
+
+    def collective_time(self, op, nbytes, nodes, local):
+        lat, _, wire = self.collective_terms(op, nbytes, nodes, local)
+        return lat + wire / self.rates.link_bandwidth
 
     def grad_bytes(self, role):
         return 0.0 if role == "embed" else self.grad
@@ -136,7 +147,10 @@ def test_cost_model_llama7b():
     assert cost.forward_time("layer") < cost.backward_time("layer", "selective") \
         < cost.backward_time("layer", "full")
     assert cost.activation_bytes == 4096 * 4096 * 2
-    assert cost.p2p_time() == pytest.approx(5e-6 + 4096 * 4096 * 2 / 6.25e9)
+    # across nodes through the 25e9 B/s interface, inside a node at 25.6e9 B/s
+    assert cost.p2p_time() == pytest.approx(5e-6 + 4096 * 4096 * 2 / 2.5e10)
+    assert cost.p2p_time(same_node=True) == pytest.approx(1e-6 + 4096 * 4096 * 2 / 2.56e10)
+    assert cost.rates.ranks_per_node == 4 and "assumed" in cost.rates.source("ranks_per_node")
     p = cost.block_params("layer")
     assert cost.update_time("layer") == pytest.approx(28 * p / C.DEFAULT_MEM_BANDWIDTH)
     assert cost.view_time("layer") == pytest.approx(6 * p / C.DEFAULT_MEM_BANDWIDTH)

@@ -13,4 +13,13 @@ May import: `ratrain.shim` (the link model and throttle, the allocator) and `rat
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
 initialise MPI; the submodules that need it import mpi4py.MPI (which does); `model` and
 `topology` never do.
+
+Importing it sets `OMPI_MCA_osc=^ucx` unless the environment sets OMPI_MCA_osc: the shared-memory
+windows of `shm` need Open MPI's `sm` one-sided component, and the pip wheel's UCX component
+prints an error on every rank when it is asked first (MPI reads it at initialisation, which
+happens later, when a submodule imports mpi4py.MPI).
 """
+
+import os
+
+os.environ.setdefault("OMPI_MCA_osc", "^ucx")

@@ -16,14 +16,16 @@ ranks in rank order, for every element:
 whatever the grouping into nodes: lane c's partial of a chunk leaves run 0 as the fold of run
 0's members, run j adds its members one by one in rank order to the partial it receives from
 run j-1 and passes it on, and the last run holds the result, which goes back along the chain
-(all-reduce: everything; reduce-scatter: what the earlier runs' members own). So a run is
+(all-reduce: everything, back along the chain; reduce-scatter: each earlier run its members'
+segments, directly from the last run). So a run is
 bitwise the same however its ranks are packed into nodes, one node or one rank per node
 (`collectives.reference_allreduce(xs, "hier")` computes it in one process). float16 is
 reduced in float32 and rounded once, on the way out; the all-gather moves bytes only.
 
-Cost (`comm.model`): inside a node each rank moves 2(L-1)/L n bytes (the fold of its lane
-and the copy of the others'), the node's interface carries n each way between two nodes (a
-ring's traffic), and an interior node of a longer chain 2n; rounds overlap the two.
+Cost (`comm.model.hier_terms`): inside a node each rank moves 2(L-1)/L n bytes (the fold of
+its lane and the copy of the others'); the busiest node interface carries n for a reduce-scatter,
+and for an all-reduce n between two nodes (a ring's traffic) and 2n at an interior node of a
+longer chain (a ring's 2(R-1)/R n tends to the same); rounds overlap the two.
 
     group = NodeGroup(comm, nodes_of_members)      # collective over comm (a window per run)
     run(hier_reduce_op(buf, group, tag=..., link=...))          # all-reduce in place
@@ -38,30 +40,14 @@ from collections import deque
 import numpy as np
 
 from .arrays import as_ufunc, flat, scratch, segments, work_dtype
+from .model import HIER_DEPTH, HIER_MAX_CHUNK, hier_chunk_bytes, runs_of
 from .progress import Scheduler, Task
 from .shm import LocalStaging, Staging
 from .wire import recv_op, send_op
 
-MAX_CHUNK_BYTES = 1 << 20  # a lane's chunk of one round, at most
-MIN_CHUNK_BYTES = 4096
-DEPTH = 3  # rounds in flight
-
-
-def chunk_bytes_for(nbytes: int, lanes: int, depth: int = DEPTH) -> int:
-    """The chunk of one lane and round for buffers of up to `nbytes`: a power of two, so that a
-    buffer of that size takes about `depth` rounds, between 4 KiB and 1 MiB."""
-    want = max(1, -(-nbytes // (lanes * depth)))
-    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, 1 << (want - 1).bit_length()))
-
-
-def runs_of(nodes) -> list[tuple[int, int]]:
-    """The maximal runs [a, b) of consecutive members on the same node."""
-    runs, a = [], 0
-    for q in range(1, len(nodes) + 1):
-        if q == len(nodes) or nodes[q] != nodes[a]:
-            runs.append((a, q))
-            a = q
-    return runs
+MAX_CHUNK_BYTES = HIER_MAX_CHUNK
+DEPTH = HIER_DEPTH
+chunk_bytes_for = hier_chunk_bytes  # the staging chunk for buffers of up to n bytes
 
 
 class NodeGroup:
@@ -256,22 +242,43 @@ class _Reduce(_Collective):
         super().__init__(x, group, tag, link, work_dtype(x.dtype))
         self.ufunc, self.ledger, self.scatter = ufunc, ledger, scatter
 
-    def back_hi(self, j: int, hi: int) -> int:
-        """The end of what run j needs of a chunk ending at `hi`: all of it for an all-reduce,
-        up to the end of runs 0..j's segments for a reduce-scatter."""
-        return min(hi, self.ends[j]) if self.scatter else hi
+    def results(self, j: int, lo: int, hi: int) -> tuple[int, int]:
+        """The part of chunk [lo, hi) whose results run j needs: all of it for an all-reduce,
+        its members' segments for a reduce-scatter."""
+        if not self.scatter:
+            return lo, hi
+        return max(lo, self.starts[j]), max(lo, min(hi, self.ends[j]))
+
+    def results_from(self, j: int) -> int:
+        """The run that sends run j its results: the next one along the chain (all-reduce: the
+        results travel back run by run), or the last one directly (reduce-scatter)."""
+        return self.R - 1 if self.scatter else j + 1
+
+    def results_to(self, j: int) -> list[int]:
+        """The runs run j sends results to (see `results_from`)."""
+        return [t for t in range(self.R - 1) if self.results_from(t) == j]
+
+    def send_results(self, j: int, arr, lo: int, hi: int) -> list:
+        """Send the runs that get their results from run j their part of chunk [lo, hi), from
+        `arr` (the chunk's values)."""
+        boxes = []
+        for t in self.results_to(j):
+            a, b = self.results(t, lo, hi)
+            if b > a:
+                boxes.append(self.send(arr[a - lo : b - lo], self.g.peer(t, self.lane)))
+        return boxes
 
     def forward(self, accs):
         """Lane c: receive round r's partial from the previous run, add this run's members in
         rank order, send it on; the last run publishes the result and sends it back."""
         st, c, j, D = self.st, self.lane, self.j, self.st.depth
-        free = [[True] for _ in range(D)]  # boxes: acc buffer s no longer being sent
+        free: list[list] = [[] for _ in range(D)]  # sends still reading acc buffer s
         recvs: dict[int, list] = {}
         posted = 0
 
         def post_ahead(r):
             nonlocal posted
-            while posted < self.K and posted <= r + D - 1 and free[posted % D][0]:
+            while posted < self.K and posted <= r + D - 1 and _done(free[posted % D]):
                 lo, hi = self.chunk(posted, c)
                 if j > 0 and hi > lo:
                     recvs[posted] = self.recv(accs[posted % D][: hi - lo], self.g.peer(j - 1, c))
@@ -285,7 +292,7 @@ class _Reduce(_Collective):
             m = hi - lo
             post_ahead(r)
             while posted <= r:
-                yield lambda s=s: free[s][0]
+                yield lambda s=s: _done(free[s])
                 post_ahead(r)
             yield from self.wait([recvs.pop(r)])
             yield from self.until(st.filled, g + 1)
@@ -299,19 +306,17 @@ class _Reduce(_Collective):
             st.consumed[c] = g + 1
             if j < self.R - 1:
                 if m:
-                    free[s] = self.send(a, self.g.peer(j + 1, c))
+                    free[s] = [self.send(a, self.g.peer(j + 1, c))]
                 continue
             yield from self.out_free(g)  # the last run: a result
             st.out(g, a.dtype)[c, :m] = a
             st.fence()
             st.ready[c] = g + 1
-            back = self.back_hi(j - 1, hi) - lo if j > 0 else 0
-            if back > 0:
-                free[s] = self.send(a[:back], self.g.peer(j - 1, c))
+            free[s] = self.send_results(j, a, lo, hi)
 
     def backward(self):
-        """Lane c of a run before the last: receive the results it needs from the next run
-        into the output slots, pass on what the runs before it need."""
+        """Lane c of a run before the last: receive its results into the output slots (posted
+        ahead while slots are free), pass on what the runs before it need (all-reduce)."""
         st, c, j, D = self.st, self.lane, self.j, self.st.depth
         recvs: dict[int, list] = {}
         posted = 0
@@ -324,19 +329,18 @@ class _Reduce(_Collective):
                         break
                 yield from self.out_free(g2)
                 lo, hi = self.chunk(posted, c)
-                n = self.back_hi(j, hi) - lo
-                out = st.out(g2, self.dtype)[c, : max(n, 0)]
-                recvs[posted] = self.recv(out, self.g.peer(j + 1, c)) if n > 0 else [True]
+                a, b = self.results(j, lo, hi)
+                out = st.out(g2, self.dtype)[c, a - lo : b - lo]
+                src = self.g.peer(self.results_from(j), c)
+                recvs[posted] = self.recv(out, src) if b > a else [True]
                 posted += 1
             g = self.base + r
             yield from self.wait([recvs.pop(r)])
             st.fence()
             st.ready[c] = g + 1
             lo, hi = self.chunk(r, c)
-            n = self.back_hi(j - 1, hi) - lo if j > 0 else 0
-            if n > 0:
-                box = self.send(st.out(g, self.dtype)[c, :n], self.g.peer(j - 1, c))
-                self.out_sends.setdefault(g % D, []).append(box)
+            boxes = self.send_results(j, st.out(g, self.dtype)[c], lo, hi)
+            self.out_sends.setdefault(g % D, []).extend(boxes)
 
     def run(self):
         parts = [self.copy_in(), self.copy_out(self.own if self.scatter else None)]
@@ -433,4 +437,4 @@ def hier_allgather_op(buf, group, tag=0, link=None):
 
 
 __all__ = ["DEPTH", "MAX_CHUNK_BYTES", "NodeGroup", "chunk_bytes_for", "hier_allgather_op",
-           "hier_reduce_op", "runs_of"]
+           "hier_reduce_op"]

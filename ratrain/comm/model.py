@@ -16,12 +16,29 @@ model column and the planner's simulator (`ratrain.plan.cost`) all price the alg
 `terms` splits a collective into (latency seconds, bytes this rank puts on its link), for a
 simulator that shares a link between flows; alone on the link the time is
 latency + bytes / B.
+
+The hierarchical collectives (`comm.hier`) cross two tiers: `hier_terms` gives, for R nodes of
+L ranks each, the latency part, the bytes each rank moves through its intra-node link (the
+fold of its lane and the copy of the other lanes: (L-1)/L n each, less for what it does not
+copy) and the bytes the busiest node's interface sends (all its lanes together):
+
+    op              interface bytes                         latencies
+    allreduce       n (R = 2), 2n (R > 2: forward and back)  2(R-1) a_net + 2 a_node
+    reduce_scatter  n (forward; results straight back)       R a_net + 2 a_node
+    allgather       n/2 (R = 2), (R+1)/R n (R > 2)           (R-1) a_net + 2 a_node
+
+(0 interface bytes for R = 1; no a_node for L = 1). Rounds of one chunk per lane overlap the
+tiers, so alone `hier_seconds` = latency + max(intra / B_node, interface / B_net) + the
+pipeline's fill (the rounds a last chunk still travels once the busiest interface is done).
 """
 
 from __future__ import annotations
 
 OPS = ("allreduce", "reduce_scatter", "allgather")
 ALGOS = ("ring", "tree")
+HIER_MAX_CHUNK = 1 << 20  # a lane's chunk of one round of the hierarchical collectives, at most
+HIER_MIN_CHUNK = 4096
+HIER_DEPTH = 3  # rounds in flight
 
 # The host's MPI when no link is modelled (measured here: 2 cores, Open MPI 5 shared memory,
 # 4 ranks): ~20 us per message, ~2 GB/s per stream. Only `auto`'s choice uses them.
@@ -66,5 +83,66 @@ def cheapest(nbytes: float, p: int, latency: float = HOST_LATENCY,
     return "tree" if tree <= ring else "ring"
 
 
-__all__ = ["ALGOS", "HOST_BANDWIDTH", "HOST_LATENCY", "OPS", "cheapest", "messages", "seconds",
-           "terms"]
+def runs_of(nodes) -> list[tuple[int, int]]:
+    """The runs of a group whose member q is on node `nodes[q]`: the maximal ranges [a, b) of
+    consecutive members on one node (`hier.NodeGroup`; R runs of L members above)."""
+    runs, a = [], 0
+    for q in range(1, len(nodes) + 1):
+        if q == len(nodes) or nodes[q] != nodes[a]:
+            runs.append((a, q))
+            a = q
+    return runs
+
+
+def hier_chunk_bytes(nbytes: int, lanes: int, depth: int = HIER_DEPTH) -> int:
+    """The chunk of one lane and round for buffers of up to `nbytes`: a power of two, so that a
+    buffer of that size takes about `depth` rounds, between 4 KiB and 1 MiB."""
+    want = max(1, -(-int(nbytes) // (lanes * depth)))
+    return max(HIER_MIN_CHUNK, min(HIER_MAX_CHUNK, 1 << (want - 1).bit_length()))
+
+
+def hier_terms(op: str, nbytes: float, nodes: int, local: int, node_latency: float,
+               net_latency: float) -> tuple[float, float, float]:
+    """(latency part in s, bytes each rank moves through its intra-node link, bytes the busiest
+    node interface sends) of one hierarchical collective over `nodes` nodes of `local` ranks."""
+    if op not in OPS:
+        raise ValueError(f"collective {op!r} is not one of {', '.join(OPS)}")
+    R, L, n = nodes, local, float(nbytes)
+    if R * L <= 1:
+        return 0.0, 0.0, 0.0
+    share = (L - 1) / L
+    lat = 2 * node_latency if L > 1 else 0.0
+    if op == "allreduce":
+        intra, nic = 2 * share * n, (0.0 if R == 1 else n if R == 2 else 2 * n)
+        lat += 2 * (R - 1) * net_latency
+    elif op == "reduce_scatter":
+        intra, nic = share * n * (1 + 1 / (R * L)), (0.0 if R == 1 else n)
+        lat += (R if R > 1 else 0) * net_latency
+    else:
+        intra, nic = share * n * (1 + 1 / (R * L)), (0.0 if R == 1 else n / 2 if R == 2
+                                                     else (R + 1) / R * n)
+        lat += (R - 1) * net_latency
+    return lat, intra, nic
+
+
+def hier_fill_rounds(op: str, nodes: int) -> int:
+    """Rounds a last chunk still travels after the busiest interface has sent its bytes."""
+    if nodes <= 1:
+        return 0
+    return {"allreduce": 2 * nodes - 3, "reduce_scatter": nodes - 1,
+            "allgather": nodes - 2}[op]
+
+
+def hier_seconds(op: str, nbytes: float, nodes: int, local: int, node_latency: float,
+                 node_bandwidth: float, net_latency: float, net_bandwidth: float) -> float:
+    """Seconds of one hierarchical collective alone on its links (see the module)."""
+    lat, intra, nic = hier_terms(op, nbytes, nodes, local, node_latency, net_latency)
+    lanes = min(local, max(1, int(nbytes)))
+    round_bytes = min(float(nbytes), lanes * hier_chunk_bytes(nbytes, lanes))
+    fill = hier_fill_rounds(op, nodes) * round_bytes / net_bandwidth
+    return lat + max(intra / node_bandwidth, nic / net_bandwidth) + fill
+
+
+__all__ = ["ALGOS", "HIER_DEPTH", "HIER_MAX_CHUNK", "HOST_BANDWIDTH", "HOST_LATENCY", "OPS",
+           "cheapest", "hier_chunk_bytes", "hier_fill_rounds", "hier_seconds", "hier_terms",
+           "messages", "runs_of", "seconds", "terms"]

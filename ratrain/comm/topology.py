@@ -148,7 +148,7 @@ class Topology:
         """`2 nodes x 4 ranks` (or the ranks of each node when they differ)."""
         sizes = [self.node_of.count(n) for n in range(self.nodes)]
         if len(set(sizes)) == 1:
-            return f"{self.nodes} node{'s' * (self.nodes > 1)} x {sizes[0]} ranks"
+            return f"{self.nodes} node{'s' * (self.nodes > 1)} x {sizes[0]} rank{'s' * (sizes[0] > 1)}"
         return f"{self.nodes} nodes of {'+'.join(map(str, sizes))} ranks"
 
     def free(self) -> None:
