@@ -89,7 +89,8 @@ def test_hier_cost_model():
     t = model.hier_seconds("allreduce", n, 2, 4, a_i, 1e10, a_n, 1.25e8)
     ring = model.seconds("allreduce", "ring", n, 8, a_n, 1.25e8)
     assert n / 1.25e8 < t < 1.1 * n / 1.25e8 and ring / t > 1.5
-    assert model.hier_chunk_bytes(64 << 20, 4) == 1 << 20
+    assert model.hier_chunk_bytes(64 << 20, 4) == 4 << 20  # one node: big rounds
+    assert model.hier_chunk_bytes(64 << 20, 4, nodes=2) == 256 << 10  # a short pipeline fill
     assert model.hier_chunk_bytes(100, 4) == 4096
 
 

@@ -40,21 +40,21 @@ from collections import deque
 import numpy as np
 
 from .arrays import as_ufunc, flat, scratch, segments, work_dtype
-from .model import HIER_DEPTH, HIER_MAX_CHUNK, hier_chunk_bytes, runs_of
+from .model import HIER_DEPTH, hier_chunk_bytes, hier_depth, runs_of
 from .progress import Scheduler, Task
 from .shm import LocalStaging, Staging
 from .wire import recv_op, send_op
 
-MAX_CHUNK_BYTES = HIER_MAX_CHUNK
 DEPTH = HIER_DEPTH
-chunk_bytes_for = hier_chunk_bytes  # the staging chunk for buffers of up to n bytes
 
 
 class NodeGroup:
     """`comm`'s members grouped by node (`nodes[q]`: the node of member q), with a staging
-    window per run. Collective over `comm`; `free()` too."""
+    window per run of `depth` rounds (`model.hier_depth`) of chunks sized for buffers of about
+    `nbytes` (`model.hier_chunk_bytes`), unless given. Collective over `comm`; `free()` too."""
 
-    def __init__(self, comm, nodes, chunk_bytes: int = MAX_CHUNK_BYTES, depth: int = DEPTH):
+    def __init__(self, comm, nodes, chunk_bytes: int | None = None, depth: int | None = None,
+                 nbytes: int = 1 << 20):
         p, r = comm.Get_size(), comm.Get_rank()
         if len(nodes) != p:
             raise ValueError(f"NodeGroup: {len(nodes)} node ids for a communicator of {p} ranks")
@@ -65,6 +65,10 @@ class NodeGroup:
         self.index, self.size = r - a, b - a
         self.lanes = min(b - a for a, b in self.runs)
         self.nodes = len(set(nodes))
+        if depth is None:
+            depth = hier_depth(len(self.runs))
+        if chunk_bytes is None:
+            chunk_bytes = hier_chunk_bytes(nbytes, self.lanes, len(self.runs))
         self.run_comm = comm.Split(self.run, r)  # collective over comm
         if self.size > 1:
             self.staging = Staging(self.run_comm, self.lanes, chunk_bytes, depth)
@@ -194,15 +198,18 @@ class _Collective:
 
     # -- the members' parts ----------------------------------------------------------------
 
-    def copy_in(self, lo_hi=None):
+    def copy_in(self, lo_hi=None, skip=None):
         """Copy this member's data into its slots, round by round: the whole buffer, or only
-        elements within `lo_hi` (the all-gather's own segment)."""
+        elements within `lo_hi` (the all-gather's own segment); not lane `skip` (its own lane,
+        which it reads from its own buffer)."""
         st, x, i = self.st, self.x, self.i
         for r in range(self.K):
             g = self.base + r
             yield from self.until(st.consumed, g - st.depth + 1)
             dst = st.slot(i, g, self.dtype)
             for c in range(self.C):
+                if c == skip:
+                    continue
                 lo, hi = self.chunk(r, c)
                 a, b = (lo, hi) if lo_hi is None else (max(lo, lo_hi[0]), min(hi, lo_hi[1]))
                 if a < b:
@@ -268,10 +275,28 @@ class _Reduce(_Collective):
                 boxes.append(self.send(arr[a - lo : b - lo], self.g.peer(t, self.lane)))
         return boxes
 
+    def fold(self, g: int, lo: int, hi: int, acc, out) -> None:
+        """out = the lane's chunk [lo, hi) of round g folded over this run's members in rank
+        order, onto `acc` (the partial from the previous run; None in the first run). This
+        member's own term comes from its own buffer, the others' from their slots."""
+        st, c, m = self.st, self.lane, hi - lo
+        terms = [self.x[lo:hi] if k == self.i else st.slot(k, g, out.dtype)[c, :m]
+                 for k in range(self.L)]
+        if acc is None:
+            acc, terms = terms[0], terms[1:]
+        if not terms:
+            np.copyto(out, acc)
+            return
+        self.ufunc(acc, terms[0], out=out)  # (((acc + t0) + t1) + ...): a left fold
+        for t in terms[1:]:
+            self.ufunc(out, t, out=out)
+
     def forward(self, accs):
         """Lane c: receive round r's partial from the previous run, add this run's members in
-        rank order, send it on; the last run publishes the result and sends it back."""
+        rank order, send it on; the last run folds into the output slot, publishes the result
+        and sends the earlier runs theirs."""
         st, c, j, D = self.st, self.lane, self.j, self.st.depth
+        last = j == self.R - 1
         free: list[list] = [[] for _ in range(D)]  # sends still reading acc buffer s
         recvs: dict[int, list] = {}
         posted = 0
@@ -296,23 +321,19 @@ class _Reduce(_Collective):
                 post_ahead(r)
             yield from self.wait([recvs.pop(r)])
             yield from self.until(st.filled, g + 1)
-            a = accs[s][:m]
-            if j == 0:
-                np.copyto(a, st.slot(0, g, a.dtype)[c, :m])
-            for k in range(1 if j == 0 else 0, self.L):
-                self.ufunc(a, st.slot(k, g, a.dtype)[c, :m], out=a)  # left fold, rank order
-            yield from self.pace((self.L - 1) * m * a.itemsize)
+            if last:
+                yield from self.out_free(g)
+            out = st.out(g, self.dtype)[c, :m] if last else accs[s][:m]
+            self.fold(g, lo, hi, accs[s][:m] if j > 0 else None, out)
+            yield from self.pace((self.L - 1) * m * out.itemsize)
             st.fence()
             st.consumed[c] = g + 1
-            if j < self.R - 1:
+            if not last:
                 if m:
-                    free[s] = [self.send(a, self.g.peer(j + 1, c))]
+                    free[s] = [self.send(out, self.g.peer(j + 1, c))]
                 continue
-            yield from self.out_free(g)  # the last run: a result
-            st.out(g, a.dtype)[c, :m] = a
-            st.fence()
-            st.ready[c] = g + 1
-            free[s] = self.send_results(j, a, lo, hi)
+            st.ready[c] = g + 1  # a result, in the output slot
+            self.out_sends.setdefault(g % D, []).extend(self.send_results(j, out, lo, hi))
 
     def backward(self):
         """Lane c of a run before the last: receive its results into the output slots (posted
@@ -343,7 +364,7 @@ class _Reduce(_Collective):
             self.out_sends.setdefault(g % D, []).extend(boxes)
 
     def run(self):
-        parts = [self.copy_in(), self.copy_out(self.own if self.scatter else None)]
+        parts = [self.copy_in(skip=self.lane), self.copy_out(self.own if self.scatter else None)]
         if self.lane is None:
             yield from self.drive(*parts)
             return
@@ -436,5 +457,4 @@ def hier_allgather_op(buf, group, tag=0, link=None):
     return buf
 
 
-__all__ = ["DEPTH", "MAX_CHUNK_BYTES", "NodeGroup", "chunk_bytes_for", "hier_allgather_op",
-           "hier_reduce_op"]
+__all__ = ["DEPTH", "NodeGroup", "hier_allgather_op", "hier_reduce_op"]

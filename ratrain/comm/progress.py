@@ -77,6 +77,23 @@ def spare_core() -> bool:
     return n is not None and n <= cores()
 
 
+YIELD_S = 1e-4  # a condition is polled yielding the core this long before sleeps begin
+
+
+def wait_for(cond: Callable[[], bool]) -> None:
+    """Return once `cond()` is true: polled yielding the core for `YIELD_S` (conditions are
+    mostly another rank of the node writing shared memory, which a yield lets run), then in
+    short sleeps. Measured here (2 nodes x 4 ranks on 2 cores, the hierarchical all-reduce of
+    16 MiB): 89 MB/s through the interface against 47 with sleeps alone; yielding for 1 ms
+    starved the ranks that had work (1.3 MB/s)."""
+    t_end = time.perf_counter() + YIELD_S
+    while not cond():
+        if time.perf_counter() < t_end:
+            os.sched_yield()
+        else:
+            time.sleep(1e-5)
+
+
 def run(gen: Op, poll_s: float | None = None):
     """Drive one operation to completion in this thread; returns its value.
 
@@ -105,8 +122,7 @@ def run(gen: Op, poll_s: float | None = None):
             elif isinstance(wait, float):
                 sleep_until(wait)
             elif wait is not None:
-                while not wait():
-                    time.sleep(1e-5)
+                wait_for(wait)
             wait = gen.send(None)
     except StopIteration as stop:
         return stop.value
@@ -215,5 +231,5 @@ def run_all(ops, poll_s: float | None = 2e-5) -> list:
     return results
 
 
-__all__ = ["SPIN_S", "Deadline", "Op", "Scheduler", "Task", "local_ranks", "ready", "run",
-           "run_all", "sleep_until", "spare_core"]
+__all__ = ["SPIN_S", "YIELD_S", "Deadline", "Op", "Scheduler", "Task", "local_ranks", "ready",
+           "run", "run_all", "sleep_until", "spare_core", "wait_for"]

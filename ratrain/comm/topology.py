@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 PLACEMENTS = ("pp", "dp")
-WORLD_CHUNK_BYTES = 16 << 10  # the world group carries the step's facts: a few KiB
+WORLD_BYTES = 64 << 10  # the world group carries the step's facts: a few KiB
 
 
 def grid(pp: int, dp: int, placement: str = "pp") -> np.ndarray:
@@ -79,7 +79,7 @@ class Topology:
         """Collective over `comm`. `ranks_per_node`: cut each host's ranks into nodes of that
         many (None: one node per host); `shm_bytes`: the largest buffer the data-parallel
         group's collectives usually carry (sizes its staging window)."""
-        from ratrain.comm.hier import NodeGroup, chunk_bytes_for  # loads MPI: comm is MPI's
+        from ratrain.comm.hier import NodeGroup  # loads MPI: comm is MPI's
 
         assert isinstance(pp, int) and pp >= 1, f"pp must be a positive integer, got {pp!r}"
         assert isinstance(dp, int) and dp >= 1, f"dp must be a positive integer, got {dp!r}"
@@ -116,9 +116,8 @@ class Topology:
         self.node_comm = comm.Split(color=self.node, key=self.rank)
         self.node_comm.Set_name(f"node[{self.node}]")
         dp_nodes = [self.node_of[int(w)] for w in self.grid[:, self.stage]]
-        lanes = min(dp_nodes.count(n) for n in set(dp_nodes))
-        self.world_group = NodeGroup(comm, self.node_of, WORLD_CHUNK_BYTES)
-        self.dp_group = NodeGroup(self.dp_comm, dp_nodes, chunk_bytes_for(shm_bytes, lanes))
+        self.world_group = NodeGroup(comm, self.node_of, nbytes=WORLD_BYTES)
+        self.dp_group = NodeGroup(self.dp_comm, dp_nodes, nbytes=shm_bytes)
 
     def world_rank(self, stage: int, replica: int) -> int:
         assert 0 <= stage < self.pp and 0 <= replica < self.dp, (
