@@ -426,3 +426,54 @@ def test_cli_errors(capsys):
     assert "mt3000" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", "jobs/llama2-7b.yaml", "--policy", "zero3"])
+
+
+# -- nodes ----------------------------------------------------------------------------------------
+
+
+def test_node_layout_per_placement():
+    # 4 ranks per node, pp 2 x dp 4: "pp" puts two replicas' both stages on a node (the data-
+    # parallel group spans 2 nodes, 2 ranks each); "dp" a stage's four replicas (1 node of 4)
+    pp_ = C.NodeLayout(2, 4, "pp", 4)
+    assert pp_.node == (0, 0) and pp_.copies == (2, 2) and pp_.runs == ((2, 2), (2, 2))
+    assert pp_.same_node(0, 1)
+    dp_ = C.NodeLayout(2, 4, "dp", 4)
+    assert dp_.node == (0, 1) and dp_.copies == (4, 4) and dp_.runs == ((1, 4), (1, 4))
+    assert not dp_.same_node(0, 1)
+    one = C.NodeLayout(16, 64, "pp", 1)  # a rank per node: every message crosses the network
+    assert one.copies == (1,) * 16 and one.runs[0] == (64, 1) and one.world_runs == (1024, 1)
+    deep = C.NodeLayout(16, 64, "pp", 4)  # stages 0-3 of a replica share a node
+    assert deep.node[:5] == (0, 0, 0, 0, 1) and deep.runs[0] == (64, 1)
+
+
+def test_interface_is_shared_and_nodes_change_the_step():
+    cfg = load_config("jobs/bench-lifecycle.yaml")
+    cost = CostModel.from_config(cfg)
+    assert cost.rates.ranks_per_node == 4 and cost.placement == "pp"
+    # all-reduce over 2 nodes of 2: the interface carries n; over one node of 4: nothing
+    lat, intra, nic = cost.collective_terms("allreduce", 1e6, 2, 2)
+    assert nic == 1e6 and intra == pytest.approx(1e6)
+    assert cost.collective_terms("allreduce", 1e6, 1, 4)[2] == 0.0
+    steps = {}
+    for pl in ("pp", "dp"):
+        for bw in (2.5e10, 2.5e8):
+            c = replace(cost, placement=pl, rates=cost.rates.with_("link_bandwidth", bw, "test"))
+            steps[pl, bw] = simulate_config(cfg, c, "baseline-1f1b", [0, 0]).step_s
+    # a slower interface slows both placements (pp: the gradient syncs cross it; dp: the
+    # pipeline messages do), and never speeds a step up
+    for pl in ("pp", "dp"):
+        assert steps[pl, 2.5e8] > steps[pl, 2.5e10]
+
+
+def test_cli_ranks_per_node_and_placement(capsys):
+    argv = ["--config", "jobs/llama2-7b.yaml", "--set", "model.layers=8", "--set",
+            "parallel.pp=4", "--set", "parallel.dp=8", "--set", "model.seq_len=1024",
+            "--clusters", "32", "--top", "4", "--scaling", "",
+            "--micro-batches", "1", "--policy", "ratrain", "--placement", "both"]
+    assert main([*argv, "--ranks-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks_per_node = 8 ranks  (--ranks-per-node)" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit()]
+    assert {r[4] for r in rows} == {"pp", "dp"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--ranks-per-node", "0"])

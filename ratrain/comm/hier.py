@@ -15,12 +15,17 @@ ranks in rank order, for every element:
 
 whatever the grouping into nodes: lane c's partial of a chunk leaves run 0 as the fold of run
 0's members, run j adds its members one by one in rank order to the partial it receives from
-run j-1 and passes it on, and the last run holds the result, which goes back along the chain
-(all-reduce: everything, back along the chain; reduce-scatter: each earlier run its members'
-segments, directly from the last run). So a run is
-bitwise the same however its ranks are packed into nodes, one node or one rank per node
-(`collectives.reference_allreduce(xs, "hier")` computes it in one process). float16 is
-reduced in float32 and rounded once, on the way out; the all-gather moves bytes only.
+run j-1 and passes it on, and the last run holds the result, which goes back (all-reduce:
+everything, back along the chain; reduce-scatter: each earlier run its members' segments,
+directly from the last run). So a run is bitwise the same however its ranks are packed into
+nodes, one node or one rank per node (`collectives.reference_allreduce(xs, "hier")` computes
+it in one process). float16 is reduced in float32 and rounded once, on the way out; the
+all-gather moves bytes only (prefixes forward along the chain, suffixes back).
+
+Why a chain and not a ring across nodes: a ring's partials start at every node, so the order
+would depend on where the node boundaries fall; the chain keeps one order and costs a ring's
+traffic between two nodes (and at most twice a ring's, 2n against 2(R-1)/R n, at an interior
+node of a long chain, a ratio that tends to 1 as nodes grow).
 
 Cost (`comm.model.hier_terms`): inside a node each rank moves 2(L-1)/L n bytes (the fold of
 its lane and the copy of the others'); the busiest node interface carries n for a reduce-scatter,
@@ -45,7 +50,7 @@ from .progress import Scheduler, Task
 from .shm import LocalStaging, Staging
 from .wire import recv_op, send_op
 
-DEPTH = HIER_DEPTH
+DEPTH = HIER_DEPTH  # rounds in flight inside one node (model.hier_depth: more across nodes)
 
 
 class NodeGroup:
