@@ -19,8 +19,11 @@
 # `--rate` shapes both directions of every node's link (a `tbf` on each end of its veth);
 # `--mtu` (default 9000, jumbo frames as HPC Ethernet uses) keeps TCP's header overhead under
 # 1%, so that a shaped link carries ~99% of its rate as payload. `run` adds to mpirun the hosts
-# (NAME-n1:K,...), the agent, `--bind-to none` and the TCP interface of the subnet, unless the
-# arguments already give --host / --hostfile; OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM) are set.
+# (NAME-n1:K,...; not when the arguments give --host / --hostfile), the agent, `--bind-to
+# none`, the TCP interface of the subnet and Open MPI's TCP tuning (TCP_TUNING below), sets
+# OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM), and watches the nodes: when the job loses a node (Open MPI
+# reports a lost daemon, or a node that held ranks has had no process for 10 s), it names the
+# MPI ranks that were on it and exits non-zero (Open MPI 5.0's mpirun may itself exit 0 then).
 # Everything `up` creates is removed again if `up` fails; `down` kills the nodes' processes and
 # removes the namespaces, the bridge and the state directory ($RATRAIN_CLUSTER_STATE, default
 # /run/ratrain-cluster/NAME). Needs root, `ip`, `tc` (for --rate), `unshare`, and a kernel with
@@ -141,7 +144,6 @@ cmd_up() {
       tc qdisc add dev "$v" root tbf rate "$RATE" burst 256kb latency 50ms
     fi
     echo "$n" >> "$STATE/nodes.tmp"
-    echo "$addr $n" >> "$STATE/hosts"
   done
   write_agent
   echo "$SLOTS" > "$STATE/slots"

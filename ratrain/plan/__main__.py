@@ -182,9 +182,23 @@ def _print_plans(plans, policies, clusters: int, layers: int, top: int) -> None:
                   f"{q.step_s:>8.2f} {q.tokens_per_s:>9.0f} {_gib(q.peak_bytes):>8} "
                   f"{lay.describe(layers):>16} {q.result.comm_exposed_s:>9.3f} "
                   f"{q.result.bubble_s:>8.2f}")
+    _print_placements(plans, policies)
     if len(policies) > 1 and plans.get("ratrain") and plans.get("baseline-1f1b"):
         r, b = plans["ratrain"][0], plans["baseline-1f1b"][0]
         print(f"\nratrain / baseline-1f1b (best of each): {r.tokens_per_s / b.tokens_per_s:.3f}x")
+
+
+def _print_placements(plans, policies) -> None:
+    """With both placements planned: per policy, the better one's best tokens/s over the other's."""
+    for pol in policies:
+        best = {}
+        for q in plans[pol]:
+            best.setdefault(q.layout.placement, q.tokens_per_s)
+        if len(best) == 2:
+            win = max(best, key=best.get)
+            lose = next(k for k in best if k != win)
+            print(f"placement ({pol}): {win} {best[win]:.0f} tok/s, {lose} {best[lose]:.0f} "
+                  f"({best[win] / best[lose]:.4f}x)")
 
 
 def _print_rates(rates: Rates) -> None:
