@@ -71,12 +71,15 @@ class Uniform:
     def nodes(self, pp, dp):
         return C.NodeLayout(pp, dp, "pp", self.rates.ranks_per_node)
 
-    def collective_terms(self, op, nbytes, nodes, local):
+    def staging_chunk(self, blocks, nodes, local):
+        return None
+
+    def collective_terms(self, op, nbytes, nodes, local, chunk_bytes=None):
         """A flat ring over the nodes' interfaces (no intra-node bytes)."""
         lat, wire = self.allreduce_terms(nbytes, nodes * local)
         return (lat, 0.0, wire) if op == "allreduce" else (lat / 2, 0.0, wire / 2)
 
-    def collective_time(self, op, nbytes, nodes, local):
+    def collective_time(self, op, nbytes, nodes, local, chunk_bytes=None):
         lat, _, wire = self.collective_terms(op, nbytes, nodes, local)
         return lat + wire / self.rates.link_bandwidth
 
@@ -451,8 +454,8 @@ def test_interface_is_shared_and_nodes_change_the_step():
     cost = CostModel.from_config(cfg)
     assert cost.rates.ranks_per_node == 4 and cost.placement == "pp"
     # all-reduce over 2 nodes of 2: the interface carries n; over one node of 4: nothing
-    lat, intra, nic = cost.collective_terms("allreduce", 1e6, 2, 2)
-    assert nic == 1e6 and intra == pytest.approx(1e6)
+    fixed, intra, nic = cost.collective_terms("allreduce", 1e6, 2, 2)
+    assert nic == 1e6 and intra == pytest.approx(1e6) and fixed > 0
     assert cost.collective_terms("allreduce", 1e6, 1, 4)[2] == 0.0
     steps = {}
     for pl in ("pp", "dp"):

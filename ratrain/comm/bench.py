@@ -292,7 +292,8 @@ def _model_s(a, algo, nb, p, rt, group) -> float:
         nodes, local = len(group.runs), group.lanes
         wide = 2 if a.dtype == "float16" and a.op != "allgather" else 1  # partials in float32
         return cost.hier_seconds(a.op, wide * nb, nodes, local, rt["intra_latency"] * ts,
-                                 rt["intra_bandwidth"] / ts, lat, bw)
+                                 rt["intra_bandwidth"] / ts, lat, bw,
+                                 group.staging.chunk_bytes)
     if a.op == "allreduce":
         chosen = algo if algo not in ("auto", "hier") else coll.choose_algo(nb, p)
         model = cost.seconds("allreduce", chosen, nb, p, lat, bw)

@@ -41,7 +41,7 @@ from ratrain.comm.topology import grid
 from ratrain.config import Config, ModelConfig
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
-from ratrain.exec.spec import block_flops, block_params
+from ratrain.exec.spec import block_flops, block_params, block_role
 from ratrain.shim.platform import resolve_platform
 
 # The DDR bandwidth when the profile has no `ddr_bandwidth` fact (mt3000 has; this is its value).
@@ -275,17 +275,30 @@ class CostModel:
             return p2p_time(n, r.intra_bandwidth, r.intra_latency)
         return p2p_time(n, r.link_bandwidth, r.link_latency)
 
-    def collective_terms(self, op: str, nbytes: float, nodes: int, local: int):
-        """(latency s, bytes through each rank's intra-node link, bytes through the busiest
-        interface) of the runtime's hierarchical `op` over `nodes` nodes of `local` ranks."""
-        return comm_model.hier_terms(op, nbytes, nodes, local, self.rates.intra_latency,
-                                     self.rates.link_latency)
+    def collective_terms(self, op: str, nbytes: float, nodes: int, local: int,
+                         chunk_bytes: int | None = None):
+        """(fixed s, bytes through each rank's intra-node link, bytes through the busiest
+        interface) of the runtime's hierarchical `op` over `nodes` nodes of `local` ranks, in
+        rounds of `chunk_bytes` per lane (`comm.model.hier_terms`)."""
+        r = self.rates
+        return comm_model.hier_terms(op, nbytes, nodes, local, r.intra_latency,
+                                     r.intra_bandwidth, r.link_latency, r.link_bandwidth,
+                                     chunk_bytes)
 
-    def collective_time(self, op: str, nbytes: float, nodes: int, local: int) -> float:
+    def collective_time(self, op: str, nbytes: float, nodes: int, local: int,
+                        chunk_bytes: int | None = None) -> float:
         """The hierarchical `op` alone on its links (`comm.model.hier_seconds`)."""
         r = self.rates
         return comm_model.hier_seconds(op, nbytes, nodes, local, r.intra_latency,
-                                       r.intra_bandwidth, r.link_latency, r.link_bandwidth)
+                                       r.intra_bandwidth, r.link_latency, r.link_bandwidth,
+                                       chunk_bytes)
+
+    def staging_chunk(self, blocks, nodes: int, local: int) -> int:
+        """The chunk the runtime's data-parallel group uses for a stage of `blocks`: sized for
+        its largest gradient (`lifecycle.rank` sizes the topology's window so)."""
+        largest = max((self.grad_bytes(block_role(b)) for b in blocks), default=0)
+        return comm_model.hier_chunk_bytes(int(largest), min(local, max(1, int(largest))),
+                                           nodes)
 
     def allreduce_time(self, nbytes: float, p: int, algo: str | None = None) -> float:
         """One all-reduce of `nbytes` across `p` ranks, alone on the link."""

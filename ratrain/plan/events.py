@@ -163,8 +163,9 @@ class _Link:
 
 
 class RankState:
-    def __init__(self, stage: int, items: list[_Item]):
+    def __init__(self, stage: int, items: list[_Item], blocks=()):
         self.stage, self.items, self.pc = stage, items, 0
+        self.blocks = tuple(blocks)  # the stage's block names
         self.blocked_since: float | None = None
         self.busy: dict[int, dict[str, float]] = {}  # step -> category -> s
         self.comm: dict[int, float] = {}  # step -> exposed comm s
@@ -186,6 +187,9 @@ class Sim:
         # each rank's own intra-node link; one interface per node that replica 0 occupies
         self.intra = [_Link(self, rates.intra_bandwidth) for _ in ranks]
         self.nics = {n: _Link(self, rates.link_bandwidth) for n in set(self.layout.node)}
+        # the chunk of each stage's data-parallel staging, as the runtime sizes it
+        self.chunk = [cost.staging_chunk(rk.blocks, *self.layout.runs[s])
+                      for s, rk in enumerate(ranks)]
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -262,7 +266,7 @@ class Sim:
         else:
             coll = "reduce_scatter" if op == "scatter" else "allreduce"
             nbytes = self.cost.grad_bytes(role)
-        lat, intra, nic = self.cost.collective_terms(coll, nbytes, nodes, local)
+        lat, intra, nic = self.cost.collective_terms(coll, nbytes, nodes, local, self.chunk[r])
         start, left = t, [2]
 
         def on_wire(t2):
