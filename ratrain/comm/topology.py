@@ -107,7 +107,6 @@ class Topology:
         self.next_rank = None if self.is_last else self.stage + 1  # in pp_comm
 
         hosts = find_hosts(comm)
-        self.host_ranks = hosts.count(hosts[self.rank])  # ranks sharing this rank's host
         self.node_of = pack_nodes(hosts, ranks_per_node)
         self.node = self.node_of[self.rank]
         self.nodes = max(self.node_of) + 1

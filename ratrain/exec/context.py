@@ -5,20 +5,21 @@ weight views (float32 or float16), RoPE tables cached per sequence length, the D
 scratch and transient workspace are accounted there while a block runs) and the compute threads.
 
 Threads: a micro-batch of B sequences is cut into `min(B, BATCH_CHUNKS)` contiguous chunks
-whatever the thread count (`split`), and `threads` (run.threads; 0 = auto = min(2, usable
-cores)) Python threads run the chunks, each thread a contiguous group of them, every GEMM on
-single-threaded BLAS (numpy releases the GIL in matmul and most ufunc loops). Weight-gradient
-partials of the chunks are summed in chunk order. So every reduction (the GEMMs' own, inside a
-chunk of fixed shape, and the sum over chunks) has an order fixed by the batch alone: the
-results are bitwise the same whatever `threads` is. (Multi-threaded BLAS is not used even with
-one chunk: OpenBLAS's results for small shapes change with its thread count; measured here,
-a (3, 100) @ (100, 70) sgemm.)
+whatever the thread count (`split`), and `threads` (run.threads; 0 = auto = the usable cores;
+a rank built by `lifecycle.rank` shares them with the node's other ranks) Python threads run
+the chunks, each thread a contiguous group of them, every GEMM on single-threaded BLAS (numpy
+releases the GIL in matmul and most ufunc loops). Weight-gradient partials of the chunks are
+summed in chunk order. So every reduction (the GEMMs' own, inside a chunk of fixed shape, and
+the sum over chunks) has an order fixed by the batch alone: the results are bitwise the same
+whatever `threads` is. (Multi-threaded BLAS is not used even with one chunk: OpenBLAS's results
+for small shapes change with its thread count; measured here, a (3, 100) @ (100, 70) sgemm.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -32,7 +33,7 @@ def auto_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(2, cores))
+    return max(1, cores)
 
 
 class _Blas:
@@ -66,6 +67,23 @@ class _Blas:
 
 
 BLAS = _Blas()  # numpy's BLAS thread count, per region
+
+
+def sgemm_rate(threads: int, n: int = 1024):
+    """A function that times one (n x n) @ (n x n) float32 GEMM with `threads` BLAS threads and
+    returns its rate in flop/s: the host's measured peak (benchmarks, MFU on `host`)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+
+    def once() -> float:
+        with BLAS.limit(threads):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            return 2 * n**3 / max(time.perf_counter() - t, 1e-9)
+
+    return once
 
 
 BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the thread count
@@ -177,4 +195,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BATCH_CHUNKS", "BLAS", "ExecContext", "auto_threads"]
+__all__ = ["BATCH_CHUNKS", "BLAS", "ExecContext", "auto_threads", "sgemm_rate"]

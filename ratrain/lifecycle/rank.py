@@ -14,9 +14,10 @@ staging windows of the hierarchical collectives are sized for the stage's larges
 accounted in the ledger (`comm.shm`); the stage's blocks come from `parallel.pp` /
 `layers_per_stage`; a policy
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
-whole stage's state is never allocated; `run.threads` (0: the cores the node gives each rank)
-sets the compute threads. `load(state)` runs after the state is built and before the executor
-(which measures activations and may gather views), to put checkpointed or imported weights in.
+whole stage's state is never allocated; `run.threads` (0: the cores the launcher gives this
+rank, `local_threads`; results never depend on it) sets the compute threads. `load(state)`
+runs after the state is built and before the executor (which measures activations and may
+gather views), to put checkpointed or imported weights in.
 The trainer, the benchmarks and the tests all build their ranks here.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ratrain.comm.topology import NodeLinks, Topology, coords
-from ratrain.exec.context import ExecContext, auto_threads
+from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
@@ -55,6 +56,15 @@ class Rank:
     executor: Executor
     slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
 
+    def peak_flops(self) -> float:
+        """This rank's peak compute rate in flop/s, for MFU: the platform's (`compute_flops`,
+        in emulated time under `time_scale`), or on a profile without one (`host`) the
+        measured sgemm rate at the rank's thread count (best of three)."""
+        if self.profile.compute_flops:
+            return self.profile.compute_flops / self.profile.time_scale
+        rate = sgemm_rate(self.ctx.threads)
+        return max(rate() for _ in range(3))
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -65,17 +75,30 @@ class Rank:
         self.ctx.close()
 
 
-def local_threads(cfg, topo=None) -> int:
-    """Compute threads per rank: `run.threads`, or the cores this process may use shared among
-    the ranks of its node (at most `auto_threads()`). Results never depend on it."""
+def local_threads(cfg, comm=None) -> int:
+    """Compute threads per rank: `run.threads`, else the cores the launcher gives this rank.
+
+    Those are the cores of this process's CPU affinity (`mpirun --bind-to core`, `srun
+    --cpus-per-task`, a cgroup), shared evenly by the ranks of its node whose affinity overlaps
+    it (ranks launched unbound all see every core of the node and split them)."""
     if cfg.run.threads:
         return cfg.run.threads
+    mine = _affinity()
+    sharing = 1
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI  # comm is an MPI communicator here: MPI is loaded already
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        sharing = sum(1 for cores in node.allgather(sorted(mine)) if mine & set(cores))
+        node.Free()
+    return max(1, len(mine) // sharing)
+
+
+def _affinity() -> set[int]:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    per_node = topo.host_ranks if topo is not None else 1
-    return max(1, min(auto_threads(), cores // per_node))
+        return set(range(os.cpu_count() or 1))
 
 
 def _open_comm(cfg, comm, profile, ledger, watchdog_s):
@@ -135,7 +158,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         if load is not None:
             load(state)
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
-                          threads=local_threads(cfg, topo))
+                          threads=local_threads(cfg, comm))
         pacer = Pacer(profile) if profile.emulate else None
         executor = Executor(cfg, topo, state, ctx, engine, ledger, validate=validate, pacer=pacer)
     except BaseException:
