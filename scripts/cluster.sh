@@ -189,7 +189,7 @@ cmd_run() {
     "$mpirun" --prtemca plm_ssh_agent "$STATE/agent" --prtemca oob_tcp_if_include "$subnet" \
     --mca btl tcp,self,sm --mca btl_tcp_if_include "$subnet" "${TCP_TUNING[@]}" \
     --bind-to none "${hosts[@]}" \
-    "${REST[@]}" 2> >(tee "$run/stderr" >&2) &
+    "${REST[@]}" > >(tee "$run/stdout") 2> >(tee "$run/stderr" >&2) &
   local pid=$! rc=0
   set +e  # from here on a failing probe of a vanished process must not end the script
   trap 'kill -TERM $pid 2>/dev/null' INT TERM
@@ -233,8 +233,9 @@ watch_nodes() {  # while mpirun runs: which MPI ranks each node holds; a node th
 report_lost() {  # name the ranks of the nodes the job lost; non-zero when it lost any
   local run=$1 nodes=$2 rc=$3 n lost=""
   for n in $nodes; do  # Open MPI names the node it lost a daemon on (and may still exit 0)
-    if grep -q "lost communication with a remote daemon\|daemon failed to report back" "$run/stderr" &&
-       grep -q "\(Remote daemon\|Remote host\):.* $n\b" "$run/stderr"; then
+    # (Open MPI prints the report on stdout or stderr: both are read)
+    if cat "$run/stdout" "$run/stderr" | grep -q "lost communication with a remote daemon\|daemon failed to report back" &&
+       cat "$run/stdout" "$run/stderr" | grep -q "\(Remote daemon\|Remote host\):.* $n\b"; then
       lost="$lost $n"
     elif grep -qx "$n" "$run/lost" 2>/dev/null; then
       lost="$lost $n"

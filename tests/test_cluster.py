@@ -112,11 +112,11 @@ def test_losing_a_node_ends_the_job_naming_its_ranks(cluster, tmp_path):
         subprocess.run([str(CLUSTER), "kill", "2", "--name", cluster], check=True,
                        capture_output=True, env=_env())
         t0 = time.monotonic()
-        _, err = run.communicate(timeout=60)
+        out, err = run.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode != 0
+    assert run.returncode != 0, (out[-2000:], err[-3000:])
     assert took < 30, took
     assert f"the job lost node {cluster}-n2: MPI rank(s) 2,3" in err, err[-3000:]
