@@ -73,3 +73,14 @@ def test_hier_on_nodes_with_the_model(capsys, op):
             assert r["link"]["throttled"] is False
         hier = [r for r in recs if r["algo"] == "hier"]
         assert all(r["model_s"] > 0 for r in hier)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_buffers(capsys):
+    """--shared: every algorithm on buffers in the node's shared memory (hier in place)."""
+    argv = ["--op", "allreduce", "--algo", "hier,ring,mpi", "--sizes", "8,70000", "--iters", "2",
+            "--warmup", "1", "--shared", "--dtype", "float16"]
+    assert bench.main(argv) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        recs = records(capsys)
+        assert len(recs) == 6 and all(r["ok"] and r["identical"] for r in recs), recs

@@ -153,6 +153,31 @@ def test_hier_equals_the_reference_for_every_grouping(size, grouping, mpi_group)
             g.free()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_in_place_all_reduce_of_shared_arrays(size, mpi_group):
+    """One node, buffers in shared memory (NodeGroup.shared_array): the in-place path gives the
+    reference's bits, as the staged path does for the same group."""
+    comm = mpi_group(size)
+    g = NodeGroup(comm, [0] * size, 4096, 2)
+    try:
+        for n, dtype, op in ((1, np.float32, "sum"), (7, np.float64, "sum"),
+                             (300001, np.float32, "sum"), (5003, np.float16, "sum"),
+                             (4099, np.float32, "max")):
+            xs = inputs(size, n, dtype, seed=n)
+            ref = C.reference_allreduce(xs, "hier", op)
+            buf = g.shared_array(n, dtype)
+            assert g.shared_views(buf) is not None and g.shared_views(buf.copy()) is None
+            buf[:] = xs[comm.Get_rank()]
+            C.allreduce(buf, comm, "hier", op, group=g)
+            assert np.array_equal(buf, ref), (n, dtype, op)
+            buf[:] = xs[comm.Get_rank()]
+            C.allreduce(buf, comm, "hier", op, group=g)  # reused: the same again
+            assert np.array_equal(buf, ref), (n, dtype, op)
+    finally:
+        g.free()
+
+
 @pytest.mark.mpi(min_size=4)
 def test_packing_does_not_change_a_bit(mpi_group):
     comm = mpi_group(4)

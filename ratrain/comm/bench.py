@@ -23,7 +23,9 @@ its ranks), `--intra-bandwidth` / `--intra-latency` the path inside a node (defa
 `--algo hier` is the hierarchical algorithm (`comm.hier`) over the nodes the ranks are on (MPI's
 shared-memory split and processor names; `--ranks-per-node K` cuts a host into nodes of K
 ranks; with `--link`, every rank is its own node unless `--ranks-per-node` says otherwise).
-`--model` prints `model_s`, the two-tier model's time (`comm.model`), from the rates given, for
+`--shared` keeps the buffers in the node's shared memory (`NodeGroup.shared_array`), where
+the hierarchical all-reduce of a one-node group works in place (without it, what the runtime's
+gradients do: copied through the staging window). `--model` prints `model_s`, the two-tier model's time (`comm.model`), from the rates given, for
 a run that is not throttled (real nodes: scripts/cluster.sh); with `--link` it is always there.
 Every record names `nodes` x `ranks_per_node`.
 """
@@ -121,6 +123,9 @@ def _args(argv=None):
     ap.add_argument("--allow-one-rank", action="store_true",
                     help="run on a single rank anyway (no communication: only for testing)")
     ap.add_argument("--engine", action="store_true", help="submit through the CommEngine thread")
+    ap.add_argument("--shared", action="store_true",
+                    help="keep the buffers in the node's shared memory (NodeGroup.shared_array): "
+                    "hier then all-reduces one node's buffers in place; every algorithm uses them")
     ap.add_argument("--window", type=int, default=64, help="messages per window for --op stream")
     a = ap.parse_args(argv)
     a.algos = a.algo.split(",")
@@ -208,7 +213,11 @@ class Runner:
         else:  # point to point
             self.init = pattern(r, n, dtype)
             self.expect = pattern((r - 1) % p if op == "sendrecv" else 0, n, dtype)
-        self.buf = self.init.copy()
+        if self.a.shared:  # the same shared buffer for every algorithm of this size
+            self.buf = self.group.shared_array(n, dtype)
+            np.copyto(self.buf, self.init)
+        else:
+            self.buf = self.init.copy()
         self.out = np.zeros(n, dtype)
 
     def reset(self):

@@ -47,7 +47,7 @@ import numpy as np
 from .arrays import as_ufunc, flat, scratch, segments, work_dtype
 from .model import HIER_DEPTH, hier_chunk_bytes, hier_depth, runs_of
 from .progress import Scheduler, Task
-from .shm import LocalStaging, Staging
+from .shm import LocalStaging, SharedBuffers, Staging
 from .wire import recv_op, send_op
 
 DEPTH = HIER_DEPTH  # rounds in flight inside one node (model.hier_depth: more across nodes)
@@ -80,6 +80,26 @@ class NodeGroup:
         else:
             self.staging = LocalStaging(self.lanes, chunk_bytes, depth)
         self._queue: deque = deque()  # collectives of this group, in submission order
+        self._shared: list[tuple[SharedBuffers, np.ndarray]] = []
+
+    def shared_array(self, n: int, dtype) -> np.ndarray:
+        """An array of `n` elements of `dtype` in shared memory, one per member of this rank's
+        run (collective over the run; freed with the group). An all-reduce of such arrays on a
+        one-node group works in place: no staging, each member folding its lane straight out
+        of the others' arrays and into them (`_InPlace`)."""
+        dtype = np.dtype(dtype)
+        bufs = SharedBuffers(self.run_comm, n * dtype.itemsize)
+        arr = bufs.mine.view(dtype)
+        self._shared.append((bufs, arr))
+        return arr
+
+    def shared_views(self, x: np.ndarray):
+        """Every member's array of which `x` is this rank's (whole), or None."""
+        for bufs, arr in self._shared:
+            if x.dtype == arr.dtype and x.size == arr.size and \
+                    x.__array_interface__["data"][0] == arr.__array_interface__["data"][0]:
+                return [b.view(arr.dtype) for b in bufs.all], bufs
+        return None
 
     def peer(self, run: int, lane: int) -> int:
         """The member that carries `lane` in `run`."""
@@ -99,6 +119,8 @@ class NodeGroup:
         self._queue.remove(token)
 
     def free(self) -> None:
+        for bufs, _ in self._shared:
+            bufs.free()
         self.staging.free()
         self.run_comm.Free()
 
@@ -430,6 +452,41 @@ class _Gather(_Collective):
         yield from self.drive(*parts)
 
 
+class _InPlace:
+    """All-reduce of a one-node group's shared arrays (`NodeGroup.shared_array`) in place: once
+    every member's input is in, member c folds lane c over the members in rank order, a chunk at
+    a time into a private scratch, and writes the result into every member's array; then every
+    member waits for every lane. Each rank reads n and writes n bytes (the staged path: about
+    4.75 n), the same order of reduction."""
+
+    def __init__(self, x, group, ufunc, link, ledger, views, bufs):
+        self.x, self.g, self.ufunc, self.ledger = x, group, ufunc, ledger
+        self.views, self.bufs = views, bufs
+        self.intra = getattr(link, "intra", None)
+
+    def run(self):
+        g, x = self.g, self.x
+        wd = work_dtype(x.dtype)
+        lo, hi = segments(x.size, g.size)[g.index : g.index + 2]
+        step = max(1, (1 << 20) // wd.itemsize)
+        yield [g.run_comm.Ibarrier()]  # every member's input is in its array
+        self.bufs.fence()
+        with scratch(self.ledger, "comm.hier", min(step, max(hi - lo, 1)), wd) as tmp:
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                t = tmp[: b - a]
+                np.copyto(t, self.views[0][a:b])  # in the work dtype (float32 for float16)
+                for v in self.views[1:]:
+                    self.ufunc(t, v[a:b], out=t)  # x0 + x1 + ...: a left fold
+                for v in self.views:
+                    v[a:b] = t  # float16: rounded here, once
+        if self.intra is not None:  # what the staged path's pacing charges
+            yield self.intra.reserve(int(2 * (g.size - 1) / g.size * x.nbytes), after=None)
+        self.bufs.fence()
+        yield [g.run_comm.Ibarrier()]  # every lane is written
+        self.bufs.fence()
+
+
 def _in_turn(group, body):
     """Run the collective made by `body()` when the group's earlier collectives are done."""
     token = group.enter()
@@ -448,7 +505,10 @@ def hier_reduce_op(buf, group, op="sum", tag=0, link=None, ledger=None, scatter=
     x = flat(buf)
     ufunc = as_ufunc(op)
     lo, hi = segments(x.size, group.p)[group.rank : group.rank + 2]
-    if group.p > 1 and x.size:
+    shared = group.shared_views(x) if len(group.runs) == 1 and not scatter else None
+    if group.p > 1 and x.size and shared is not None:  # one node, arrays in shared memory
+        yield from _in_turn(group, lambda: _InPlace(x, group, ufunc, link, ledger, *shared))
+    elif group.p > 1 and x.size:
         yield from _in_turn(group, lambda: _Reduce(x, group, ufunc, tag, link, ledger, scatter))
     return x[lo:hi] if scatter else buf
 

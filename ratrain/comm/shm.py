@@ -22,6 +22,10 @@ ranks, advanced by compare-and-swap, so the ranks of a node share the interface'
 (`ratrain.shim.link.Link(shared=...)`).
 
 `LocalStaging` is the same interface for a run of one member: private arrays, no window.
+
+`SharedBuffers` are plain buffers in a window of a node's ranks, one per rank, each rank able to
+read and write every other's: a collective's caller may keep its data there, and the
+hierarchical all-reduce of a one-node group then works on them in place (`hier`).
 """
 
 from __future__ import annotations
@@ -162,4 +166,26 @@ class SharedSlots:
         self.win.Free()
 
 
-__all__ = ["LocalStaging", "SharedSlots", "Staging"]
+class SharedBuffers:
+    """`nbytes` of shared memory per rank of `comm` (one node): `mine` is this rank's buffer,
+    `all[k]` rank k's. Collective over `comm` (creation and `free`)."""
+
+    def __init__(self, comm, nbytes: int):
+        self.win = MPI.Win.Allocate_shared(max(int(nbytes), 1), 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.all = [np.frombuffer(self.win.Shared_query(k)[0], np.uint8)[:nbytes]
+                    for k in range(comm.Get_size())]
+        self.mine = self.all[comm.Get_rank()]
+        self.mine[:] = 0  # this rank's pages, touched here
+        self.win.Sync()
+        comm.Barrier()
+
+    def fence(self) -> None:
+        self.win.Sync()
+
+    def free(self) -> None:
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+__all__ = ["LocalStaging", "SharedBuffers", "SharedSlots", "Staging"]
