@@ -62,11 +62,14 @@ for part in $PARTS; do
     done
     for t in 2 4; do cmp_runs "$OUT/t1-$t" "$OUT/t1-1" 0; cmp_runs "$OUT/t4-$t" "$OUT/t4-1" 0; done ;;
   comm)  # 64 MiB all-reduce: 2 nodes x 4 (hier, flat ring, MPI) with the model; one node x 4
+    # (INTRA_BW: the model's intra-node rate, default 2e9 B/s ~ the staged one-node figure)
     "${TWO[@]}" "$PY" -m ratrain.comm.bench --op allreduce --algo hier,ring,mpi --sizes 64M \
       --iters 5 --warmup 1 --model --bandwidth 1.25e8 --latency 5e-5 \
       --intra-bandwidth "${INTRA_BW:-2e9}" | tee "$OUT/comm-2nodes.jsonl"
-    "$MPIRUN" -n 4 --oversubscribe "$PY" -m ratrain.comm.bench --op allreduce --algo hier,mpi \
-      --sizes 64M --iters 10 --warmup 2 | tee "$OUT/comm-1node.jsonl" ;;
+    for mode in "" --shared; do  # private buffers (the runtime's), then buffers in shared memory
+      "$MPIRUN" -n 4 --oversubscribe "$PY" -m ratrain.comm.bench --op allreduce --algo hier,mpi \
+        --sizes 64M --iters 10 --warmup 2 $mode | tee -a "$OUT/comm-1node.jsonl"
+    done ;;
   kill)  # every process of node 2 killed mid-run: the job ends, non-zero, naming the ranks
     "${TWO[@]}" "${TRAIN[@]}" --set parallel.pp=2 --set parallel.dp=4 --set run.steps=100000 \
       --set "run.dir=$OUT/kill" > "$OUT/kill.out" 2> "$OUT/kill.err" & pid=$!

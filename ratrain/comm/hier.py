@@ -32,6 +32,9 @@ its lane and the copy of the others'); the busiest node interface carries n for 
 and for an all-reduce n between two nodes (a ring's traffic) and 2n at an interior node of a
 longer chain (a ring's 2(R-1)/R n tends to the same); rounds overlap the two.
 
+A one-node group's buffers kept in shared memory (`NodeGroup.shared_array`) are all-reduced in
+place (`_InPlace`: each member folds its lane out of the others' buffers and into them).
+
     group = NodeGroup(comm, nodes_of_members)      # collective over comm (a window per run)
     run(hier_reduce_op(buf, group, tag=..., link=...))          # all-reduce in place
     seg = run(hier_reduce_op(buf, group, scatter=True))          # reduce-scatter: own segment
