@@ -119,24 +119,29 @@ class CommEngine:
             self._coll_count[key] = k + 1
         return COLL_TAG_BASE + k % COLL_TAG_SPAN
 
+    def _group(self, comm):
+        """The topology's NodeGroup of `comm` (hierarchical collectives), or None."""
+        return self.topology.group(comm) if self.topology is not None else None
+
     def allreduce(self, buf, comm=None, algo: str = "auto", op="sum") -> Future:
         comm = comm if comm is not None else self.comm
-        nbytes = buf.nbytes
+        nbytes, group = buf.nbytes, self._group(comm)
         if algo == "auto":
-            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link)
+            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link, group)
         tag = self._coll_tag(comm)
         return self.submit(coll.allreduce_op, buf, comm, algo, op, tag, self.link, self.ledger,
-                           name=f"allreduce({algo}, {nbytes} B, {comm.Get_size()} ranks)")
+                           group, name=f"allreduce({algo}, {nbytes} B, {comm.Get_size()} ranks)")
 
-    def reduce_scatter(self, buf, comm=None, op="sum") -> Future:
+    def reduce_scatter(self, buf, comm=None, op="sum", algo: str = "auto") -> Future:
         comm = comm if comm is not None else self.comm
         return self.submit(coll.reduce_scatter_op, buf, comm, op, self._coll_tag(comm), self.link,
-                           self.ledger, name=f"reduce_scatter({buf.nbytes} B)")
+                           self.ledger, algo, self._group(comm),
+                           name=f"reduce_scatter({algo}, {buf.nbytes} B)")
 
-    def allgather(self, buf, comm=None) -> Future:
+    def allgather(self, buf, comm=None, algo: str = "auto") -> Future:
         comm = comm if comm is not None else self.comm
-        return self.submit(coll.allgather_op, buf, comm, self._coll_tag(comm), self.link,
-                           name=f"allgather({buf.nbytes} B)")
+        return self.submit(coll.allgather_op, buf, comm, self._coll_tag(comm), self.link, algo,
+                           self._group(comm), name=f"allgather({algo}, {buf.nbytes} B)")
 
     def bcast(self, buf, comm=None, root: int = 0) -> Future:
         comm = comm if comm is not None else self.comm

@@ -106,12 +106,18 @@ class ParallelConfig:
     num_micro_batches: micro-batches per step on each replica (gradient accumulation; the
         pipeline's m)
     layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible
+    placement: pp | dp: which grid axis is laid on neighbouring ranks, hence stays inside a node
+        (pp: a replica's stages, so pipeline messages stay in a node; dp: a stage's replicas, so
+        the gradient all-reduce does); results are bitwise the same either way
     """
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
     num_micro_batches: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    placement: str = "pp"  # see comm.topology and docs/BENCHMARKS.md (Nodes) for the default
+
+    PLACEMENTS = ("pp", "dp")
 
     @property
     def world_size(self) -> int:
@@ -124,6 +130,7 @@ class ParallelConfig:
     def check(self) -> None:
         for key in ("pp", "dp", "micro_batch", "num_micro_batches"):
             _positive(self, "parallel", key)
+        _choice(self, "parallel", "placement", self.PLACEMENTS)
         if self.layers_per_stage is not None:
             if len(self.layers_per_stage) != self.pp:
                 raise ConfigError(
@@ -275,11 +282,15 @@ class PlatformConfig:
 
     profile: host (this machine, no cap, no pacing) | mt3000 | a profile YAML path
     ddr_bytes: DDR cap per rank in bytes (the ledger refuses to go over it)
-    link_bandwidth: link bandwidth in bytes/s
-    link_latency: link latency in s
+    link_bandwidth: bandwidth in bytes/s of a node's network interface, shared by its ranks
+    link_latency: latency in s of a message between nodes
     compute_flops: compute rate per rank in flop/s (pacing, and the peak MFU is taken against)
     time_scale: emulated time = platform time x time_scale
-    emulate: throttle links and pace compute to the profile
+    emulate: throttle links and pace compute to the profile (and cut one host's ranks into nodes
+        of ranks_per_node)
+    intra_bandwidth: bandwidth in bytes/s between two ranks of one node (each rank its own link)
+    intra_latency: latency in s of a message inside a node
+    ranks_per_node: ranks (clusters) a node holds, sharing its interface
     """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
@@ -289,13 +300,19 @@ class PlatformConfig:
     compute_flops: float | None = None  # flop/s per rank
     time_scale: float = 1.0  # emulated time = platform time x time_scale
     emulate: bool = False  # throttle links and pace compute to the profile
+    intra_bandwidth: float | None = None  # bytes/s between two ranks of one node
+    intra_latency: float | None = None  # s
+    ranks_per_node: int | None = None  # ranks sharing a node and its network interface
 
     def check(self) -> None:
-        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops"):
+        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
+                    "intra_bandwidth", "intra_latency"):
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"platform.{key}={v} must be >= 0")
         _positive(self, "platform", "time_scale")
+        if self.ranks_per_node is not None:
+            _positive(self, "platform", "ranks_per_node")
 
 
 @dataclass(frozen=True)
