@@ -131,3 +131,44 @@ def test_grid_shows_lifecycle():
     inf = infos(2, 2)
     text = grid([Policy("ratrain").build_step(i, True) for i in inf], [i.blocks for i in inf])
     assert "update head" in text and "sync L3" in text and "norm" in text and "B mb1" in text
+
+
+def _combinations():
+    from itertools import product
+
+    from ratrain.lifecycle.policies import BUFFERS, ORDERS, SYNCS, UPDATES, Components
+
+    for order, sync, update, buffers, shard, prefetch in product(
+            ORDERS, SYNCS, UPDATES, BUFFERS, (False, True), (False, True)):
+        if prefetch and not shard:
+            continue  # prefetch is about gathers: the same lists without sharding
+        yield Components(sync=sync, update=update, buffers=buffers, shard=shard,
+                         prefetch=prefetch, order=order)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 3), (3, 2), (4, 6)])
+def test_every_combination_of_components_validates_and_computes_the_same(pp, m, precision):
+    from dataclasses import replace
+
+    ref = None
+    for comp in _combinations():
+        pol = Policy("baseline-1f1b", bucket_bytes=150, components=comp)
+        dp = 2 if comp.shard else 1
+        stage_infos = [replace(i, shards=pol.shards(dp)) for i in infos(pp, m, precision)]
+        validate_policy(pol, stage_infos, steps=3)
+        compute = [[(type(a).__name__, a.mb) for a in pol.build_step(i, False)
+                    if a.group != "lifecycle"] for i in stage_infos]
+        if comp.order == "1f1b":
+            ref = ref or compute
+            assert compute == ref, pol.label
+
+
+def test_presets_are_components():
+    from ratrain.lifecycle.policies import PRESETS, Components
+
+    assert Policy("ratrain").components == PRESETS["ratrain"]
+    custom = Policy("baseline-1f1b", components=Components(sync="layer"))
+    assert custom.label == "baseline-1f1b(sync=layer)" and Policy("ratrain").label == "ratrain"
+    with pytest.raises(ValueError, match="schedule.sync='eager' is not one of"):
+        Components(sync="eager")

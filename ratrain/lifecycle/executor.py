@@ -491,7 +491,8 @@ class Executor:
         sizes = measure_stage_sizes(self, choice)
         lists = self.policy.steps(self.info, 2, flush=False)
         if mode == "auto":
-            chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks)
+            per_layer = self.policy.components.recovery == "per-layer"
+            chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks, per_layer)
             return {b: chosen.get(b, "none") for b in choice}, peak
         return choice, simulate_peak(lists, self.blocks, sizes)
 
