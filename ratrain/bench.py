@@ -39,8 +39,9 @@ import time
 import numpy as np
 
 from ratrain.config import load_config
-from ratrain.exec.context import BLAS
+from ratrain.exec.context import sgemm_rate
 from ratrain.exec.profile import Profile
+from ratrain.fileio import atomic_write
 from ratrain.lifecycle.rank import build_rank
 from ratrain.shim import allocator
 
@@ -142,18 +143,8 @@ def torch_remote(threads: int, malloc: str):
 
 def sgemm_step(threads: int, n: int = 2048):
     """A step function returning one sgemm rate (GFLOP/s) of (n x n) @ (n x n)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-
-    def step():
-        with BLAS.limit(threads):
-            t = time.perf_counter()
-            np.matmul(a, b, out=c)
-            return 2 * n**3 / (time.perf_counter() - t) / 1e9
-
-    return step
+    rate = sgemm_rate(threads, n)
+    return lambda: rate() / 1e9
 
 
 def throughput(a) -> dict:
@@ -170,7 +161,8 @@ def throughput(a) -> dict:
 
             remote["torch_eager"] = torch_remote(a.threads, a.torch_malloc)
         except ImportError as e:
-            print(f"# PyTorch eager skipped: {e}", file=sys.stderr)
+            print(f"# PyTorch eager skipped: {e}; pip install 'ratrain[bench]' installs it",
+                  file=sys.stderr)
     steps.update(remote)
     sgemm = sgemm_step(a.threads)
     times = {k: [] for k in steps}
@@ -300,26 +292,29 @@ def profile(a) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ratrain.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--no-fp16", action="store_true")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="compute threads of ratrain and of PyTorch (default 2)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timed steps per contender, interleaved (default 5; medians reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="leave PyTorch out (it is skipped anyway when not installed: "
+                    "pip install 'ratrain[bench]')")
+    ap.add_argument("--no-fp16", action="store_true", help="leave ratrain's fp16 step out")
     ap.add_argument("--memory", action="store_true", help="the memory-accounting check only")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel time of a step against the sgemm bound (median of --rounds)")
     ap.add_argument("--recompute", default="none", help="schedule.recompute for --memory")
     ap.add_argument("--torch-malloc", choices=("default", "tuned"), default="default",
                     help="the PyTorch process's allocator (default: as PyTorch users run it)")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="", metavar="FILE", help="also write the results to FILE")
     a = ap.parse_args(argv)
     allocator.tune()
     out = memory(a) if a.memory else profile(a) if a.profile else throughput(a)
     text = json.dumps(out, indent=1)
     print(text)
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+        atomic_write(a.json, text + "\n")
     return 0
 
 

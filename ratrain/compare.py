@@ -19,9 +19,10 @@ from ratrain.fileio import atomic_path
 
 
 def read_metrics(path: str, key: str = "loss") -> dict[int, float]:
-    """step -> value of `key` from a run directory or a metrics.jsonl file."""
+    """step -> value of `key` from a run directory (its metrics.jsonl, or eval.jsonl for an
+    `eval_*` key) or a metrics file."""
     if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
+        path = os.path.join(path, "eval.jsonl" if key.startswith("eval_") else "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"error: {path} does not exist (give a run directory or a metrics.jsonl)")
     out: dict[int, float] = {}
@@ -77,12 +78,16 @@ def plot(png: str, a, b, steps, devs, names, key) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ratrain.compare", description=__doc__.split("\n")[1])
-    ap.add_argument("run_a")
-    ap.add_argument("run_b")
+    ap = argparse.ArgumentParser(
+        prog="python -m ratrain.compare",
+        description="Compare the loss curves of two runs: prints max_rel_dev=<float> steps=<n> "
+        "over the steps both hold; exit 1 when over --tol.")
+    ap.add_argument("run_a", help="a run directory (holding metrics.jsonl) or a metrics file")
+    ap.add_argument("run_b", help="the reference run (the deviation is relative to it)")
     ap.add_argument("--tol", type=float, default=None, help="fail (exit 1) above this max_rel_dev")
     ap.add_argument("--png", default=None, help="draw both curves and their relative difference")
-    ap.add_argument("--key", default="loss", help="metric to compare (default: loss)")
+    ap.add_argument("--key", default="loss",
+                    help="metric to compare (default: loss; eval_loss: the evals)")
     args = ap.parse_args(argv)
     a = read_metrics(args.run_a, args.key)
     b = read_metrics(args.run_b, args.key)

@@ -14,6 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -31,6 +32,24 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model: a LLaMA-family decoder. With init.from_hf every key but seq_len comes from
+    the imported config.json.
+
+    vocab_size: tokens in the vocabulary (embedding rows and LM-head outputs); every id in the data
+        must be below it
+    hidden: width of the residual stream (model dimension)
+    layers: decoder layers
+    heads: attention heads (must divide hidden; hidden / heads is the head size, even for RoPE)
+    kv_heads: key/value heads for grouped-query attention (must divide heads; = heads: plain
+        multi-head)
+    ffn_hidden: inner width of the SwiGLU MLP
+    seq_len: tokens per training sequence (the context the model is trained on)
+    rope_theta: RoPE base frequency
+    norm_eps: RMSNorm epsilon
+    tie_embeddings: share the embedding matrix with the LM head (needs parallel.pp=1)
+    max_positions: longest sequence the model is meant for, exported as max_position_embeddings; 0
+        = seq_len (init.from_hf: config.json's)
+    """
     vocab_size: int = 256
     hidden: int = 128
     layers: int = 4
@@ -41,6 +60,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    max_positions: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +86,11 @@ class ModelConfig:
             )
         _positive(self, "model", "rope_theta")
         _positive(self, "model", "norm_eps")
+        if self.max_positions and self.max_positions < self.seq_len:
+            raise ConfigError(
+                f"model.max_positions={self.max_positions} is below model.seq_len={self.seq_len}: "
+                "raise it, or set 0 (= seq_len)"
+            )
 
     def num_params(self) -> int:
         """Parameters of the whole model (embedding, layers, final norm, LM head)."""
@@ -86,6 +111,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the ranks are laid out: pp pipeline stages x dp data-parallel replicas (world size =
+    pp x dp); global batch = micro_batch x num_micro_batches x dp sequences.
+
+    pp: pipeline stages (each holds a contiguous slice of layers)
+    dp: data-parallel replicas
+    micro_batch: sequences per micro-batch
+    num_micro_batches: micro-batches per step on each replica (gradient accumulation; the
+        pipeline's m)
+    layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible
+    """
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
@@ -119,6 +154,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
+    """When things happen (never what is computed: every policy gives bitwise the same losses).
+
+    policy: baseline-1f1b | megatron-1f1b | ratrain | gpipe: where gradient sync, update and view
+        materialisation are placed
+    recompute: none | selective | full | auto: what a layer's backward re-runs (auto: the fewest
+        layers full that fit the DDR cap)
+    shard_optimizer: under ratrain with dp > 1, shard each block's fp32 master and AdamW moments
+        over the replicas
+    """
     policy: str = "ratrain"
     recompute: str = "none"
     # ratrain with dp > 1: shard each block's fp32 master and AdamW moments over the replicas
@@ -135,6 +179,21 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """AdamW (torch.optim.AdamW's arithmetic) with fp32 masters, warm-up and cosine decay.
+
+    lr: peak learning rate
+    betas: AdamW (beta1, beta2)
+    eps: AdamW epsilon
+    weight_decay: decoupled weight decay
+    grad_clip: clip the global gradient norm to this; 0 disables clipping
+    warmup_steps: linear warm-up steps from 0 to lr
+    lr_schedule: constant | cosine (after warm-up)
+    min_lr: cosine floor
+    decay_steps: cosine length after warm-up; 0 = run.steps - warmup_steps
+    no_decay: parameter-name globs exempt from weight decay, e.g. "*norm*" or [embed.*, "*norm*"]
+    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default)
+    loss_scale_window: fp16: steps without overflow before the scale doubles
+    """
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -165,12 +224,27 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Token files (a flat uint16/uint32 array, nanoGPT's .bin layout) and the held-out eval.
+
+    tokens: training token file; "" = the embedded default corpus (prepared on first use)
+    order: sequential | shuffled windows of seq_len + 1 tokens
+    seed: shuffle seed (order: shuffled)
+    eval_tokens: held-out token file; "" = the val split beside tokens, if any
+    eval_interval: steps between eval losses (written to eval.jsonl); 0 = never
+    eval_batches: batches of the held-out file each eval reads (the same ones every time)
+    tokenizer: the tokenizer of the token files: "byte" or a tokenizer.json path; "" = what the
+        token file's sidecar records (filled in at start-up, carried to checkpoints and exports)
+    tokenizer_sha256: SHA-256 of the tokenizer.json; "" = filled in at start-up; set: the file must
+        match it
+    """
     tokens: str = ""  # token file; "" = the embedded default corpus (prepared on first use)
     order: str = "sequential"
     seed: int = 0
     eval_tokens: str = ""  # held-out token file; "" = the `.val` split beside `tokens`, if any
     eval_interval: int = 0  # steps between eval losses; 0 = never
     eval_batches: int = 4
+    tokenizer: str = ""
+    tokenizer_sha256: str = ""
 
     def check(self) -> None:
         _choice(self, "data", "order", ("sequential", "shuffled"))
@@ -182,6 +256,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class InitConfig:
+    """Where the starting weights come from (a resumed checkpoint takes precedence).
+
+    seed: seed of the random initialisation (each parameter a function of the seed and its name
+        alone)
+    from_hf: a Hugging Face LLaMA directory (config.json + safetensors) to start from; the model
+        section then comes from its config.json
+    """
     seed: int = 1234
     from_hf: str = ""  # directory with config.json + model.safetensors; "" = random init
 
@@ -192,6 +273,16 @@ class InitConfig:
 
 @dataclass(frozen=True)
 class PlatformConfig:
+    """The platform each rank plays (ratrain/shim/profiles); null values keep the profile's.
+
+    profile: host (this machine, no cap, no pacing) | mt3000 | a profile YAML path
+    ddr_bytes: DDR cap per rank in bytes (the ledger refuses to go over it)
+    link_bandwidth: link bandwidth in bytes/s
+    link_latency: link latency in s
+    compute_flops: compute rate per rank in flop/s (pacing, and the peak MFU is taken against)
+    time_scale: emulated time = platform time x time_scale
+    emulate: throttle links and pace compute to the profile
+    """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
     ddr_bytes: int | None = None
@@ -211,6 +302,13 @@ class PlatformConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """HDF5 checkpoints: written every interval steps and at the last step, resumed from.
+
+    dir: checkpoints directory; "" = <run.dir>/checkpoints
+    interval: steps between checkpoints (and one at the last step); 0 = none
+    keep: committed checkpoints kept (older ones are deleted)
+    resume: auto (the newest committed checkpoint, if any) | never | a checkpoint path
+    """
     dir: str = ""  # "" = <run.dir>/checkpoints
     interval: int = 0  # steps between checkpoints; 0 = only none
     keep: int = 2
@@ -226,11 +324,23 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """The run: where it writes and how long it goes.
+
+    dir: run directory (config.yaml, metrics.jsonl, eval.jsonl, trace.json, checkpoints)
+    steps: total optimizer steps (a resumed run continues up to this step)
+    log_interval: steps between progress lines
+    trace: write trace.json (Chrome trace events; Perfetto) at the end
+    threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
+        affinity, shared by the node's ranks that have the same cores)
+    tensorboard: also log scalars to <run.dir>/tensorboard (needs the tensorboard extra:
+        tensorboardX)
+    """
     dir: str = "runs/default"
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
+    tensorboard: bool = False
 
     def check(self) -> None:
         _positive(self, "run", "steps")
@@ -241,6 +351,10 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A run's configuration: sections of keys, and precision.
+
+    precision: fp32 | fp16 (fp16 views and activations, fp32 masters, dynamic loss scaling)
+    """
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: str = "fp32"
@@ -299,8 +413,28 @@ class Config:
 # --------------------------------------------------------------------------------------------
 
 
+JOBS = Path(__file__).resolve().parent / "jobs"  # the example jobs shipped in the package
+
+
+def shipped_jobs() -> list[str]:
+    """Names of the example jobs shipped with ratrain (`tiny`, `llama2-7b`, ...)."""
+    return sorted(p.stem for p in JOBS.glob("*.yaml")) if JOBS.is_dir() else []
+
+
+def job_path(path: str | os.PathLike) -> str:
+    """`path` itself, or, when no such file exists and it is a bare name, the shipped job of
+    that name (`tiny` -> ratrain/jobs/tiny.yaml)."""
+    p = str(path)
+    if os.path.exists(p) or os.sep in p:
+        return p
+    shipped = JOBS / (p if p.endswith(".yaml") else p + ".yaml")
+    return str(shipped) if shipped.is_file() else p
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Read `path` (YAML), apply `section.key=value` overrides, validate; raise ConfigError."""
+    """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
+    validate; raise ConfigError."""
+    path = job_path(path) if path is not None else None
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}
     if path is not None:
@@ -308,12 +442,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
         except FileNotFoundError:
-            raise ConfigError(f"config file {source!r} does not exist") from None
+            jobs = ", ".join(shipped_jobs())
+            raise ConfigError(
+                f"config file {source!r} does not exist (shipped jobs: {jobs})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{source}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
     data = _deepcopy(data)
+    for ov in overrides:
+        _apply_override(data, ov)
+    return config_from_dict(data, source)
+
+
+def with_overrides(cfg: Config, overrides, source: str = "<config>") -> Config:
+    """`cfg` with `section.key=value` overrides applied as `--set` applies them; validated."""
+    data = cfg.to_dict()
     for ov in overrides:
         _apply_override(data, ov)
     return config_from_dict(data, source)
@@ -339,7 +483,10 @@ def _apply_override(data: dict, ov: str) -> None:
         raise ConfigError(
             f"--set {ov!r}: unknown section {parts[0]!r}; sections are {', '.join(hints)}"
         )
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw.strip()  # not YAML (a glob such as *norm*): the text as given
     node = data
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -452,18 +599,8 @@ def _deepcopy(d):
 
 
 __all__ = [
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "InitConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "PlatformConfig",
-    "RunConfig",
-    "ScheduleConfig",
-    "config_from_dict",
-    "load_config",
-    "replace",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "InitConfig", "ModelConfig",
+    "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig",
+    "config_from_dict", "job_path", "load_config", "replace", "shipped_jobs",
+    "with_overrides",
 ]

@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA checkpoints: import (`init.from_hf`) and export.
+"""Hugging Face LLaMA checkpoints: import (`init.from_hf`); export is `ratrain.export`.
 
 A Hugging Face directory holds `config.json` and either `model.safetensors` or sharded
 `model-0000x-of-0000y.safetensors` files with `model.safetensors.index.json` (as
@@ -19,11 +19,8 @@ half of a float32), F64 rounded to fp32. Any mismatch (a missing or unexpected t
 shape, an unsupported dtype, an architecture other than LlamaForCausalLM) is an `HFError`
 naming the tensor and the file.
 
-Export (`export_hf`) writes an fp32 `model.safetensors` and a `config.json` that
-`transformers.LlamaForCausalLM.from_pretrained` loads (4.x and 5.x keys both present); each
-file goes through `ratrain.fileio` (temporary name, fsync, rename, fsync the directory),
-`config.json` last. `load_hf_params` of
-an exported directory returns the exported arrays bitwise.
+`load_hf_params` of a directory `ratrain.export` wrote returns the exported arrays bitwise
+(fp32 exports; fp16 and bf16 ones give their rounded values exactly).
 """
 
 from __future__ import annotations
@@ -31,14 +28,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import replace
 
 import numpy as np
 
 from ratrain.config import ConfigError, ModelConfig
 from ratrain.exec.spec import model_blocks
-from ratrain.fileio import atomic_path, atomic_write
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -159,6 +155,8 @@ def hf_model_config(hf_dir: str) -> dict:
     values["norm_eps"] = float(values["norm_eps"])
     values["tie_embeddings"] = bool(values["tie_embeddings"])
     values["rope_theta"] = _rope_theta(cfg, path)
+    values["max_positions"] = int(cfg.get("max_position_embeddings",
+                                          _DEFAULTS["max_position_embeddings"]))
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * values["heads"] != values["hidden"]:
         raise HFError(
@@ -166,6 +164,27 @@ def hf_model_config(hf_dir: str) -> dict:
             f"hidden_size={values['hidden']}: ratrain needs head_dim = hidden_size / heads"
         )
     return values
+
+
+def import_model_section(cfg, hf_dir: str, overrides=()):
+    """`cfg` (a Config) with its model section from `hf_dir`'s config.json (seq_len kept).
+
+    A `--set model.KEY=...` among `overrides` that contradicts config.json is an HFError naming
+    both values (the imported architecture is fixed); the job file's model section is replaced
+    (it usually describes another model)."""
+    values = hf_model_config(hf_dir)
+    path = os.path.join(hf_dir, CONFIG)
+    for ov in overrides:
+        key = ov.split("=", 1)[0].strip()
+        name = key[len("model."):]
+        if key.startswith("model.") and name in values and getattr(cfg.model, name) != values[name]:
+            raise HFError(
+                f"--set {key}={getattr(cfg.model, name)!r} contradicts init.from_hf={hf_dir!r}, "
+                f"whose {path} gives {name}={values[name]!r}: drop the --set (the imported "
+                "model's architecture comes from its config.json; only model.seq_len is yours)"
+            )
+    model = resolve_model_config(cfg.model, hf_dir)
+    return replace(cfg, model=model)
 
 
 def hf_max_positions(hf_dir: str) -> int:
@@ -176,7 +195,8 @@ def hf_max_positions(hf_dir: str) -> int:
 
 def resolve_model_config(model: ModelConfig, hf_dir: str) -> ModelConfig:
     """`model` with every field config.json determines replaced (seq_len is kept from our
-    config and must not exceed max_position_embeddings); validated."""
+    config and must not exceed max_position_embeddings, which becomes max_positions);
+    validated."""
     values = hf_model_config(hf_dir)
     _check_seq_len(model.seq_len, hf_dir)
     resolved = replace(model, **values)
@@ -199,6 +219,7 @@ def _check_seq_len(seq_len: int, hf_dir: str) -> None:
 def check_model_matches(model: ModelConfig, hf_dir: str) -> None:
     """Raise HFError unless `model` agrees with config.json on every field it determines."""
     values = hf_model_config(hf_dir)
+    values.pop("max_positions")  # not the architecture: seq_len is checked against it below
     bad = [f"model.{k}={getattr(model, k)!r} but config.json says {v!r}"
            for k, v in values.items() if getattr(model, k) != v]
     if bad:
@@ -285,7 +306,7 @@ def _weight_files(hf_dir: str) -> dict[str, str]:
     return {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
 
 
-def _expected(model: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+def expected_tensors(model: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{hf name: (global name, shape)} of every parameter of the model."""
     return {p.hf_name: (p.name, p.shape) for b in model_blocks(model) for p in b.params}
 
@@ -294,7 +315,7 @@ def _inventory(hf_dir: str, model: ModelConfig):
     """Check a directory against `model` from config.json and the safetensors headers only;
     return ({hf name: (global name, shape)}, {hf name: file}, {file: (header, data start)})."""
     check_model_matches(model, hf_dir)
-    expected = _expected(model)
+    expected = expected_tensors(model)
     location = _weight_files(hf_dir)
     headers: dict[str, tuple[dict, int]] = {}
     for path in sorted(set(location.values())):
@@ -372,92 +393,14 @@ def load_hf_params(
     return {g: out[g] for g in wanted}
 
 
-# --------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------
-
-
-def hf_config_dict(model: ModelConfig, max_position_embeddings: int | None = None) -> dict:
-    """A LlamaConfig as config.json (transformers 4.x and 5.x keys), fp32 weights."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden,
-        "intermediate_size": model.ffn_hidden,
-        "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads,
-        "num_key_value_heads": model.kv_heads,
-        "head_dim": model.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(max_position_embeddings or model.seq_len),
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # 5.x
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": model.tie_embeddings,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
-
-
-def export_hf(
-    params: Mapping[str, np.ndarray],
-    model: ModelConfig,
-    out_dir: str,
-    max_position_embeddings: int | None = None,
-) -> str:
-    """Write `params` ({global name: array}, every parameter of `model`) as a Hugging Face
-    LlamaForCausalLM directory: fp32 `model.safetensors`, then `config.json`. Returns out_dir.
-
-    max_position_embeddings defaults to model.seq_len.
-    """
-    from safetensors.numpy import save_file  # optional dependency: only export needs it
-
-    expected = _expected(model)
-    by_global = {g: (hf, shape) for hf, (g, shape) in expected.items()}
-    missing = [g for g in by_global if g not in params]
-    if missing:
-        raise KeyError(f"export: parameter {missing[0]!r} missing ({len(missing)} missing)")
-    extra = [g for g in params if g not in by_global]
-    if extra:
-        raise KeyError(f"export: {extra[0]!r} is not a parameter of this model")
-    tensors = {}
-    for g, (hf_name, shape) in by_global.items():
-        arr = params[g]
-        if hasattr(arr, "get"):  # cupy -> host
-            arr = arr.get()
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if arr.shape != shape:
-            raise ValueError(f"export: {g!r} has shape {arr.shape}, expected {shape}")
-        tensors[hf_name] = arr
-
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, INDEX)):
-        raise HFError(
-            f"{out_dir}: holds a sharded checkpoint ({INDEX}); export into an empty directory"
-        )
-    with atomic_path(os.path.join(out_dir, SINGLE)) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-    text = json.dumps(hf_config_dict(model, max_position_embeddings), indent=2) + "\n"
-    atomic_write(os.path.join(out_dir, CONFIG), text)
-    return out_dir
-
-
 __all__ = [
     "HFError",
     "check_hf",
     "check_model_matches",
-    "export_hf",
-    "hf_config_dict",
+    "expected_tensors",
     "hf_max_positions",
     "hf_model_config",
+    "import_model_section",
     "load_hf_params",
     "read_hf_config",
     "read_safetensors_header",

@@ -1,4 +1,12 @@
-"""Per-step metrics: `metrics.jsonl` records and the progress line printed on rank 0."""
+"""Per-step metrics: `metrics.jsonl` records, `eval.jsonl` records and the progress line
+printed on rank 0.
+
+`metrics.jsonl` holds one record per training step, every record with the same fields and
+types (`REQUIRED`, plus `mfu` and `elapsed_s` from the trainer); eval results go to their own
+file, `eval.jsonl` (`step, eval_loss, eval_ppl, eval_tokens, elapsed_s`), so a table of either
+file has one type per column. The progress line shows MFU (model flops utilisation: achieved
+flop/s over the peak of every rank) and the time elapsed since the run (or its resume) began.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import time
 
 from ratrain.fileio import atomic_write
 
+EVAL_FILE = "eval.jsonl"
 REQUIRED = (
     "step",
     "loss",
@@ -57,6 +66,7 @@ class MetricsWriter:
         self._time_sum = 0.0
         self._truncate_after(resume_step)
         self._f = open(self.path, "a")
+        self._eval = None
 
     def _truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):
@@ -97,16 +107,25 @@ class MetricsWriter:
         ]
         if flops_per_token:
             parts.append(f"{rec['tokens_per_s'] * flops_per_token / 1e9:.1f} GFLOP/s")
+        if rec.get("mfu") is not None:
+            parts.append(f"MFU {100 * rec['mfu']:.1f}%")
         parts.append(f"peak {_human(rec['peak_ddr_bytes'])}")
         if rec.get("skipped"):
             parts.append(f"SKIPPED (overflow, scale -> {rec['loss_scale']:g})")
+        if "elapsed_s" in rec:
+            parts.append(f"elapsed {_eta(rec['elapsed_s'])}")
         parts.append(f"ETA {_eta(eta)}")
         return " | ".join(parts)
 
     def write_event(self, rec: dict) -> None:
-        """Non-step records (eval losses) go to the same file, without a `loss` key clash."""
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        """An eval record, to `eval.jsonl` (appended; its own file so that `metrics.jsonl`
+        keeps one type per field)."""
+        if self._eval is None:
+            self._eval = open(os.path.join(os.path.dirname(self.path), EVAL_FILE), "a")
+        self._eval.write(json.dumps(rec) + "\n")
+        self._eval.flush()
 
     def close(self) -> None:
         self._f.close()
+        if self._eval is not None:
+            self._eval.close()

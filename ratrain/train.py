@@ -13,6 +13,7 @@ and loops over steps; the schedule and its numerics live in `ratrain.lifecycle`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,14 +27,17 @@ from ratrain.checkpoint import (
     save_checkpoint,
 )
 from ratrain.comm.abort import abort_on_error
-from ratrain.config import Config, ConfigError, config_from_dict, load_config
-from ratrain.data import check_data, eval_batches, open_datasets
+from ratrain.config import Config, ConfigError, load_config
+from ratrain.data import check_data, eval_batches, open_datasets, record_tokenizer
 from ratrain.exec.params import BUFFERS
 from ratrain.fileio import atomic_write
-from ratrain.hf import check_hf, hf_model_config, load_hf_params
+from ratrain.hf import check_hf, import_model_section, load_hf_params
 from ratrain.lifecycle.rank import build_rank
 from ratrain.metrics import MetricsWriter
 from ratrain.shim import allocator
+from ratrain import tblog
+from ratrain.plan.check import run_plan
+from ratrain.tblog import TensorBoard
 
 
 class StartupError(RuntimeError):
@@ -45,7 +49,8 @@ def parse_args(argv=None):
         prog="python -m ratrain.train",
         description="Train a LLaMA-family model with ratrain (one process, mpirun or srun).",
     )
-    ap.add_argument("--config", required=True, help="YAML job file (see jobs/)")
+    ap.add_argument("--config", required=True,
+                    help="YAML job file, or the name of a shipped job (tiny, correctness, ...)")
     ap.add_argument(
         "--set",
         dest="overrides",
@@ -54,6 +59,11 @@ def parse_args(argv=None):
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set optim.lr=1e-3",
     )
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML; with init.from_hf's model) and exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check config, data, world size and the memory plan against the DDR "
+                    "cap on every rank, train nothing; exit 0 (fits) or 2")
     return ap.parse_args(argv)
 
 
@@ -85,12 +95,7 @@ def resolve_config(args) -> Config:
     cfg = load_config(args.config, args.overrides)
     if cfg.init.from_hf:
         # The model section comes from the checkpoint's config.json (seq_len stays ours).
-        hf_model = hf_model_config(cfg.init.from_hf)
-        data = cfg.to_dict()
-        seq_len = data["model"]["seq_len"]
-        data["model"].update(hf_model)
-        data["model"]["seq_len"] = seq_len
-        cfg = config_from_dict(data, f"{args.config} + {cfg.init.from_hf}/config.json")
+        cfg = import_model_section(cfg, cfg.init.from_hf, args.overrides)
     return cfg
 
 
@@ -105,8 +110,11 @@ def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     agree(comm, cfg.check_world, comm.Get_size())
     data_paths = agree(comm, check_data, cfg, comm)
+    cfg = agree(comm, record_tokenizer, cfg, data_paths)
     if cfg.init.from_hf:
         agree(comm, check_hf, cfg.init.from_hf, cfg.model)
+    if cfg.run.tensorboard:
+        agree(comm, tblog.check)
     resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     return Setup(cfg, data_paths, resume)
 
@@ -133,7 +141,7 @@ class Trainer:
             self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
         self.writes_metrics = self.executor.reports_loss
-        self.metrics = None
+        self.metrics = self.tb = None
 
     @property
     def replica(self) -> int:
@@ -164,6 +172,13 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
+        if self.start_step >= cfg.run.steps:
+            if self.rank == 0:
+                print(f"nothing to do: resumed at step {self.start_step} (checkpoint.resume="
+                      f"{cfg.checkpoint.resume}), run.steps={cfg.run.steps}; raise run.steps to "
+                      "train on, or set checkpoint.resume=never to start over", flush=True)
+            self.close()
+            return 0
         if self.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
         if self.comm.Get_size() > 1:
@@ -171,8 +186,11 @@ class Trainer:
         if self.rank == 0:
             atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
             self._banner()
+        self.t_start = time.perf_counter()
         if self.writes_metrics:
             self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps, self.start_step)
+            peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            self.tb = TensorBoard(cfg.run.dir) if cfg.run.tensorboard else None
         fpt = cfg.model.flops_per_token()
         tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_len
         for step in range(self.start_step, cfg.run.steps):
@@ -193,9 +211,13 @@ class Trainer:
                     "step_time_s": dt,
                     "tokens_per_s": tokens_per_step / dt,
                     "peak_ddr_bytes": int(res.peak_ddr_bytes),
+                    "mfu": tokens_per_step / dt * fpt / peak,
+                    "elapsed_s": time.perf_counter() - self.t_start,
                 }
                 log = n % cfg.run.log_interval == 0 or n == cfg.run.steps or n == self.start_step + 1
                 self.metrics.write(rec, fpt, log=log)
+                if self.tb is not None:
+                    self.tb.log(rec, "train")
             if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_ds is not None:
                 self._eval(n)
             if cfg.checkpoint.interval and (n % cfg.checkpoint.interval == 0 or n == cfg.run.steps):
@@ -218,11 +240,18 @@ class Trainer:
         batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
         loss = self.executor.eval_loss(batches)
         if self.metrics is not None:
-            self.metrics.write_event({"step": n, "eval_loss": loss})
-            print(f"step {n:>5d} | eval loss {loss:.4f}", flush=True)
+            rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+                   "eval_tokens": len(batches) * self.cfg.parallel.global_batch
+                   * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
+            self.metrics.write_event(rec)
+            if self.tb is not None:
+                self.tb.log(rec, "eval")
+            print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
+                  flush=True)
 
     def _save(self, n: int) -> None:
         cfg = self.cfg
+        t0 = time.perf_counter()
         self.executor.flush()  # deferred updates applied: the saved masters are step n's
         if self.executor.sharded:
             # Each replica holds a segment of every block: gather one block at a time while
@@ -231,7 +260,7 @@ class Trainer:
             tensors = StateStream(shapes, BUFFERS, self.executor.iter_full_state())
         else:
             tensors = self.state.state_dict()
-        save_checkpoint(
+        path = save_checkpoint(
             checkpoint_root(cfg.checkpoint, cfg.run.dir),
             n,
             cfg,
@@ -242,6 +271,9 @@ class Trainer:
             comm=self.comm if self.comm.Get_size() > 1 else None,
             log=(lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None),
         )
+        if self.rank == 0:
+            print(f"step {n:>5d} | checkpoint saved: {path} ({time.perf_counter() - t0:.1f}s)",
+                  flush=True)
 
     def _banner(self) -> None:
         cfg = self.cfg
@@ -250,19 +282,59 @@ class Trainer:
             f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
             f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
             f"{cfg.precision}, policy {cfg.schedule.policy}, recompute {cfg.schedule.recompute}, "
-            f"platform {self.profile.name}, steps {self.start_step + 1}..{cfg.run.steps}, "
-            f"run dir {cfg.run.dir}",
+            f"platform {self.profile.name}, {self.parts.ctx.threads} threads/rank, "
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
+            + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
         )
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
         self.parts.close()
+
+
+def print_config(args) -> int:
+    """--print-config: the resolved config as YAML (no MPI, no data read)."""
+    try:
+        print(resolve_config(args).to_yaml(), end="", flush=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def dry_run(setup: Setup, comm) -> int:
+    """--dry-run: after every start-up check, the memory plan against the cap, checked on every
+    rank for its own stage; prints the plan; trains nothing."""
+    plan = agree(comm, run_plan, setup.cfg)
+    bad = None
+    try:
+        agree(comm, plan.check, comm.Get_rank())
+    except StartupError as e:
+        bad = e
+    if comm.Get_rank() == 0:
+        cfg, ds = setup.cfg, open_datasets(setup.cfg, setup.data_paths)[0]
+        epochs = cfg.run.steps * cfg.parallel.global_batch / ds.num_windows
+        print(f"config {cfg.parallel.pp} x {cfg.parallel.dp} = {comm.Get_size()} ranks: OK\n"
+              f"data {ds.path}: {ds.num_tokens} tokens, {ds.num_windows} windows of "
+              f"{cfg.model.seq_len + 1}; run.steps={cfg.run.steps} reads {epochs:.2f} epochs\n"
+              f"eval {setup.data_paths.eval_tokens or 'none'}; tokenizer "
+              f"{cfg.data.tokenizer or 'unknown'}\n" + "\n".join(plan.describe()), flush=True)
+    if bad is not None:
+        raise bad
+    if comm.Get_rank() == 0:
+        print("dry run: every check passed; nothing trained", flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.print_config:
+        return print_config(args)
     from mpi4py import MPI  # after the arguments: --help needs no MPI
 
     allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
@@ -270,6 +342,8 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     try:
         setup = startup(args, comm)
+        if args.dry_run:
+            return dry_run(setup, comm)
     except StartupError as e:
         if comm.Get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -282,4 +356,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["StartupError", "Trainer", "agree", "main", "resolve_config", "startup"]
+__all__ = ["StartupError", "Trainer", "agree", "dry_run", "main", "print_config",
+           "resolve_config", "startup"]

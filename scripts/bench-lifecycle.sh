@@ -38,6 +38,12 @@ for r in rows:
 for r in rows:
     print(f"   {r['policy']:<14} pp{r['pp']} dp{r['dp']} m{r['m']} stage 0 s/step: {r['stage0']}  "
           f"paced compute {r['compute_s']} s, update+view {r['update_view_s']} s")
+slow = [r for r in rows if r["host_busy"] > 1.0]
+if slow:
+    print(f"WARNING: {len(slow)} row(s) with host_busy > 1.0 (worst "
+          f"{max(r['host_busy'] for r in slow):.2f}): the host could not keep pace with the "
+          "emulated platform, so their step times and ratios measure the host, not the schedule."
+          " Rerun when the load average is low, or raise platform.time_scale.")
 PYEOF
 }
 

@@ -9,10 +9,10 @@ import pytest
 from ratrain.config import ModelConfig, replace
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import model_blocks, stage_blocks
+from ratrain.export import export_hf
 from ratrain.hf import (
     HFError,
     check_hf,
-    export_hf,
     hf_max_positions,
     hf_model_config,
     load_hf_params,
@@ -65,8 +65,9 @@ def rewrite_weights(d, fn):
 def test_export_then_import_is_exact(tmp_path):
     params = random_params()
     out = export_hf(params, M, str(tmp_path / "hf"))
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    assert resolve_model_config(replace(M, layers=1, hidden=8), out) == M
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert resolve_model_config(replace(M, layers=1, hidden=8), out) == replace(
+        M, max_positions=M.seq_len)
     assert hf_max_positions(out) == M.seq_len
     back = load_hf_params(out, M)
     assert back.keys() == params.keys()
@@ -82,11 +83,16 @@ def test_export_then_import_is_exact(tmp_path):
         np.testing.assert_array_equal(arr, params[name])
 
 
-def test_reexport_overwrites_atomically(tmp_path):
+def test_reexport_needs_force_and_overwrites_atomically(tmp_path):
     out = str(tmp_path / "hf")
     export_hf(random_params(seed=1), M, out)
-    export_hf(random_params(seed=2), M, out, max_position_embeddings=4096)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no temp files left
+    with pytest.raises(HFError, match="not empty.*--force"):
+        export_hf(random_params(seed=2), M, out)
+    np.testing.assert_array_equal(load_hf_params(out, M)["embed.weight"],
+                                  random_params(seed=1)["embed.weight"])  # untouched
+    export_hf(random_params(seed=2), M, out, max_position_embeddings=4096, force=True)
+    # no temp files left
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     np.testing.assert_array_equal(load_hf_params(out, M)["embed.weight"],
                                   random_params(seed=2)["embed.weight"])
     assert hf_max_positions(out) == 4096
@@ -196,11 +202,11 @@ def test_weight_mismatches_name_tensor_and_file(tmp_path):
         check_hf(out, M)  # the start-up check: headers only
     with pytest.raises(HFError, match=rf"missing tensor '{name}'.*model.safetensors"):
         load_hf_params(out, M)
-    out = export_hf(random_params(), M, out)
+    out = export_hf(random_params(), M, out, force=True)
     rewrite_weights(out, lambda t: {**t, name: np.zeros((3, 3), np.float32)})
     with pytest.raises(HFError, match=rf"{path}: tensor '{name}' has shape \(3, 3\), expected"):
         load_hf_params(out, M)
-    out = export_hf(random_params(), M, out)
+    out = export_hf(random_params(), M, out, force=True)
     rewrite_weights(out, lambda t: {**t, "model.layers.7.mlp.up_proj.weight": t[name]})
     with pytest.raises(HFError, match=r"unexpected tensor 'model.layers.7.mlp.up_proj.weight'"):
         load_hf_params(out, M)
@@ -260,7 +266,7 @@ def test_import_from_transformers_is_exact(tmp_path, shard):
         assert "model.safetensors.index.json" in files
         assert sum(f.endswith(".safetensors") for f in files) > 2
     m = resolve_model_config(ModelConfig(seq_len=64), str(tmp_path))
-    assert m == replace(M, seq_len=64)
+    assert m == replace(M, seq_len=64, max_positions=64)  # config.json: max_position_embeddings
     ref = model.state_dict()
     got = load_hf_params(str(tmp_path), m)
     for g, hf in hf_names().items():
@@ -410,3 +416,41 @@ def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
             logits.reshape(-1, m.vocab_size), torch.tensor(ids[:, 1:]).reshape(-1)
         )
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_export_fp16_bf16_round_to_nearest_even(tmp_path):
+    from ratrain.export import to_dtype
+
+    params = random_params()
+    out = export_hf(params, M, str(tmp_path / "f16"), dtype="fp16")
+    back = load_hf_params(out, M)
+    for name, arr in params.items():
+        np.testing.assert_array_equal(back[name], arr.astype(np.float16).astype(np.float32))
+    out = export_hf(params, M, str(tmp_path / "bf16"), dtype="bf16")
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    back = load_hf_params(out, M)
+    for name, arr in params.items():
+        b = back[name]
+        assert not (b.view(np.uint32) & 0xFFFF).any()  # bf16 values, widened exactly
+        np.testing.assert_allclose(b, arr, rtol=2.0**-8)
+    # ties go to the even mantissa; NaN stays NaN
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), np.nan, 3.0], np.float32)
+    got = (to_dtype(x, "bf16").astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got[[0, 1, 2, 4]], [1.0, 1 + 2**-6, -1.0, 3.0])
+    assert np.isnan(got[3])
+
+
+def test_export_force_replaces_a_sharded_checkpoint(tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00001.safetensors").write_bytes(b"x")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    (out / "README.md").write_text("mine")
+    with pytest.raises(HFError, match="not empty"):
+        export_hf(random_params(), M, str(out))
+    export_hf(random_params(), M, str(out), force=True)
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "generation_config.json",
+                                       "model.safetensors"]
+    np.testing.assert_array_equal(load_hf_params(str(out), M)["embed.weight"],
+                                  random_params()["embed.weight"])

@@ -4,12 +4,12 @@ a ratrain import inside a function says in a comment why it is not at the top.
 Layers (a package may import only packages of a lower layer, and its own modules):
 
     0  ratrain (the version), ratrain.fileio
-    1  config, metrics
+    1  config, metrics, tblog
     2  shim
     3  comm, exec, data
     4  lifecycle, checkpoint, hf          (checkpoint and hf know the model's parameters)
-    5  plan
-    6  train, bench, export, compare      (the commands)
+    5  plan, api                          (api: load a model, logits, eval, generate)
+    6  train, bench, export, compare, eval, generate, configdoc, __main__ (the commands)
 
 The checker reads every module's source with `ast` (nothing is imported), so it also runs on a
 planted tree in `test_checker_catches_an_upward_import_and_a_cycle`.
@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[1] / "ratrain"
 
 LAYERS = {
     "ratrain": 0, "ratrain.fileio": 0,
-    "ratrain.config": 1, "ratrain.metrics": 1,
+    "ratrain.config": 1, "ratrain.metrics": 1, "ratrain.tblog": 1,
     "ratrain.shim": 2,
     "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,
     "ratrain.lifecycle": 4, "ratrain.checkpoint": 4, "ratrain.hf": 4,
-    "ratrain.plan": 5,
+    "ratrain.plan": 5, "ratrain.api": 5,
     "ratrain.train": 6, "ratrain.bench": 6, "ratrain.export": 6, "ratrain.compare": 6,
+    "ratrain.eval": 6, "ratrain.generate": 6, "ratrain.configdoc": 6, "ratrain.__main__": 6,
 }
 
 

@@ -78,19 +78,29 @@ def busbw_factor(op: str, p: int) -> float:
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ratrain.comm.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--op", default="allreduce", choices=OPS)
+    ap.add_argument("--op", default="allreduce", choices=OPS,
+                    help="collective or point-to-point test (default allreduce)")
     ap.add_argument("--algo", default="ring", help="ring|tree|auto|mpi, or several: ring,mpi")
     ap.add_argument("--sizes", default="8:256M", help="MIN:MAX (x --factor) or a list 8,64M")
-    ap.add_argument("--factor", type=int, default=4)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "float64"))
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--factor", type=int, default=4,
+                    help="size step between MIN and MAX of --sizes (default 4)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "float64"),
+                    help="element type of the buffers (default float32)")
+    ap.add_argument("--iters", type=int, default=10,
+                    help="timed iterations per size (default 10; time_s is their median)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed iterations per size first (default 2)")
     ap.add_argument("--link", action="store_true", help="run through the shim's link throttle")
     ap.add_argument("--bandwidth", type=float, default=None, help="link B/s (default: profile's)")
     ap.add_argument("--latency", type=float, default=None, help="link s/message (default: profile's)")
-    ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--profile", default="mt3000")
-    ap.add_argument("--chunk-bytes", type=int, default=None)
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="--link: emulated time = platform time x this (default 1)")
+    ap.add_argument("--profile", default="mt3000",
+                    help="--link: platform profile whose link values are the defaults (mt3000)")
+    ap.add_argument("--chunk-bytes", type=int, default=None,
+                    help="--link: bytes per throttled chunk (default: about 1 ms of wire)")
+    ap.add_argument("--allow-one-rank", action="store_true",
+                    help="run on a single rank anyway (no communication: only for testing)")
     ap.add_argument("--engine", action="store_true", help="submit through the CommEngine thread")
     ap.add_argument("--window", type=int, default=64, help="messages per window for --op stream")
     a = ap.parse_args(argv)
@@ -280,6 +290,11 @@ def main(argv=None) -> int:
     allocator.tune()  # the process keeps freed memory, as python -m ratrain.train does
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
+    if p < 2 and not a.allow_one_rank:
+        print("error: one rank: nothing to communicate (a collective on one rank moves no bytes); "
+              "launch it with mpirun -n 2 or more, e.g. mpirun -n 4 python -m ratrain.comm.bench "
+              f"--op {a.op}", file=sys.stderr)
+        return 2
     if a.op in ("pingpong", "stream") and p < 2:
         if r == 0:
             print(f"--op {a.op} needs at least 2 ranks", file=sys.stderr)

@@ -20,12 +20,12 @@ business.
     inputs, targets = train.batch_for_step(step, replica)  # (M, B, T) int64 each
 """
 
-from ratrain.data.checks import DataPaths, check_data, open_datasets
+from ratrain.data.checks import DataPaths, check_data, open_datasets, record_tokenizer
 from ratrain.data.corpus import default_tokens_path, ensure_default_corpus
 from ratrain.data.dataset import BatchLayout, TokenDataset, eval_batches
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, Prepared, default_out, prepare
 from ratrain.data.sources import DEFAULT_CORPUS_BYTES, stdlib_files
-from ratrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ratrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_meta
 from ratrain.data.tokens import (
     FORMAT,
     DataError,
@@ -60,9 +60,11 @@ __all__ = [
     "open_datasets",
     "prepare",
     "read_meta",
+    "record_tokenizer",
     "scan_max_id",
     "sidecar_path",
     "stdlib_files",
+    "tokenizer_of_meta",
     "val_path",
     "write_tokens",
 ]

@@ -4,7 +4,8 @@
 
     python -m ratrain.data prepare                        # default corpus -> data/stdlib/train.bin
     python -m ratrain.data prepare notes/ a.txt --out data/mine/train.bin --val-fraction 0.1
-    python -m ratrain.data prepare docs/ --tokenizer path/to/tokenizer.json
+    python -m ratrain.data prepare docs/ --tokenizer path/to/tokenizer.json   # <|endoftext|> between
+    python -m ratrain.data prepare notes/ --eot 0         # byte-level, NUL after each document
     python -m ratrain.data info data/stdlib/train.bin
 """
 
@@ -53,13 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--max-bytes", type=int, default=None,
                     help=f"cap on text read (default {DEFAULT_CORPUS_BYTES} for the default "
                     "corpus, none otherwise)")
+    pp.add_argument("--eot", default="auto", metavar="auto|none|ID",
+                    help="what ends each document: auto (default: the tokenizer's end-of-text "
+                    "token, e.g. <|endoftext|>; none for byte), none (concatenate), or a token id "
+                    "(e.g. 0 for byte: NUL)")
     ip = sub.add_parser("info", help="describe a token file")
-    ip.add_argument("path")
+    ip.add_argument("path", help="a token file (.bin)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
             prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.max_bytes,
-                    log=print)
+                    log=print, eot=args.eot)
         else:
             print(_info(args.path))
     except DataError as e:

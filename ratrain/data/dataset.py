@@ -82,6 +82,7 @@ class TokenDataset:
         dtype: str | None = None,
         check_ids: bool = True,
         label: str = "data.tokens",
+        from_hf: str = "",
     ):
         if order not in ("sequential", "shuffled"):
             raise DataError(f"data.order={order!r} is not one of: sequential, shuffled")
@@ -102,8 +103,8 @@ class TokenDataset:
         if vocab_size is not None and meta_vocab is not None and int(meta_vocab) > vocab_size:
             raise DataError(
                 f"{where} was made with a vocabulary of {meta_vocab} tokens (tokenizer "
-                f"{self.meta.get('tokenizer', '?')}) but model.vocab_size={vocab_size}: set "
-                f"model.vocab_size >= {meta_vocab}, or prepare the data with the model's tokenizer"
+                f"{self.meta.get('tokenizer', '?')}) but model.vocab_size={vocab_size}: "
+                + _vocab_fix(meta_vocab, from_hf)
             )
         self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")  # (N,)
         if vocab_size is not None and check_ids:
@@ -111,8 +112,8 @@ class TokenDataset:
             if pos is not None:
                 raise DataError(
                     f"{where}: token id {int(self.tokens[pos])} at position {pos} is >= "
-                    f"model.vocab_size={vocab_size} (largest id in the file: {top}): set "
-                    f"model.vocab_size >= {top + 1}, or prepare the data with the model's tokenizer"
+                    f"model.vocab_size={vocab_size} (largest id in the file: {top}): "
+                    + _vocab_fix(top + 1, from_hf)
                 )
         self.num_windows = self.num_tokens // (seq_len + 1)
         self._windows = self.tokens[: self.num_windows * (seq_len + 1)].reshape(
@@ -130,6 +131,7 @@ class TokenDataset:
             path, m.seq_len, m.vocab_size, order="sequential" if eval else d.order, seed=d.seed,
             dp=p.dp, micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
             check_ids=check_ids, label="data.eval_tokens" if eval else "data.tokens",
+            from_hf=cfg.init.from_hf,
         )
 
     # -- the window stream ------------------------------------------------------------------
@@ -229,6 +231,15 @@ class TokenDataset:
         return (f"TokenDataset({str(self.path)!r}, tokens={self.num_tokens}, "
                 f"windows={self.num_windows}x{self.seq_len + 1}, {dtype_name(self.dtype)}, "
                 f"order={self.order}, seed={self.seed}, layout={self.layout})")
+
+
+def _vocab_fix(needed: int, from_hf: str) -> str:
+    """The fix for data with ids beyond the model's vocabulary: a key that takes effect."""
+    if from_hf:
+        return (f"the vocabulary comes from init.from_hf={from_hf!r} (its config.json; "
+                "model.vocab_size does not apply): prepare the data with that model's tokenizer "
+                f"(python -m ratrain.data prepare TEXT --tokenizer {from_hf})")
+    return f"set model.vocab_size >= {needed}, or prepare the data with the model's tokenizer"
 
 
 def eval_batches(

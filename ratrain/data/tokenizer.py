@@ -2,6 +2,11 @@
 
     tok = load_tokenizer("byte")                       # or "path/to/tokenizer.json" / its folder
     ids = tok.encode(text); text = tok.decode(ids)     # tok.vocab_size, tok.name (for sidecars)
+    tok.eot_id                                         # end-of-text id (None: byte / none found)
+    tok.spec, tok.sha256                               # what data.tokenizer / _sha256 record
+
+End of text: a Hugging Face tokenizer's end-of-text token is the first of `EOT_TOKENS` it has
+as a special (added) token; the byte tokenizer has none (its 256 ids are all bytes).
 """
 
 from __future__ import annotations
@@ -15,11 +20,18 @@ import numpy as np
 from ratrain.data.tokens import DataError, file_sha256
 
 
+EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
+
+
 class ByteTokenizer:
     """Byte-level: the ids of a text are its UTF-8 bytes (vocabulary 256)."""
 
     name = "byte"
+    spec = "byte"
+    sha256 = ""
     vocab_size = 256
+    eot_id = None
+    eot_token = None
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -57,7 +69,13 @@ class HFTokenizer:
             raise DataError(f"--tokenizer {str(path)!r}: not a tokenizer.json ({e})") from None
         self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.name = f"hf:{path.resolve()} sha256:{file_sha256(path)[:16]}"
+        self.sha256 = file_sha256(path)
+        self.spec = str(path.resolve())
+        self.name = f"hf:{self.spec} sha256:{self.sha256[:16]}"
+        special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()
+                   if t.special}
+        self.eot_token = next((t for t in EOT_TOKENS if t in special), None)
+        self.eot_id = special[self.eot_token] if self.eot_token else None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -65,7 +83,31 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` (a vocabulary entry), or None."""
+        return self._tok.token_to_id(token)
 
-def load_tokenizer(spec: str = "byte") -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (or a folder holding one)."""
-    return ByteTokenizer() if spec in ("", "byte") else HFTokenizer(spec)
+
+def load_tokenizer(spec: str = "byte", sha256: str = "") -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (or a folder holding one);
+    with `sha256`, the file must hash to it (DataError otherwise)."""
+    tok = ByteTokenizer() if spec in ("", "byte") else HFTokenizer(spec)
+    if sha256 and tok.sha256 and tok.sha256 != sha256:
+        raise DataError(
+            f"tokenizer {tok.spec} has SHA-256 {tok.sha256[:16]}..., not the {sha256[:16]}... the "
+            "data was prepared with (data.tokenizer_sha256): the file changed; give the original "
+            "file, or prepare the data again"
+        )
+    return tok
+
+
+def tokenizer_of_meta(meta: dict | None) -> tuple[str, str]:
+    """(data.tokenizer, data.tokenizer_sha256) a token file's sidecar records: ("byte", ""),
+    (tokenizer.json path, its SHA-256), or ("", "") when it says nothing (a nanoGPT file)."""
+    name = (meta or {}).get("tokenizer", "")
+    if not name or name == "byte":
+        return name, ""
+    if name.startswith("hf:"):
+        path = name[3:].rsplit(" sha256:", 1)[0]
+        return meta.get("tokenizer_path", path), meta.get("tokenizer_sha256", "")
+    return name, meta.get("tokenizer_sha256", "")

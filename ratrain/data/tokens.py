@@ -7,7 +7,10 @@ Format
     sidecar ``<file>.json`` beside each token file::
 
         {"format": "ratrain-tokens/1", "vocab_size": 256, "dtype": "uint16", "tokenizer": "byte",
-         "num_tokens": 123, "sha256": "...", "source": "...", "split": "train"}
+         "num_tokens": 123, "sha256": "...", "source": "...", "split": "train", "eot": null}
+
+    ``prepare`` adds ``eot`` (the id that ends each document, or null) and, for a Hugging Face
+    tokenizer, ``tokenizer_path`` and ``tokenizer_sha256``.
 
     A file without a sidecar (plain nanoGPT) is read as ``uint16`` unless the caller says
     ``dtype="uint32"``; a hand-written sidecar holding only ``{"dtype": "uint32"}`` also works.
@@ -115,8 +118,9 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 def token_meta(num_tokens: int, sha256: str, vocab_size: int, tokenizer: str, source: str,
-               split: str) -> dict:
-    """The sidecar of a token file of `num_tokens` ids whose bytes hash to `sha256`."""
+               split: str, extra: dict | None = None) -> dict:
+    """The sidecar of a token file of `num_tokens` ids whose bytes hash to `sha256` (`extra`:
+    what prepare adds: the tokenizer's path and SHA-256, the end-of-text id)."""
     return {
         "format": FORMAT,
         "vocab_size": int(vocab_size),
@@ -126,14 +130,15 @@ def token_meta(num_tokens: int, sha256: str, vocab_size: int, tokenizer: str, so
         "sha256": sha256,
         "source": source,
         "split": split,
+        **(extra or {}),
     }
 
 
 def file_meta(path: str | os.PathLike, vocab_size: int, tokenizer: str, source: str,
-              split: str) -> dict:
+              split: str, extra: dict | None = None) -> dict:
     """The sidecar of the token file at `path` (its size and SHA-256 read from disk)."""
     n = os.path.getsize(path) // dtype_for_vocab(vocab_size).itemsize
-    return token_meta(n, file_sha256(path), vocab_size, tokenizer, source, split)
+    return token_meta(n, file_sha256(path), vocab_size, tokenizer, source, split, extra)
 
 
 def write_tokens(
@@ -143,6 +148,7 @@ def write_tokens(
     tokenizer: str = "byte",
     source: str = "",
     split: str = "",
+    extra: dict | None = None,
 ) -> dict:
     """Write `ids` as a token file plus its sidecar, each atomically (temp name, then rename).
 
@@ -160,7 +166,7 @@ def write_tokens(
         )
     raw = np.ascontiguousarray(ids, dtype=dtype).tobytes()
     meta = token_meta(len(raw) // dtype.itemsize, hashlib.sha256(raw).hexdigest(), vocab_size,
-                      tokenizer, source, split)
+                      tokenizer, source, split, extra)
     atomic_write(path, raw)
     write_meta(path, meta)
     return meta

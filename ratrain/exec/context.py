@@ -4,7 +4,8 @@ It carries the array module `xp`, the `ModelConfig`, the compute dtype of activa
 weight views (float32 or float16), RoPE tables cached per sequence length, the DDR ledger (GEMM
 scratch and transient workspace are accounted there while a block runs) and the compute threads.
 
-Threads: `threads` (run.threads; 0 = auto = min(2, usable cores)) Python threads split each
+Threads: `threads` (run.threads; 0 = auto = the usable cores; a rank built by
+`lifecycle.rank` shares them with the node's other ranks) Python threads split each
 micro-batch along the batch dimension when B >= 2; each thread then runs single-threaded BLAS
 (numpy releases the GIL in matmul and most ufunc loops). With one chunk the calling thread runs
 it with `threads` BLAS threads. Weight-gradient partials of the chunks are summed in chunk
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -28,7 +30,7 @@ def auto_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(2, cores))
+    return max(1, cores)
 
 
 class _Blas:
@@ -62,6 +64,23 @@ class _Blas:
 
 
 BLAS = _Blas()  # numpy's BLAS thread count, per region
+
+
+def sgemm_rate(threads: int, n: int = 1024):
+    """A function that times one (n x n) @ (n x n) float32 GEMM with `threads` BLAS threads and
+    returns its rate in flop/s: the host's measured peak (benchmarks, MFU on `host`)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+
+    def once() -> float:
+        with BLAS.limit(threads):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            return 2 * n**3 / max(time.perf_counter() - t, 1e-9)
+
+    return once
 
 
 class ExecContext:
@@ -166,4 +185,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BLAS", "ExecContext", "auto_threads"]
+__all__ = ["BLAS", "ExecContext", "auto_threads", "sgemm_rate"]

@@ -32,6 +32,7 @@ import numpy as np
 
 from ratrain.config import (
     Config,
+    ConfigError,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -114,6 +115,7 @@ def cmd_time(args) -> None:
     from mpi4py import MPI  # every rank of the benchmark: MPI is needed here
 
     comm = MPI.COMM_WORLD
+    _time_config(args, "ratrain").check_world(comm.Get_size())  # before any work
     out = {}
     for policy in args.policies.split(","):
         cfg = _time_config(args, policy)
@@ -139,6 +141,8 @@ def cmd_time(args) -> None:
             print(json.dumps({"policy": policy, "pp": args.pp, "dp": args.dp, "m": args.m,
                               "bandwidth": args.bandwidth, **r}))
 
+
+HOST_BUSY_MAX = 1.0  # real / paced compute above this: the host did not keep the platform's pace
 
 # the parts of a step, by the first word of the action names (`lifecycle.schedule`)
 BREAKDOWN = {"F": "fwd", "B": "bwd", "recv-fwd": "recv", "recv-bwd": "recv",
@@ -254,36 +258,48 @@ def cmd_job(args) -> None:
             if other in out and other != pol:
                 r[f"speedup_vs_{other.split('-')[0]}"] = round(out[other]["step_s"] / r["step_s"], 3)
         r["vs_ideal"] = round(r["step_s"] / r["ideal_1f1b_s"], 3) if r["ideal_1f1b_s"] else None
+        r["host_kept_pace"] = r["host_busy"] <= HOST_BUSY_MAX
+        if not r["host_kept_pace"]:
+            print(f"warning: {pol}: host_busy {r['host_busy']} > {HOST_BUSY_MAX}: the host could "
+                  "not keep pace with the emulated platform (real compute took longer than its "
+                  "paced time), so this row's times and ratios measure the host, not the "
+                  "schedule; rerun on a quieter host or with a larger platform.time_scale",
+                  file=sys.stderr, flush=True)
         print(json.dumps({"policy": pol, "pp": p.pp, "dp": p.dp, "m": p.num_micro_batches,
                           "cap_MiB": round((cfg.platform.ddr_bytes or 0) / 2**20, 2), **r}),
               flush=True)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ratrain.lifecycle.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("grid")
-    g.add_argument("--pp", type=int, default=4)
-    g.add_argument("--m", type=int, default=6)
-    g.add_argument("--layers", type=int, default=8)
-    g.add_argument("--policy", choices=POLICIES, default="ratrain")
+    g = sub.add_parser("grid", help="print a policy's step x rank picture (no MPI)")
+    g.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    g.add_argument("--m", type=int, default=6, help="micro-batches per step (default 6)")
+    g.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    g.add_argument("--policy", choices=POLICIES, default="ratrain",
+                   help="schedule policy (default ratrain)")
     g.add_argument("--dp", type=int, default=1, help="replicas (ratrain shards over them)")
-    g.add_argument("--precision", choices=("fp32", "fp16"), default="fp16")
-    g.add_argument("--bucket-bytes", type=int, default=2**20)
+    g.add_argument("--precision", choices=("fp32", "fp16"), default="fp16",
+                   help="fp16 adds the view materialisations (default fp16)")
+    g.add_argument("--bucket-bytes", type=int, default=2**20,
+                   help="megatron-1f1b's gradient bucket size in bytes (default 1 MiB)")
     g.add_argument("--b", type=int, default=1, help="ticks per backward")
-    g.add_argument("--compute-only", action="store_true")
-    mm = sub.add_parser("memory")
-    mm.add_argument("--config", required=True)
-    mm.add_argument("--set", action="append", default=[])
-    mm.add_argument("--pp", type=int, default=4)
-    mm.add_argument("--m", type=int, default=8)
+    g.add_argument("--compute-only", action="store_true",
+                   help="show forward/backward only, no lifecycle actions")
+    mm = sub.add_parser("memory", help="each stage's peak memory under every policy (no MPI)")
+    mm.add_argument("--config", required=True, help="job file (or shipped job name) to size")
+    mm.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value (repeatable)")
+    mm.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    mm.add_argument("--m", type=int, default=8, help="micro-batches per step (default 8)")
     mm.add_argument("--recompute", default="none", choices=RECOMPUTE,
                     help="every layer's recompute choice (default none)")
     mm.add_argument("--dp", type=int, default=1, help="replicas (ratrain shards over them)")
     mm.add_argument("--cap-gib", type=float, default=0.0,
                     help="also choose the fewest layers to recompute under this cap (GiB)")
-    t = sub.add_parser("time")
+    t = sub.add_parser("time", help="time every policy's real steps under mpirun")
     for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
                  ("micro_batch", 2), ("steps", 5)):
         t.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
@@ -294,23 +310,35 @@ def main(argv=None) -> int:
     t.add_argument("--set", action="append", default=[], help="section.key=value (--config)")
     t.add_argument("--rounds", type=int, default=1, help="rounds of all policies (--config)")
     t.add_argument("--skip", type=int, default=2, help="first steps not timed (--config)")
-    t.add_argument("--precision", choices=("fp32", "fp16"), default="fp32")
-    t.add_argument("--bandwidth", type=float, default=0.0)
-    t.add_argument("--latency", type=float, default=20e-6)
+    t.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="precision (default fp32)")
+    t.add_argument("--bandwidth", type=float, default=0.0,
+                   help="throttle links to this many bytes/s (0: not throttled)")
+    t.add_argument("--latency", type=float, default=20e-6,
+                   help="link latency in s with --bandwidth (default 20e-6)")
     t.add_argument("--compute-flops", type=float, default=0.0,
                    help="pace each block's compute to flops / this rate (0: host speed)")
-    t.add_argument("--policies", default="baseline-1f1b,megatron-1f1b,ratrain")
-    t.add_argument("--trace", default="")
-    args = ap.parse_args(argv)
-    if args.cmd == "time" and args.config:
-        cmd_job(args)
-        return 0
-    if args.cmd == "time":
+    t.add_argument("--policies", default="baseline-1f1b,megatron-1f1b,ratrain",
+                   help="comma-separated policies to time, interleaved")
+    t.add_argument("--trace", default="", metavar="PREFIX",
+                   help="write each policy's Chrome trace to PREFIX.<policy>.json")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "time" and not args.config:
         for k, v in (("pp", 2), ("dp", 2), ("m", 4), ("hidden", 256), ("layers", 4), ("seq", 64),
                      ("micro_batch", 2), ("steps", 5)):
             if getattr(args, k) is None:
                 setattr(args, k, v)
-    {"grid": cmd_grid, "memory": cmd_memory, "time": cmd_time}[args.cmd](args)
+    run = cmd_job if args.cmd == "time" and args.config else {
+        "grid": cmd_grid, "memory": cmd_memory, "time": cmd_time}[args.cmd]
+    try:
+        run(args)
+    except ConfigError as e:  # a meaningless layout or config: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,8 +9,8 @@ Every part comes from the config: the platform profile (`platform.*`) gives the 
 ledger, the link throttle of the communication engine and the compute pacer (both only under
 `platform.emulate`); the stage's blocks come from `parallel.pp` / `layers_per_stage`; a policy
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
-whole stage's state is never allocated; `run.threads` (0: the cores the node gives each rank)
-sets the compute threads. `load(state)` runs after the state is built and before the executor
+whole stage's state is never allocated; `run.threads` (0: the cores the launcher gives this
+rank, `local_threads`) sets the compute threads. `load(state)` runs after the state is built and before the executor
 (which measures activations and may gather views), to put checkpointed or imported weights in.
 The trainer, the benchmarks and the tests all build their ranks here.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ratrain.comm.topology import Topology
-from ratrain.exec.context import ExecContext, auto_threads
+from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.executor import Executor
@@ -49,6 +49,15 @@ class Rank:
     engine: object | None  # comm.engine.CommEngine (None for one process)
     executor: Executor
 
+    def peak_flops(self) -> float:
+        """This rank's peak compute rate in flop/s, for MFU: the platform's (`compute_flops`,
+        in emulated time under `time_scale`), or on a profile without one (`host`) the
+        measured sgemm rate at the rank's thread count (best of three)."""
+        if self.profile.compute_flops:
+            return self.profile.compute_flops / self.profile.time_scale
+        rate = sgemm_rate(self.ctx.threads)
+        return max(rate() for _ in range(3))
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -58,22 +67,29 @@ class Rank:
 
 
 def local_threads(cfg, comm=None) -> int:
-    """Compute threads per rank: `run.threads`, or the cores this process may use shared among
-    the ranks of its node (at most `auto_threads()`)."""
+    """Compute threads per rank: `run.threads`, else the cores the launcher gives this rank.
+
+    Those are the cores of this process's CPU affinity (`mpirun --bind-to core`, `srun
+    --cpus-per-task`, a cgroup), shared evenly by the ranks of its node whose affinity overlaps
+    it (ranks launched unbound all see every core of the node and split them)."""
     if cfg.run.threads:
         return cfg.run.threads
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    per_node = 1
+    mine = _affinity()
+    sharing = 1
     if comm is not None and comm.Get_size() > 1:
         from mpi4py import MPI  # comm is an MPI communicator here: MPI is loaded already
 
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        per_node = node.Get_size()
+        sharing = sum(1 for cores in node.allgather(sorted(mine)) if mine & set(cores))
         node.Free()
-    return max(1, min(auto_threads(), cores // per_node))
+    return max(1, len(mine) // sharing)
+
+
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return set(range(os.cpu_count() or 1))
 
 
 def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,

@@ -88,7 +88,7 @@ def gantt(per_rank: dict[int, dict], path: str, step: int | None = None) -> bool
            for r, info in per_rank.items()}
     t0 = min((e[2] for es in evs.values() for e in es), default=0.0)
     ranks = sorted(evs)
-    fig, ax = plt.subplots(figsize=(14, 0.9 * len(ranks) + 1.5))
+    fig, ax = plt.subplots(figsize=(14, 0.9 * len(ranks) + 2.0))
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row
         for name, cat, a, b, tid, _ in evs[r]:
@@ -111,9 +111,12 @@ def gantt(per_rank: dict[int, dict], path: str, step: int | None = None) -> bool
                         for r in reversed(ranks)])
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "lifecycle", "comm")]
+    # below the axes: inside, it would cover the first rank's bars
     ax.legend(handles, ["forward", "backward", "lifecycle (update, views, grads)",
-                        "comm engine (collectives, messages)"], loc="upper right", fontsize=7)
-    ax.set_title(f"step {step}" + (f" ({len(info0['events'])} events on rank {ranks[0]})"))
+                        "comm engine (collectives, messages)"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.12 - 0.3 / len(ranks)), ncol=4, fontsize=7, frameon=False)
+    # numbered from 1, as metrics.jsonl and the progress lines number steps
+    ax.set_title(f"step {step + 1}" + f" ({len(info0['events'])} events on rank {ranks[0]})")
     fig.tight_layout()
     with atomic_path(path, durable=False) as tmp:
         fig.savefig(tmp, dpi=120, format="png")

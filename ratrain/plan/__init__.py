@@ -3,7 +3,8 @@
 Owns: the cost model of every action, from the platform's rates (`cost`); calibration of the
 compute rate to a measured run (`calibrate`); what the planner plays for a layout, its blocks,
 action lists and recompute choices (`steps`); each stage's peak memory (`memory`, over the
-lifecycle's memory model); the discrete-event simulator (`simulate`, its event loop in
+lifecycle's memory model); one run's memory plan against the cap, checked before it starts
+(`check`, for `train --dry-run`); the discrete-event simulator (`simulate`, its event loop in
 `events`); the search over layouts under the DDR cap and weak scaling (`search`); the command
 `python -m ratrain.plan`.
 

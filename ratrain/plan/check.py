@@ -1,0 +1,80 @@
+"""The memory plan of one run, checked before it starts (`python -m ratrain.train --dry-run`).
+
+Every stage's predicted peak DDR bytes under the run's own layout, policy and recompute
+(`auto`: the fewest layers fully recomputed that fit, as the executor would choose), from
+shapes through the lifecycle's memory model (`ratrain.plan.memory`), against the platform's
+cap. Nothing is allocated: the plan of a 70B job runs on a laptop.
+
+    plan = run_plan(cfg)
+    plan.check(rank)            # ConfigError naming the stage, its peak, the cap and the fixes
+    print("\\n".join(plan.describe()))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ratrain.config import Config, ConfigError
+from ratrain.plan.memory import fit_recompute, stage_peaks
+from ratrain.plan.steps import plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.shim.platform import resolve_platform
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    pp: int
+    dp: int
+    cap: int | None  # bytes per rank; None: no cap
+    peaks: tuple[int, ...]  # predicted peak bytes per stage
+    layers: tuple[int, ...]  # layers per stage
+    full: tuple[int, ...] | None  # recompute auto: layers fully recomputed per stage
+
+    def over(self, stage: int) -> bool:
+        return self.cap is not None and self.peaks[stage] > self.cap
+
+    def check(self, rank: int) -> None:
+        """Raise ConfigError when rank `rank`'s stage does not fit the cap."""
+        stage = rank % self.pp  # rank = replica * pp + stage (comm.topology)
+        if self.over(stage):
+            raise ConfigError(
+                f"rank {rank} (stage {stage}, {self.layers[stage]} layers) is predicted to need "
+                f"{_gib(self.peaks[stage])}, over the DDR cap of {_gib(self.cap)} "
+                "(platform.ddr_bytes): set schedule.recompute=auto (or full), raise parallel.pp, "
+                "lower parallel.micro_batch, or use schedule.policy=ratrain with dp > 1 (sharded "
+                "optimizer state)"
+            )
+
+    def describe(self) -> list[str]:
+        cap = "no cap" if self.cap is None else f"cap {_gib(self.cap)}"
+        lines = [f"memory plan (predicted peak per rank, {cap}):"]
+        for s, peak in enumerate(self.peaks):
+            rec = "" if self.full is None else f", {self.full[s]} fully recomputed"
+            verdict = "OVER THE CAP" if self.over(s) else "fits"
+            lines.append(f"  stage {s} ({self.layers[s]} layers{rec}) x {self.dp} replicas: "
+                         f"{_gib(peak)}  {verdict}")
+        return lines
+
+
+def run_plan(cfg: Config) -> RunPlan:
+    """The predicted per-stage peaks of `cfg` as it would run (see the module doc)."""
+    m, p, s = cfg.model, cfg.parallel, cfg.schedule
+    cap = resolve_platform(cfg.platform).ddr_bytes
+    blocks = stage_block_names(m, p.pp, p.layers_per_stage)
+    shards = plan_shards(cfg, s.policy, p.dp)
+    lists = policy_steps(s.policy, blocks, p.num_micro_batches, cfg.precision, m, 2, shards)
+    full = None
+    if s.recompute == "auto":
+        full, peaks, _ = fit_recompute(lists, blocks, m, p.micro_batch, cfg.precision, cap, shards)
+        full = tuple(full)
+    else:
+        peaks = stage_peaks(lists, blocks, m, p.micro_batch, cfg.precision,
+                            recompute_for(blocks, s.recompute), shards)
+    layers = tuple(sum(1 for b in names if b.startswith("layers.")) for names in blocks)
+    return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full)
+
+
+__all__ = ["RunPlan", "run_plan"]
