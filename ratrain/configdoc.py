@@ -24,7 +24,7 @@ from ratrain.config import Config
 
 HEADER = """# Configuration reference
 
-Generated from `ratrain/config.py` by `python -m ratrain.configdoc > docs/CONFIG.md` (a test
+Generated from `ratrain/config/` by `python -m ratrain.configdoc > docs/CONFIG.md` (a test
 fails when this file is stale). A job is a YAML file of these sections; every key is optional
 (the default below applies), an unknown key is an error that lists the valid ones.
 

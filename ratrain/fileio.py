@@ -7,11 +7,15 @@ manifests, Hugging Face exports, plots) goes through here:
     with atomic_path(path) as tmp:             # for writers that want a path (h5py, safetensors)
         h5py.File(tmp, "w") ...
     fsync_dir(directory)
+    f = open_append(path)                      # a log appended to (metrics.jsonl): no link followed
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)   # a file updated in place (a lock)
 
 The temporary file lies beside its target (same file system, so the rename is atomic), is
 created exclusively and without following symbolic links (`O_CREAT | O_EXCL | O_NOFOLLOW`), so a
 link planted at a predictable name can never redirect a write, and with mode 0666 filtered by
-the process's umask, as any file the user creates. On any failure (including a full disk) the
+the process's umask, as any file the user creates (a writer that replaces the temporary file
+with one of its own, as safetensors does with mode 0600, gets the umask's mode back). On any
+failure (including a full disk) the
 temporary file is removed and the target is left as it was. `durable=False` skips the fsyncs
 (scratch output whose loss costs nothing, such as a plot).
 
@@ -58,6 +62,18 @@ def create_exclusive(path: str | os.PathLike) -> int:
     return os.open(os.fspath(path), flags, 0o666)
 
 
+def open_no_follow(path: str | os.PathLike, flags: int) -> int:
+    """`os.open(path, flags)` that never goes through a symbolic link at `path` (ELOOP instead);
+    a file it creates has mode 0666 minus the umask. For files updated in place (a lock)."""
+    return os.open(os.fspath(path), flags | _NOFOLLOW | _CLOEXEC, 0o666)
+
+
+def open_append(path: str | os.PathLike):
+    """A text file opened for appending (created if absent), never through a symbolic link:
+    a link at `path` is an OSError (ELOOP), not a redirected write."""
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[str]:
     """Yield a temporary path beside `path` (created empty and exclusively); when the block
@@ -66,11 +82,15 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[st
     safetensors)."""
     path = os.fspath(path)
     tmp = temp_name(path)
-    os.close(create_exclusive(tmp))
+    fd = create_exclusive(tmp)
+    mode = os.fstat(fd).st_mode & 0o7777  # 0666 minus the umask
+    os.close(fd)
     try:
         yield tmp
         if os.path.islink(tmp):  # the writer replaced our file with a link: refuse
             raise OSError(f"{tmp}: became a symbolic link while being written")
+        if os.stat(tmp).st_mode & 0o7777 != mode:  # a writer that made its own file (0600)
+            os.chmod(tmp, mode)
         if durable:
             fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
             try:
@@ -95,4 +115,5 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, durable: bool = 
             f.write(raw)
 
 
-__all__ = ["atomic_path", "atomic_write", "create_exclusive", "fsync_dir", "temp_name"]
+__all__ = ["atomic_path", "atomic_write", "create_exclusive", "fsync_dir", "open_append", "open_no_follow",
+           "temp_name"]

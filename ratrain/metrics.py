@@ -6,6 +6,11 @@ types (`REQUIRED`, plus `mfu` and `elapsed_s` from the trainer); eval results go
 file, `eval.jsonl` (`step, eval_loss, eval_ppl, eval_tokens, elapsed_s`), so a table of either
 file has one type per column. The progress line shows MFU (model flops utilisation: achieved
 flop/s over the peak of every rank) and the time elapsed since the run (or its resume) began.
+
+Both files are only ever appended to, never through a symbolic link: a resumed or restarted run
+adds its records after the old ones, and a step recorded before that is trained again carries
+`"rerun": true` (every record has the field); a reader keeps the last record of each step
+(`read_curve`). Only a torn last line (a crash in mid-write) is cut off.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import sys
 import time
 
-from ratrain.fileio import atomic_write
+from ratrain.fileio import open_append, open_no_follow
 
 EVAL_FILE = "eval.jsonl"
 REQUIRED = (
@@ -53,39 +58,47 @@ def _eta(seconds: float) -> str:
 class MetricsWriter:
     """Appends one JSON object per step to `<run_dir>/metrics.jsonl` and prints progress.
 
-    Only the writing rank creates one (rank 0 of the last stage, which knows the loss). On
-    resume, records past the resumed step are dropped first so the file stays one curve.
+    Only the writing rank creates one (rank 0 of the last stage, which knows the loss); see
+    the module for what a resumed or restarted run appends.
     """
 
-    def __init__(self, run_dir: str, total_steps: int, resume_step: int = 0, out=sys.stdout):
+    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.total_steps = total_steps
         self.out = out
         self._t0 = time.perf_counter()
         self._steps_timed = 0
         self._time_sum = 0.0
-        self._truncate_after(resume_step)
-        self._f = open(self.path, "a")
+        self.recorded = self._cut_torn_line()  # the last step recorded so far (0: none)
+        self._f = open_append(self.path)
         self._eval = None
 
-    def _truncate_after(self, step: int) -> None:
-        if not os.path.exists(self.path):
-            return
-        keep = []
-        with open(self.path) as f:
-            for line in f:
+    def _cut_torn_line(self) -> int:
+        """Cut a torn last line off the file (nothing else); return the last step recorded."""
+        last = 0
+        try:
+            fd = open_no_follow(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return 0
+        with os.fdopen(fd, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                f.truncate(end)
+            for line in data[:end].splitlines():
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                if rec.get("step", 0) <= step:
-                    keep.append(json.dumps(rec) + "\n")
-        atomic_write(self.path, "".join(keep))
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "loss" in rec:
+                    last = max(last, int(rec.get("step", 0)))
+        return last
 
     def write(self, rec: dict, flops_per_token: float | None = None, log: bool = True) -> None:
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
+        rec = {**rec, "rerun": rec["step"] <= self.recorded}
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         if rec["step"] > 1 or self.total_steps == 1:  # the first step pays warm-up
@@ -121,7 +134,7 @@ class MetricsWriter:
         """An eval record, to `eval.jsonl` (appended; its own file so that `metrics.jsonl`
         keeps one type per field)."""
         if self._eval is None:
-            self._eval = open(os.path.join(os.path.dirname(self.path), EVAL_FILE), "a")
+            self._eval = open_append(os.path.join(os.path.dirname(self.path), EVAL_FILE))
         self._eval.write(json.dumps(rec) + "\n")
         self._eval.flush()
 
@@ -129,3 +142,20 @@ class MetricsWriter:
         self._f.close()
         if self._eval is not None:
             self._eval.close()
+
+
+def read_curve(path: str) -> list[dict]:
+    """The step records of a `metrics.jsonl` (or of a run directory), one per step in step
+    order: the last record of each step (a re-run replaces the earlier one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn line
+            if isinstance(rec, dict) and "loss" in rec and "step" in rec:
+                by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]

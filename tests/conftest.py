@@ -5,6 +5,10 @@ rate). Such checks fail on a loaded machine without anything being wrong, so the
 skips them; run them on a quiet host with `pytest --timing`. Lower bounds (never faster than
 the link model) cannot flake and stay in the plain tests.
 
+`cluster`: tests that start emulated nodes (network namespaces; tests/test_cluster.py). They
+run only with `pytest --cluster` (scripts/test.sh passes it in a step of its own, which also
+says why they skip when the machine does not allow them: not root, no namespaces).
+
 `mpi_group(n)`: a communicator of `n` ranks of MPI.COMM_WORLD for an MPI test (pytest-mpi's
 `@pytest.mark.mpi(min_size=n)`); it is freed after the test whatever happens, the test is skipped
 when the world has fewer than `n` ranks, and ranks beyond the last whole group of `n` (they sit
@@ -17,15 +21,22 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--timing", action="store_true", default=False,
                      help="also run the wall-clock upper-bound checks (a quiet machine)")
+    parser.addoption("--cluster", action="store_true", default=False,
+                     help="also run the tests on emulated nodes (root, network namespaces)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: starts emulated nodes (needs --cluster)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--timing"):
-        return
-    skip = pytest.mark.skip(reason="wall-clock upper bound: run with --timing on a quiet host")
+    timing = pytest.mark.skip(reason="wall-clock upper bound: run with --timing on a quiet host")
+    cluster = pytest.mark.skip(reason="emulated nodes: run with --cluster (scripts/test.sh does)")
     for item in items:
-        if "timing" in item.keywords:
-            item.add_marker(skip)
+        if "timing" in item.keywords and not config.getoption("--timing"):
+            item.add_marker(timing)
+        if "cluster" in item.keywords and not config.getoption("--cluster"):
+            item.add_marker(cluster)
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ def test_sizes():
 
 
 def test_bad_arguments_exit_before_work(capsys):
-    for argv in (["--algo", "nccl"], ["--algo", "mpi", "--link"], ["--sizes", "x:y"], ["--iters", "0"]):
+    for argv in (["--algo", "nccl"], ["--algo", "mpi", "--link"], ["--sizes", "x:y"], ["--iters", "0"],
+                 ["--op", "bcast", "--algo", "hier"], ["--model"], ["--ranks-per-node", "0"]):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
@@ -53,3 +54,33 @@ def test_link_and_engine_modes(capsys):
         recs = records(capsys)
         assert len(recs) == 3 and all(r["ok"] and "model_s" in r for r in recs)
         assert recs[-1]["time_s"] >= 2e-5 + 65536 / 1e9
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
+def test_hier_on_nodes_with_the_model(capsys, op):
+    """--algo hier on nodes of one rank (--ranks-per-node 1), the model from given rates."""
+    argv = ["--op", op, "--algo", "hier,ring", "--sizes", "8,300000", "--iters", "2", "--warmup",
+            "1", "--ranks-per-node", "1", "--model", "--bandwidth", "1e9", "--latency", "1e-5",
+            "--intra-bandwidth", "1e10"]
+    assert bench.main(argv) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        recs = records(capsys)
+        p = MPI.COMM_WORLD.Get_size()
+        assert len(recs) == 4 and all(r["ok"] for r in recs), recs
+        for r in recs:
+            assert r["nodes"] == p and r["ranks_per_node"] == 1
+            assert r["link"]["throttled"] is False
+        hier = [r for r in recs if r["algo"] == "hier"]
+        assert all(r["model_s"] > 0 for r in hier)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_buffers(capsys):
+    """--shared: every algorithm on buffers in the node's shared memory (hier in place)."""
+    argv = ["--op", "allreduce", "--algo", "hier,ring,mpi", "--sizes", "8,70000", "--iters", "2",
+            "--warmup", "1", "--shared", "--dtype", "float16"]
+    assert bench.main(argv) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        recs = records(capsys)
+        assert len(recs) == 6 and all(r["ok"] and r["identical"] for r in recs), recs

@@ -49,6 +49,18 @@ def test_round_trip_through_yaml(tmp_path):
         ("", ["bogus.x=1"], "unknown section 'bogus'"),
         ("", ["optim.lr"], "expected section.key=value"),
         ("- a\n- b\n", [], "top level must be a mapping"),
+        ("model:\n  hidden: 64\noptim:\n  lr: 1.0\nmodel:\n  layers: 2\n", [],
+         ":5: 'model' appears twice in one mapping (first at line 1)"),
+        ("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", [], ":3: 'lr' appears twice"),
+        ("optim:\n  lr: .inf\n", [], "optim.lr=inf must be a finite number"),
+        ("", ["optim.lr=.nan"], "optim.lr=nan must be a finite number"),
+        ("", ["optim.eps=inf"], "optim.eps='inf' must be a finite number"),
+        ("", ["optim.max_nonfinite_steps=-1"], "optim.max_nonfinite_steps=-1 must be >= 0"),
+        ("", ["checkpoint.on_error=ignore"], "checkpoint.on_error='ignore' is not one of"),
+        ("", ["comm.timeout=0.5"], "comm.timeout=0.5 must be 0 (off) or >= 1 second"),
+        ("", ["run.stop_signals=[KILL]"], "run.stop_signals: 'KILL' is not one of"),
+        ("", ["run.time_limit=-1"], "run.time_limit=-1.0 must be >= 0"),
+        ("", ["run.name=a/b"], "run.name='a/b' must be a plain name"),
     ],
 )
 def test_bad_configs_name_key_and_value(tmp_path, text, overrides, needle):
@@ -58,6 +70,19 @@ def test_bad_configs_name_key_and_value(tmp_path, text, overrides, needle):
     assert needle in str(e.value)
     if not overrides:
         assert str(path) in str(e.value)
+
+
+def test_new_keys_defaults_and_forms():
+    cfg = load_config(None, ["run.name=exp1", "run.time_limit=1:30:00", "run.stop_signals=USR1,TERM"])
+    assert cfg.run.dir == "runs/exp1" and cfg.run.time_limit == 5400.0
+    assert cfg.run.stop_signals == ("USR1", "TERM")
+    assert load_config(None).run.dir == "runs/default"
+    assert load_config(None, ["run.name=x", "run.dir=elsewhere"]).run.dir == "elsewhere"
+    assert load_config(None).optim.nonfinite_limit("fp32") == 1
+    assert load_config(None).optim.nonfinite_limit("fp16") == 20
+    assert load_config(None, ["optim.max_nonfinite_steps=3"]).optim.nonfinite_limit("fp32") == 3
+    c = load_config(None, ["comm.timeout=30", "checkpoint.on_error=continue"])
+    assert c.comm.timeout == 30.0 and c.checkpoint.on_error == "continue"
 
 
 def test_missing_file_is_a_config_error(tmp_path):
@@ -70,6 +95,13 @@ def test_world_size_mismatch_says_how_to_launch():
     cfg.check_world(4)
     with pytest.raises(ConfigError, match=r"world size 3 != .*mpirun -n 4"):
         cfg.check_world(3)
+
+
+def test_world_of_one_under_srun_names_the_plugin(monkeypatch):
+    cfg = load_config(None, ["parallel.pp=2", "parallel.dp=2"])
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ConfigError, match=r"srun started 4 tasks.*srun --mpi=pmix.*mpirun"):
+        cfg.check_world(1)
 
 
 def test_num_params_matches_block_spec():

@@ -39,6 +39,9 @@ POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
 class _Rates:
     link_bandwidth: float = math.inf
     link_latency: float = 0.0
+    intra_bandwidth: float = math.inf
+    intra_latency: float = 0.0
+    ranks_per_node: int = 1  # every rank its own node: one link each, as before nodes
 
 
 class Uniform:
@@ -65,9 +68,20 @@ class Uniform:
     def view_bytes(self, role):
         return self.grad / 2
 
-    def ring_half_terms(self, nbytes, p):
-        lat, wire = self.allreduce_terms(nbytes, p)
-        return lat / 2, wire / 2
+    def nodes(self, pp, dp):
+        return C.NodeLayout(pp, dp, "pp", self.rates.ranks_per_node)
+
+    def staging_chunk(self, blocks, nodes, local):
+        return None
+
+    def collective_terms(self, op, nbytes, nodes, local, chunk_bytes=None):
+        """A flat ring over the nodes' interfaces (no intra-node bytes)."""
+        lat, wire = self.allreduce_terms(nbytes, nodes * local)
+        return (lat, 0.0, wire) if op == "allreduce" else (lat / 2, 0.0, wire / 2)
+
+    def collective_time(self, op, nbytes, nodes, local, chunk_bytes=None):
+        lat, _, wire = self.collective_terms(op, nbytes, nodes, local)
+        return lat + wire / self.rates.link_bandwidth
 
     def grad_bytes(self, role):
         return 0.0 if role == "embed" else self.grad
@@ -136,7 +150,10 @@ def test_cost_model_llama7b():
     assert cost.forward_time("layer") < cost.backward_time("layer", "selective") \
         < cost.backward_time("layer", "full")
     assert cost.activation_bytes == 4096 * 4096 * 2
-    assert cost.p2p_time() == pytest.approx(5e-6 + 4096 * 4096 * 2 / 6.25e9)
+    # across nodes through the 25e9 B/s interface, inside a node at 25.6e9 B/s
+    assert cost.p2p_time() == pytest.approx(5e-6 + 4096 * 4096 * 2 / 2.5e10)
+    assert cost.p2p_time(same_node=True) == pytest.approx(1e-6 + 4096 * 4096 * 2 / 2.56e10)
+    assert cost.rates.ranks_per_node == 4 and "assumed" in cost.rates.source("ranks_per_node")
     p = cost.block_params("layer")
     assert cost.update_time("layer") == pytest.approx(28 * p / C.DEFAULT_MEM_BANDWIDTH)
     assert cost.view_time("layer") == pytest.approx(6 * p / C.DEFAULT_MEM_BANDWIDTH)
@@ -412,3 +429,54 @@ def test_cli_errors(capsys):
     assert "mt3000" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", "jobs/llama2-7b.yaml", "--policy", "zero3"])
+
+
+# -- nodes ----------------------------------------------------------------------------------------
+
+
+def test_node_layout_per_placement():
+    # 4 ranks per node, pp 2 x dp 4: "pp" puts two replicas' both stages on a node (the data-
+    # parallel group spans 2 nodes, 2 ranks each); "dp" a stage's four replicas (1 node of 4)
+    pp_ = C.NodeLayout(2, 4, "pp", 4)
+    assert pp_.node == (0, 0) and pp_.copies == (2, 2) and pp_.runs == ((2, 2), (2, 2))
+    assert pp_.same_node(0, 1)
+    dp_ = C.NodeLayout(2, 4, "dp", 4)
+    assert dp_.node == (0, 1) and dp_.copies == (4, 4) and dp_.runs == ((1, 4), (1, 4))
+    assert not dp_.same_node(0, 1)
+    one = C.NodeLayout(16, 64, "pp", 1)  # a rank per node: every message crosses the network
+    assert one.copies == (1,) * 16 and one.runs[0] == (64, 1) and one.world_runs == (1024, 1)
+    deep = C.NodeLayout(16, 64, "pp", 4)  # stages 0-3 of a replica share a node
+    assert deep.node[:5] == (0, 0, 0, 0, 1) and deep.runs[0] == (64, 1)
+
+
+def test_interface_is_shared_and_nodes_change_the_step():
+    cfg = load_config("jobs/bench-lifecycle.yaml")
+    cost = CostModel.from_config(cfg)
+    assert cost.rates.ranks_per_node == 4 and cost.placement == "pp"
+    # all-reduce over 2 nodes of 2: the interface carries n; over one node of 4: nothing
+    fixed, intra, nic = cost.collective_terms("allreduce", 1e6, 2, 2)
+    assert nic == 1e6 and intra == pytest.approx(1e6) and fixed > 0
+    assert cost.collective_terms("allreduce", 1e6, 1, 4)[2] == 0.0
+    steps = {}
+    for pl in ("pp", "dp"):
+        for bw in (2.5e10, 2.5e8):
+            c = replace(cost, placement=pl, rates=cost.rates.with_("link_bandwidth", bw, "test"))
+            steps[pl, bw] = simulate_config(cfg, c, "baseline-1f1b", [0, 0]).step_s
+    # a slower interface slows both placements (pp: the gradient syncs cross it; dp: the
+    # pipeline messages do), and never speeds a step up
+    for pl in ("pp", "dp"):
+        assert steps[pl, 2.5e8] > steps[pl, 2.5e10]
+
+
+def test_cli_ranks_per_node_and_placement(capsys):
+    argv = ["--config", "jobs/llama2-7b.yaml", "--set", "model.layers=8", "--set",
+            "parallel.pp=4", "--set", "parallel.dp=8", "--set", "model.seq_len=1024",
+            "--clusters", "32", "--top", "4", "--scaling", "",
+            "--micro-batches", "1", "--policy", "ratrain", "--placement", "both"]
+    assert main([*argv, "--ranks-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks_per_node = 8 ranks  (--ranks-per-node)" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit()]
+    assert {r[4] for r in rows} == {"pp", "dp"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--ranks-per-node", "0"])

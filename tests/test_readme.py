@@ -28,10 +28,12 @@ SKIP = [  # (pattern of a command, why it does not run here)
      "the suite is what runs this test"),
     (r"^python3 -m venv|^\. \.venv|^pip install|pip install", "installs packages (CI installs "
      "them through scripts/setup.sh)"),
-    (r"^module load|^MPICC=|^srun |^sbatch |^RATRAIN_SRUN_MPI=|^RATRAIN_LAUNCHER=",
+    (r"^module load|^MPICC=|^srun |^sbatch |^j=\$\(sbatch |^RATRAIN_SRUN_MPI=|^RATRAIN_LAUNCHER=",
      "needs a cluster (a site MPI, Slurm)"),
     (r"my_texts/|path/to/tokenizer\.json", "names the reader's own files (a tokenizer.json run is "
      "tests/test_users.py's)"),
+    *([(r"^scripts/cluster\.sh", "emulated nodes need root, ip and tc (tests/test_cluster.py)")]
+      if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")) else []),
 ]
 NEEDS = [  # (pattern, module): skipped when the module is not installed
     (r"import torch|transformers", "transformers"),

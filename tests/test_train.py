@@ -47,6 +47,7 @@ def test_run_writes_the_contract_files(job, tmp_path):
     run = tmp_path / "run"
     p = train(job, run)
     assert "step     4/4" in p.stdout and "tok/s" in p.stdout
+    assert "1 node x 1 rank (pp)" in p.stdout  # the banner names the nodes and the placement
     recs = metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for key in ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens", "step_time_s",

@@ -27,7 +27,6 @@ TINY = """
 model: {vocab_size: 256, hidden: 32, layers: 2, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}
 parallel: {micro_batch: 2, num_micro_batches: 2}
 optim: {lr: 1.0e-2, warmup_steps: 2}
-data: {eval_interval: 3, eval_batches: 2}
 checkpoint: {interval: 3, resume: auto}
 run: {steps: 6, log_interval: 1, threads: 1}
 """

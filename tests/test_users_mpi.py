@@ -14,7 +14,6 @@ TINY = """
 model: {vocab_size: 64, hidden: 32, layers: 4, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}
 parallel: {pp: 2, dp: 2, micro_batch: 2, num_micro_batches: 2}
 optim: {lr: 1.0e-2, warmup_steps: 2}
-data: {eval_interval: 2, eval_batches: 3}
 checkpoint: {interval: 2, resume: never}
 run: {steps: 4, log_interval: 1, threads: 1}
 """

@@ -3,8 +3,9 @@
 Owns: the checkpoint directory layout and names (`names`), the one-process communicator and the
 rank-0-then-broadcast helper (`collective`), writing one stage's shard, fast and plain
 (`shard`), what a model's checkpoint must hold (`model`), the collective save, manifest, commit
-and `keep` (`commit`), verification and the choice of the checkpoint to resume from (`verify`),
-loading into any layout (`load`) and the `show` CLI (`show`, `__main__`).
+and `keep` (`commit`), room on the disk: sizes, pruning ahead, space errors (`space`),
+verification and the choice of the checkpoint to resume from (`verify`), loading into any
+layout (`load`) and the `show` CLI (`show`, `__main__`).
 
 May import: `ratrain` (its version), `ratrain.config`, `ratrain.fileio` (every file is written
 through its one atomic-write protocol), `ratrain.exec.spec` from `model` only (the model's
@@ -32,9 +33,11 @@ from ratrain.checkpoint.names import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
+    CheckpointSpaceError,
     checkpoint_name,
     checkpoint_root,
     is_committed,
+    linked_checkpoints,
     list_checkpoints,
     shard_name,
 )
@@ -53,10 +56,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "CheckpointError",
+    "CheckpointSpaceError",
     "StateStream",
     "checkpoint_name",
     "checkpoint_root",
     "is_committed",
+    "linked_checkpoints",
     "list_checkpoints",
     "load_checkpoint",
     "model_mismatch",

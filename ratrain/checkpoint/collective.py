@@ -14,7 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ratrain.checkpoint.names import CheckpointError
+from ratrain.checkpoint.names import CheckpointError, CheckpointSpaceError
+from ratrain.checkpoint.space import is_space_error
 
 
 class Solo:
@@ -34,18 +35,19 @@ class Solo:
 
 
 def root_then_bcast(comm, fn: Callable[[], Any]) -> Any:
-    """Run `fn` on rank 0, broadcast its result; a failure raises the same error on every rank."""
+    """Run `fn` on rank 0, broadcast its result; a failure raises the same error on every rank
+    (a CheckpointSpaceError, or an OSError that says the disk is full, as CheckpointSpaceError)."""
     res = None
     if comm.Get_rank() == 0:
         try:
             res = ("ok", fn())
         except CheckpointError as e:
-            res = ("err", str(e))
+            res = ("space" if is_space_error(e) else "err", str(e))
         except Exception as e:  # noqa: BLE001 - any failure on rank 0 must reach the others
-            res = ("err", f"{type(e).__name__}: {e}")
+            res = ("space" if is_space_error(e) else "err", f"{type(e).__name__}: {e}")
     res = comm.bcast(res, root=0)
-    if res[0] == "err":
-        raise CheckpointError(res[1])
+    if res[0] != "ok":
+        raise (CheckpointSpaceError if res[0] == "space" else CheckpointError)(res[1])
     return res[1]
 
 

@@ -31,14 +31,18 @@ import ratrain
 from ratrain.checkpoint.collective import Solo, log_default, root_then_bcast
 from ratrain.checkpoint.model import coverage_problems, stage_bounds
 from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
-from ratrain.checkpoint.names import checkpoint_name, is_committed, list_checkpoints
+from ratrain.checkpoint.names import CheckpointSpaceError, checkpoint_name, is_committed
+from ratrain.checkpoint.names import list_checkpoints
 from ratrain.checkpoint.shard import StateStream, state_json, write_shard
+from ratrain.checkpoint.space import expected_bytes, is_space_error, make_room, space_message
 from ratrain.config import Config
 from ratrain.fileio import atomic_write, fsync_dir
 
 
 def remove_checkpoint(path: str) -> None:
-    """Un-commit (manifest first, durably), then delete."""
+    """Un-commit (manifest first, durably), then delete; never through a symbolic link."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link: not removed (nor followed)")
     man = os.path.join(path, MANIFEST)
     if os.path.exists(man):
         os.unlink(man)
@@ -46,12 +50,20 @@ def remove_checkpoint(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _prepare_dir(root: str, path: str) -> None:
+def _prepare_dir(root: str, path: str, step: int, need: int, log) -> None:
     os.makedirs(root, exist_ok=True)
-    if os.path.exists(path):  # leftovers of a killed save, or a checkpoint of this step replaced
+    if os.path.lexists(path):  # leftovers of a killed save, or a checkpoint of this step replaced
         remove_checkpoint(path)
+    make_room(root, step, need, remove_checkpoint, log)
     os.mkdir(path)
     fsync_dir(root)
+
+
+def _abandon(root: str, path: str) -> None:
+    """Rank 0, after a failed save: remove what it left (its room goes back to the disk)."""
+    if os.path.isdir(path) and not is_committed(path):
+        remove_checkpoint(path)
+        fsync_dir(root)
 
 
 def _prune(root: str, keep: int, step: int, log) -> None:
@@ -134,6 +146,26 @@ def _commit(root, path, step, cfg: Config, gathered, keep, log) -> str:
     return path
 
 
+def _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer) -> dict:
+    """This rank's part of a save (its shard on replica 0) and its report for rank 0."""
+    entry, error, space = None, None, False
+    if replica == 0:
+        try:
+            entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
+            text = " ".join(str(e).split())  # h5py's messages span lines
+            error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
+            space = is_space_error(e)
+    if isinstance(tensors, StateStream):
+        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
+    try:
+        digest = hashlib.sha256(state_json(state).encode()).hexdigest()
+    except TypeError as e:
+        digest, error = "", error or f"rank {rank}: {e}"
+    return {"rank": rank, "stage": stage, "replica": replica, "entry": entry, "error": error,
+            "state": digest, "space": space}
+
+
 def save_checkpoint(
     root: str,
     step: int,
@@ -172,20 +204,24 @@ def save_checkpoint(
     rank = comm.Get_rank()
     keep = cfg.checkpoint.keep if keep is None else keep
     path = os.path.join(root, checkpoint_name(step))
-    root_then_bcast(comm, lambda: _prepare_dir(root, path))
-    entry, error = None, None
-    if replica == 0:
-        try:
-            entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
-        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
-            error = f"rank {rank} (stage {stage}): {type(e).__name__}: {e}"
-    if isinstance(tensors, StateStream):
-        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
+    need = root_then_bcast(comm, lambda: expected_bytes(root, cfg))
     try:
-        digest = hashlib.sha256(state_json(state).encode()).hexdigest()
-    except TypeError as e:
-        digest, error = "", error or f"rank {rank}: {e}"
-    mine = {"rank": rank, "stage": stage, "replica": replica, "entry": entry, "error": error,
-            "state": digest}
+        root_then_bcast(comm, lambda: _prepare_dir(root, path, step, need, log))
+    except CheckpointSpaceError:
+        if isinstance(tensors, StateStream):
+            tensors.drain()  # every replica still takes part in the stream's gathers
+        raise
+    mine = _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer)
     gathered = comm.gather(mine, root=0)
-    return root_then_bcast(comm, lambda: _commit(root, path, step, cfg, gathered, keep, log))
+
+    def commit():
+        try:
+            return _commit(root, path, step, cfg, gathered, keep, log)
+        except BaseException as e:
+            _abandon(root, path)
+            if any(g["space"] for g in gathered) or is_space_error(e):
+                raise CheckpointSpaceError(space_message(
+                    root, f"the checkpoint of step {step}", need, str(e))) from e
+            raise
+
+    return root_then_bcast(comm, commit)

@@ -8,7 +8,9 @@
 
 Only a directory with a manifest counts (`is_committed`); one without is the leftover of a
 killed or failed save, whatever temporary files it holds: resume skips it and the next save
-removes it.
+removes it. A `ckpt-NNNNNN` that is a symbolic link is never a checkpoint (`linked_checkpoints`
+lists them so that resume can say so): nothing is read, pruned or removed through it. The
+files a manifest names are plain shard names inside their checkpoint (`SHARD_RE`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ MANIFEST = "manifest.json"
 # The state buffers of a shard -> their HDF5 group: fp32 masters and AdamW's two moments.
 BUFFERS = {"master": "master", "m": "optim/m", "v": "optim/v"}
 _CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+SHARD_RE = re.compile(r"^shard-s\d{3,}\.h5$")
 
 
 class CheckpointError(RuntimeError):
@@ -43,19 +46,34 @@ def shard_name(stage: int) -> str:
     return f"shard-s{stage:03d}.h5"
 
 
+class CheckpointSpaceError(CheckpointError):
+    """A checkpoint not written for lack of space (the message says so in its first words)."""
+
+
 def is_committed(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
+    return not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every `ckpt-NNNNNN` directory under `root`, committed or not, by step."""
+def _entries(root: str, links: bool) -> list[tuple[int, str]]:
     try:
         entries = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
     for e in entries:
         m = _CKPT_RE.match(e)
-        if m and os.path.isdir(os.path.join(root, e)):
-            out.append((int(m.group(1)), os.path.join(root, e)))
+        p = os.path.join(root, e)
+        if m and (os.path.islink(p) if links else (os.path.isdir(p) and not os.path.islink(p))):
+            out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `ckpt-NNNNNN` directory under `root`, committed or not, by step
+    (symbolic links excluded)."""
+    return _entries(root, links=False)
+
+
+def linked_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `ckpt-NNNNNN` under `root` that is a symbolic link (refused)."""
+    return _entries(root, links=True)

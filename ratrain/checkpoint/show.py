@@ -15,16 +15,9 @@ import sys
 import h5py
 
 from ratrain.checkpoint.names import CheckpointError, is_committed, list_checkpoints
+from ratrain.checkpoint.space import human_bytes
 from ratrain.checkpoint.verify import read_manifest, verify_checkpoint
 from ratrain.config import config_from_dict
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def _show_root(root: str, out) -> int:
@@ -38,7 +31,7 @@ def _show_root(root: str, out) -> int:
             os.path.getsize(os.path.join(p, f)) for f in os.listdir(p) if os.path.isfile(os.path.join(p, f))
         )
         status = "committed" if is_committed(p) else "NOT committed (interrupted save; ignored)"
-        print(f"  {os.path.basename(p)}  step {step:>8}  {_fmt_bytes(size):>10}  {status}", file=out)
+        print(f"  {os.path.basename(p)}  step {step:>8}  {human_bytes(size):>10}  {status}", file=out)
     return 0
 
 
@@ -103,10 +96,10 @@ def _show_files(path: str, man: dict, problems: list[str], verify: bool, out) ->
         status = "FAILED" if bad else ("ok" if verify else "size ok")
         print(
             f"  {e['file']:<16} stage {e['stage']:<3} {len(e['params']):>4} params "
-            f"{_fmt_bytes(e['bytes']):>10}  sha256 {e['sha256'][:16]}  {status}",
+            f"{human_bytes(e['bytes']):>10}  sha256 {e['sha256'][:16]}  {status}",
             file=out,
         )
-    print(f"total       {_fmt_bytes(total)} in {len(man['files'])} file(s)", file=out)
+    print(f"total       {human_bytes(total)} in {len(man['files'])} file(s)", file=out)
 
 
 def show(path: str, verify: bool = False, out=None) -> int:

@@ -1,10 +1,12 @@
 """Trusting a checkpoint: its manifest, its files, its model, and which one to resume from.
 
-A checkpoint is usable when its manifest is present and readable, every shard it lists is
-present with the manifest's size and SHA-256, and every parameter of the saved model is in
-exactly one shard (`verify_checkpoint`, collective: the shards are hashed round-robin across
-ranks). Resuming also needs the saved model section to equal the current one
-(`model_mismatch`); `resolve_resume` applies `checkpoint.resume` (auto | never | PATH).
+A checkpoint is usable when its manifest is present and readable, every shard it lists is a
+plain file name inside the checkpoint (`shard-sNNN.h5`: no path, no link) present with the
+manifest's size and SHA-256, and every parameter of the saved model is in exactly one shard
+(`verify_checkpoint`, collective: the shards are hashed round-robin across ranks). Resuming
+also needs the saved model section to equal the current one (`model_mismatch`);
+`resolve_resume` applies `checkpoint.resume` (auto | never | PATH): `auto` with checkpoints
+none of which is usable is an error naming each and why (`never` starts over explicitly).
 
     path = resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=c)   # or None: fresh
 """
@@ -19,8 +21,9 @@ from typing import Any
 
 from ratrain.checkpoint.collective import Solo, log_default, root_then_bcast
 from ratrain.checkpoint.model import coverage_problems
-from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
-from ratrain.checkpoint.names import checkpoint_root, list_checkpoints
+from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, SHARD_RE, CheckpointError
+from ratrain.checkpoint.names import checkpoint_root, is_committed, linked_checkpoints
+from ratrain.checkpoint.names import list_checkpoints
 from ratrain.checkpoint.shard import sha256_file
 from ratrain.config import CheckpointConfig, ModelConfig
 
@@ -28,6 +31,8 @@ from ratrain.config import CheckpointConfig, ModelConfig
 def _load_manifest(path: str) -> dict:
     """The parsed manifest.json of `path` (CheckpointError when absent or not JSON)."""
     man = os.path.join(path, MANIFEST)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: a file, not a checkpoint directory (ckpt-NNNNNN)")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not os.path.isfile(man):
@@ -65,11 +70,18 @@ def read_manifest(path: str) -> dict:
         isinstance(e, dict) and all(k in e for k in entry_keys) for e in manifest["files"]
     ):
         raise CheckpointError(f"{man}: the file list is empty or malformed")
+    for e in manifest["files"]:
+        if not isinstance(e["file"], str) or not SHARD_RE.match(e["file"]):
+            raise CheckpointError(
+                f"{man}: lists the file {e['file']!r}, which is not a shard name inside the "
+                "checkpoint (shard-sNNN.h5): refused")
     return manifest
 
 
 def _file_problems(path: str, entry: dict, checksums: bool) -> list[str]:
     f = os.path.join(path, entry["file"])
+    if os.path.islink(f):
+        return [f"{f}: a symbolic link, not a shard: refused"]
     if not os.path.isfile(f):
         return [f"{f}: missing shard (stage {entry['stage']})"]
     size = os.path.getsize(f)
@@ -166,20 +178,30 @@ def _resume_named(comm, path: str, model: ModelConfig | None) -> str:
 
 
 def _resume_auto(comm, root: str, model: ModelConfig | None, say) -> str | None:
-    """`checkpoint.resume: auto`: the newest committed checkpoint under `root` that verifies."""
-    candidates = root_then_bcast(comm, lambda: [p for _, p in reversed(list_checkpoints(root))])
-    skipped = 0
+    """`checkpoint.resume: auto`: the newest committed checkpoint under `root` that verifies;
+    None when there is none at all; an error naming each when there are some but none usable."""
+    found, links = root_then_bcast(comm, lambda: (
+        [(p, is_committed(p)) for _, p in reversed(list_checkpoints(root))],
+        [p for _, p in linked_checkpoints(root)]))
+    for path, _ in [f for f in found if not f[1]]:
+        say(f"resume auto: skipping {path}: never committed (an interrupted save)")
+    candidates = [p for p, done in found if done]
+    skipped = [f"{p}: a symbolic link, not a checkpoint directory (refused)" for p in links]
     for path in candidates:
         problems = verify_checkpoint(path, comm=comm)
         if problems:
             say(f"resume auto: skipping {path}: " + "; ".join(problems))
-            skipped += 1
+            skipped.append(f"{path}: " + "; ".join(problems))
             continue
         _check_compatible(comm, path, model)
-        say(f"resume auto: resuming from {path}" + (f" (skipped {skipped} newer)" if skipped else ""))
+        say(f"resume auto: resuming from {path}"
+            + (f" (skipped {len(skipped)})" if skipped else ""))
         return path
     if skipped:
-        say(f"resume auto: no usable checkpoint under {root} ({skipped} skipped): starting fresh")
+        raise CheckpointError(
+            f"checkpoint.resume=auto: {len(skipped)} checkpoint(s) under {root}, none usable:\n  "
+            + "\n  ".join(skipped) + "\nrepair or remove them, give one with "
+            "checkpoint.resume=PATH, or start over with checkpoint.resume=never (they are kept)")
     return None
 
 
@@ -195,7 +217,8 @@ def resolve_resume(
 
     `checkpoint.resume`: `never` -> None; `auto` -> the newest committed checkpoint under
     `checkpoint_root(ckpt, run_dir)` that verifies (each one skipped is logged with the reason;
-    None if there is none); a PATH -> that checkpoint, or CheckpointError saying what is wrong.
+    None if there is no checkpoint at all, CheckpointError naming each if none is usable); a
+    PATH -> that checkpoint, or CheckpointError saying what is wrong.
     With `model`, a checkpoint of a different model section is an error (not skipped), naming
     each key with its saved and current value. Collective over `comm`; only rank 0 logs.
     """

@@ -1,16 +1,30 @@
 """Communication: who talks to whom, and every byte that moves between ranks.
 
-Owns: the topology of the pp x dp grid and its sub-communicators (`topology`); messages on the
+Owns: the topology of the pp x dp grid, its placement on ranks, nodes and local ranks, and its
+sub-communicators; the shim's two link tiers resolved per message (`topology`); messages on the
 wire, chunked under the shim's link throttle (`wire`); the generator protocol of operations and
 their drivers (`progress`); point-to-point verbs named by direction (`p2p`); ring and tree
-collectives written on point-to-point (`ring`, `tree`, `collectives`, buffers and reductions in
-`arrays`), MPI's own as the reference only (`mpiref`); what each algorithm costs, pure
-arithmetic shared with the planner (`model`); the engine thread that overlaps communication
-with compute, with its watchdog (`engine`); one failing rank stopping the job (`abort`); the
+collectives written on point-to-point (`ring`, `tree`), hierarchical ones on shared-memory
+windows inside a node and point-to-point chains across nodes (`hier`, its windows in `shm`),
+the choice among them (`collectives`, buffers and reductions in `arrays`), MPI's own as the
+reference only (`mpiref`); what each algorithm costs, pure arithmetic shared with the planner
+(`model`); the engine thread that overlaps communication with compute, with its operation
+timeout (`engine`); one failing rank stopping the job, every rank saying why (`abort`); the
+job's watchdog: heartbeats, the rank that stopped answering named on every rank (`watchdog`);
+the control plane's small pickled exchanges that never block inside MPI (`control`); the
 benchmark `python -m ratrain.comm.bench`.
 
 May import: `ratrain.shim` (the link model and throttle, the allocator) and `ratrain.config`;
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
 initialise MPI; the submodules that need it import mpi4py.MPI (which does); `model` and
 `topology` never do.
+
+Importing it sets `OMPI_MCA_osc=^ucx` unless the environment sets OMPI_MCA_osc: the shared-memory
+windows of `shm` need Open MPI's `sm` one-sided component, and the pip wheel's UCX component
+prints an error on every rank when it is asked first (MPI reads it at initialisation, which
+happens later, when a submodule imports mpi4py.MPI).
 """
+
+import os
+
+os.environ.setdefault("OMPI_MCA_osc", "^ucx")

@@ -8,16 +8,28 @@ collective. Wrap the rank's work, or install the hooks once at start-up:
 
     install_excepthook()     # sys.excepthook and threading.excepthook do the same
 
-`python -m mpi4py script.py` does the same for a whole script.
+`python -m mpi4py script.py` does the same for a whole script. With a watchdog running
+(`comm.watchdog`), the reason is first sent to every other rank, which prints it too, so the job
+says why it ended on every rank and not only on the one that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
+
+_notify: Callable[[str], None] | None = None  # the watchdog's failure notice, when one runs
+
+
+def on_abort(hook: Callable[[str], None] | None) -> None:
+    """Call `hook(reason)` before MPI_Abort (the watchdog tells the other ranks); None: none."""
+    global _notify
+    _notify = hook
 
 
 def _world_rank() -> int:
@@ -39,6 +51,10 @@ def abort(exc: BaseException | None = None, code: int = 1) -> None:
         sys.stderr.write(f"[rank {rank}] aborting the job (MPI_Abort)\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    if exc is not None and _notify is not None:
+        first = (str(exc).splitlines() or [""])[0]
+        with contextlib.suppress(Exception):  # the abort happens whatever the notice does
+            _notify(f"rank {rank} failed: {type(exc).__name__}: {first}")
     from mpi4py import MPI
 
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
@@ -65,4 +81,4 @@ def install_excepthook(code: int = 1) -> None:
     threading.excepthook = lambda args: abort(args.exc_value, code)
 
 
-__all__ = ["abort", "abort_on_error", "install_excepthook"]
+__all__ = ["abort", "abort_on_error", "install_excepthook", "on_abort"]

@@ -16,7 +16,18 @@ Point-to-point ops: `sendrecv` (every rank sends to rank+1 and receives from ran
 `pingpong` (ranks 0 and 1, time_s = half the round trip, like osu_latency), `stream` (rank 0
 sends `--window` messages back to back to rank 1, which acknowledges; like osu_bw).
 `--link` runs through the shim's throttle (`--bandwidth`, `--latency`, `--time-scale`, or the
-values of `--profile`); `--engine` submits through the CommEngine thread.
+values of `--profile`) in two tiers: `--bandwidth` / `--latency` are a node's interface (shared by
+its ranks), `--intra-bandwidth` / `--intra-latency` the path inside a node (default: free);
+`--engine` submits through the CommEngine thread.
+
+`--algo hier` is the hierarchical algorithm (`comm.hier`) over the nodes the ranks are on (MPI's
+shared-memory split and processor names; `--ranks-per-node K` cuts a host into nodes of K
+ranks; with `--link`, every rank is its own node unless `--ranks-per-node` says otherwise).
+`--shared` keeps the buffers in the node's shared memory (`NodeGroup.shared_array`), where
+the hierarchical all-reduce of a one-node group works in place (without it, what the runtime's
+gradients do: copied through the staging window). `--model` prints `model_s`, the two-tier model's time (`comm.model`), from the rates given, for
+a run that is not throttled (real nodes: scripts/cluster.sh); with `--link` it is always there.
+Every record names `nodes` x `ranks_per_node`.
 """
 
 from __future__ import annotations
@@ -32,13 +43,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ratrain.shim import allocator
-from ratrain.shim.link import Link
+from ratrain.shim.link import Link, Tiers
 from ratrain.shim.platform import load_profile
 
 from . import collectives as coll
 from . import model as cost
 from .engine import CommEngine
 from .progress import run, run_all
+from .shm import SharedSlots
+from .topology import NodeLinks, Topology
 from .wire import exchange_op, recv_op, send_op
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv", "pingpong", "stream")
@@ -80,7 +93,8 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ratrain.comm.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--op", default="allreduce", choices=OPS,
                     help="collective or point-to-point test (default allreduce)")
-    ap.add_argument("--algo", default="ring", help="ring|tree|auto|mpi, or several: ring,mpi")
+    ap.add_argument("--algo", default="ring",
+                    help="ring|tree|hier|auto|mpi, or several: hier,ring,mpi")
     ap.add_argument("--sizes", default="8:256M", help="MIN:MAX (x --factor) or a list 8,64M")
     ap.add_argument("--factor", type=int, default=4,
                     help="size step between MIN and MAX of --sizes (default 4)")
@@ -93,6 +107,13 @@ def _args(argv=None):
     ap.add_argument("--link", action="store_true", help="run through the shim's link throttle")
     ap.add_argument("--bandwidth", type=float, default=None, help="link B/s (default: profile's)")
     ap.add_argument("--latency", type=float, default=None, help="link s/message (default: profile's)")
+    ap.add_argument("--intra-bandwidth", type=float, default=None,
+                    help="B/s inside a node (default: the profile's with --profile, else free)")
+    ap.add_argument("--intra-latency", type=float, default=None, help="s/message inside a node")
+    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                    help="cut each host's ranks into nodes of K")
+    ap.add_argument("--model", action="store_true",
+                    help="print the two-tier model's time from the rates given (no throttle)")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="--link: emulated time = platform time x this (default 1)")
     ap.add_argument("--profile", default="mt3000",
@@ -102,6 +123,9 @@ def _args(argv=None):
     ap.add_argument("--allow-one-rank", action="store_true",
                     help="run on a single rank anyway (no communication: only for testing)")
     ap.add_argument("--engine", action="store_true", help="submit through the CommEngine thread")
+    ap.add_argument("--shared", action="store_true",
+                    help="keep the buffers in the node's shared memory (NodeGroup.shared_array): "
+                    "hier then all-reduces one node's buffers in place; every algorithm uses them")
     ap.add_argument("--window", type=int, default=64, help="messages per window for --op stream")
     a = ap.parse_args(argv)
     a.algos = a.algo.split(",")
@@ -112,6 +136,12 @@ def _args(argv=None):
             ap.error(f"--algo {algo!r} is not one of {', '.join(coll.ALGOS)}")
         if algo == "mpi" and (a.link or a.engine):
             ap.error("--algo mpi is MPI's own collective: it cannot run with --link or --engine")
+        if algo == "hier" and a.op not in ("allreduce", "reduce_scatter", "allgather"):
+            ap.error(f"--algo hier: there is no hierarchical {a.op}")
+    if a.ranks_per_node is not None and a.ranks_per_node < 1:
+        ap.error("--ranks-per-node must be >= 1")
+    if a.model and not (a.link or a.bandwidth):
+        ap.error("--model needs the rates: --bandwidth (and --latency, --intra-bandwidth, ...)")
     try:
         a.size_list = sizes_from(a.sizes, a.factor)
     except ValueError:
@@ -121,22 +151,41 @@ def _args(argv=None):
     return a
 
 
-def make_link(a):
-    if not a.link:
-        return None
+def rates(a) -> dict:
+    """The two tiers' rates (B/s, s) from the arguments and `--profile`."""
     prof = load_profile(a.profile)
     bw = a.bandwidth if a.bandwidth is not None else prof.link_bandwidth
-    lat = a.latency if a.latency is not None else (prof.link_latency or 0.0)
     if not bw:
         raise SystemExit(f"--link: profile {a.profile!r} has no link bandwidth; pass --bandwidth")
-    return Link(bw, lat, a.time_scale, a.chunk_bytes or None)
+    given = a.bandwidth is not None  # explicit rates: the profile's intra tier is not implied
+    intra = a.intra_bandwidth if a.intra_bandwidth is not None else (
+        None if given else prof.intra_bandwidth)
+    return {"bandwidth": bw,
+            "latency": a.latency if a.latency is not None else (prof.link_latency or 0.0),
+            "intra_bandwidth": intra or math.inf,
+            "intra_latency": a.intra_latency if a.intra_latency is not None else (
+                0.0 if given else prof.intra_latency or 0.0)}
+
+
+def open_topology(a, comm, nbytes: int):
+    """(topology, links, slots): the ranks' nodes (for `hier` and the two-tier throttle),
+    with --link the two tiers and the interfaces' shared slot books."""
+    per_node = a.ranks_per_node if a.ranks_per_node or not a.link else 1
+    topo = Topology(comm, 1, comm.Get_size(), "pp", per_node, shm_bytes=nbytes)
+    if not a.link:
+        return topo, None, None
+    r = rates(a)
+    slots = SharedSlots(topo.node_comm)
+    inter = Link(r["bandwidth"], r["latency"], a.time_scale, a.chunk_bytes or None, shared=slots)
+    intra = Link(r["intra_bandwidth"], r["intra_latency"], a.time_scale, inter.chunk_bytes)
+    return topo, NodeLinks(Tiers(intra, inter), topo), slots
 
 
 class Runner:
     """Runs one iteration of an op; checks the last result."""
 
-    def __init__(self, a, comm, link, engine):
-        self.a, self.comm, self.link, self.engine = a, comm, link, engine
+    def __init__(self, a, comm, link, engine, group=None):
+        self.a, self.comm, self.link, self.engine, self.group = a, comm, link, engine, group
         self.p, self.r = comm.Get_size(), comm.Get_rank()
         self.tags = 0
 
@@ -164,7 +213,11 @@ class Runner:
         else:  # point to point
             self.init = pattern(r, n, dtype)
             self.expect = pattern((r - 1) % p if op == "sendrecv" else 0, n, dtype)
-        self.buf = self.init.copy()
+        if self.a.shared:  # the same shared buffer for every algorithm of this size
+            self.buf = self.group.shared_array(n, dtype)
+            np.copyto(self.buf, self.init)
+        else:
+            self.buf = self.init.copy()
         self.out = np.zeros(n, dtype)
 
     def reset(self):
@@ -173,18 +226,22 @@ class Runner:
     def once(self, algo):
         a, c, link = self.a, self.comm, self.link
         op, p, r = a.op, self.p, self.r
+        g = self.group
         if op == "allreduce":
             if self.engine is not None:
-                self.engine.allreduce(self.buf, c, algo).result()
+                self.engine.submit(coll.allreduce_op, self.buf, c, algo, "sum", coll.COLL_TAG,
+                                   link, None, g).result()
             else:
-                coll.allreduce(self.buf, c, algo, link=link)
+                coll.allreduce(self.buf, c, algo, link=link, group=g)
             self.result = self.buf
         elif op == "reduce_scatter":
-            self.result = coll.reduce_scatter(self.buf, c, algo="mpi" if algo == "mpi" else "ring", link=link)
+            algo = algo if algo in ("mpi", "hier") else "ring"
+            self.result = coll.reduce_scatter(self.buf, c, algo=algo, link=link, group=g)
             b = coll.segments(self.n, p)
             self.expect_view = self.expect[b[r]:b[r + 1]]
         elif op == "allgather":
-            coll.allgather(self.buf, c, algo="mpi" if algo == "mpi" else "ring", link=link)
+            algo = algo if algo in ("mpi", "hier") else "ring"
+            coll.allgather(self.buf, c, algo=algo, link=link, group=g)
             self.result = self.buf
         elif op == "bcast":
             coll.bcast(self.buf, c, 0, algo="mpi" if algo == "mpi" else "tree", link=link)
@@ -246,11 +303,19 @@ def _measure(runner, a, comm):
     return times, checks
 
 
-def _model_s(a, algo, nb, p, link) -> float:
-    """What the link model says the op should take (the link's emulated rates)."""
-    bw, lat = link.bandwidth / link.time_scale, link.latency * link.time_scale
+def _model_s(a, algo, nb, p, rt, group) -> float:
+    """What the link model says the op should take (emulated rates: the link's x time_scale).
+    `rt`: the tiers' rates; `group`: the NodeGroup (runs) for `hier`."""
+    ts = a.time_scale if a.link else 1.0
+    bw, lat = rt["bandwidth"] / ts, rt["latency"] * ts
+    if algo == "hier" and group is not None:
+        nodes, local = len(group.runs), group.lanes
+        wide = 2 if a.dtype == "float16" and a.op != "allgather" else 1  # partials in float32
+        return cost.hier_seconds(a.op, wide * nb, nodes, local, rt["intra_latency"] * ts,
+                                 rt["intra_bandwidth"] / ts, lat, bw,
+                                 group.staging.chunk_bytes)
     if a.op == "allreduce":
-        chosen = algo if algo != "auto" else coll.choose_algo(nb, p, link)
+        chosen = algo if algo not in ("auto", "hier") else coll.choose_algo(nb, p)
         model = cost.seconds("allreduce", chosen, nb, p, lat, bw)
         if a.dtype == "float16":  # partial sums travel as float32
             wide = cost.seconds("allreduce", chosen, 2 * nb, p, lat, bw)
@@ -263,23 +328,29 @@ def _model_s(a, algo, nb, p, link) -> float:
     return math.nan
 
 
-def _record(a, algo, p, nb, t, errs, digests, link) -> dict:
+def _record(a, algo, p, nb, t, errs, digests, link, topo) -> dict:
     """One output line (see the module) from the slowest rank's iteration times `t`."""
     med, best = float(np.median(t)), float(np.min(t))
+    sizes = [topo.node_of.count(n) for n in range(topo.nodes)]
     rec = {
         "op": a.op, "algo": algo, "ranks": p, "bytes": nb, "dtype": a.dtype,
         "iters": a.iters, "time_s": med, "time_min_s": best,
         "algbw_GBps": nb / med / 1e9, "busbw_GBps": nb / med / 1e9 * busbw_factor(a.op, p),
         "busbw_best_GBps": nb / best / 1e9 * busbw_factor(a.op, p),
         "ok": max(errs) == 0.0, "max_abs_err": max(errs),
+        "nodes": topo.nodes, "ranks_per_node": max(sizes),
     }
     if a.op in ("allreduce", "allgather", "bcast"):
         rec["identical"] = len(set(digests)) == 1
-    if link is not None:
-        if a.op in ("allreduce", "pingpong", "sendrecv", "stream"):
-            rec["model_s"] = _model_s(a, algo, nb, p, link)
-        rec["link"] = {"bandwidth": link.bandwidth, "latency": link.latency,
-                       "time_scale": link.time_scale, "chunk_bytes": link.chunk_bytes}
+    if link is not None or a.model:
+        rt = rates(a)
+        if algo != "mpi" and (a.op in ("allreduce", "pingpong", "sendrecv", "stream")
+                              or algo == "hier"):
+            rec["model_s"] = _model_s(a, algo, nb, p, rt, topo.dp_group)
+        rec["link"] = {**rt, "time_scale": a.time_scale if link is not None else 1.0,
+                       "throttled": link is not None}
+        if link is not None:
+            rec["link"]["chunk_bytes"] = link.chunk_bytes
     if a.engine:
         rec["engine"] = True
     return rec
@@ -299,9 +370,9 @@ def main(argv=None) -> int:
         if r == 0:
             print(f"--op {a.op} needs at least 2 ranks", file=sys.stderr)
         return 2
-    link = make_link(a)
+    topo, link, slots = open_topology(a, comm, max(a.size_list))
     engine = CommEngine(comm, watchdog_s=600, link=link) if a.engine else None
-    runner = Runner(a, comm, link, engine)
+    runner = Runner(a, comm, link, engine, topo.dp_group)
     try:
         for nbytes in a.size_list:
             runner.setup(nbytes, a.dtype)
@@ -317,10 +388,14 @@ def main(argv=None) -> int:
                 errs, digests = comm.gather(err, 0), comm.gather(digest, 0)
                 if r == 0:
                     nb = runner.n * runner.dtype.itemsize
-                    print(json.dumps(_record(a, algo, p, nb, t, errs, digests, link)), flush=True)
+                    print(json.dumps(_record(a, algo, p, nb, t, errs, digests, link, topo)),
+                          flush=True)
     finally:
         if engine is not None:
             engine.close()
+        if slots is not None:
+            slots.free()
+        topo.free()
     return 0
 
 

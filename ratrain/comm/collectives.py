@@ -1,6 +1,6 @@
-"""Collectives written on point-to-point only: ring and tree all-reduce, reduce-scatter, all-gather,
-broadcast. MPI's own collectives appear here only as the `algo="mpi"` reference for tests and the
-benchmark; the runtime never uses them.
+"""Collectives written on point-to-point and shared memory only: ring, tree and hierarchical
+all-reduce, reduce-scatter, all-gather, broadcast. MPI's own collectives appear here only as the
+`algo="mpi"` reference for tests and the benchmark; the runtime never uses them.
 
 All operate in place on C-contiguous numpy arrays of any shape and length, on any number of
 ranks. float16 payloads are reduced in float32 (the partial sums travel as float32) and rounded
@@ -16,8 +16,15 @@ tree  (recursive doubling, i.e. a binomial tree rooted at every rank; log2(p) st
     (y[i] = x[i] + x[i+m]), then the m ranks sum pairwise over rank order:
     ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)) ... (both partners compute the same sum:
     IEEE addition is commutative), and ranks >= m receive the result from rank i - m.
-auto  the cheaper of the two under the latency-bandwidth model (`choose_algo`); the choice depends
-    only on (bytes, ranks, model), so it is the same on every rank and in every run.
+hier  (shared memory inside a node, a chain of messages per local rank across nodes; `hier`)
+    A left fold over the ranks in rank order, x[0] + x[1] + ... + x[p-1], whatever the ranks'
+    grouping into nodes; reduce-scatter and all-reduce reduce every element in that order.
+    It needs the communicator's `hier.NodeGroup` (`group=`; `Topology.group(comm)`).
+auto  `hier` when the communicator has a NodeGroup (the topology's world and data-parallel
+    communicators: the runtime's, so its results never depend on how ranks are packed into
+    nodes), else the cheaper of ring and tree under the latency-bandwidth model
+    (`choose_algo`); the choice depends only on (bytes, ranks, model, group), so it is the same
+    on every rank and in every run.
 
 `reference_allreduce(arrays, algo)` computes either order in one process; tests check the MPI
 versions against it bitwise.
@@ -34,13 +41,16 @@ import numpy as np
 
 from . import model
 from .arrays import as_ufunc, segments, work_dtype
+from .hier import hier_allgather_op, hier_reduce_op
 from .mpiref import mpi_allgather_op, mpi_allreduce_op, mpi_bcast_op, mpi_reduce_scatter_op
 from .progress import run as _run
-from .ring import COLL_TAG, allgather_op, reduce_scatter_op, ring_allreduce_op
+from .ring import COLL_TAG, ring_allreduce_op
+from .ring import allgather_op as ring_allgather_op
+from .ring import reduce_scatter_op as ring_reduce_scatter_op
 from .tree import bcast_op, tree_allreduce_blocking, tree_allreduce_op
 from .wire import LOG_MESSAGES
 
-ALGOS = ("ring", "tree", "auto", "mpi")
+ALGOS = ("ring", "tree", "hier", "auto", "mpi")
 LINK_POLL_S = 2e-5  # with the throttle on, test requests this often instead of spinning in MPI
 
 
@@ -49,20 +59,33 @@ def run(op, link=None):
     return _run(op, LINK_POLL_S if link is not None else None)
 
 
-def choose_algo(nbytes: int, p: int, link=None) -> str:
-    """`ring` or `tree`, whichever all-reduce the latency-bandwidth model (`comm.model`) says is
-    faster on `link` (or on the host's MPI when there is none)."""
+def choose_algo(nbytes: int, p: int, link=None, group=None) -> str:
+    """`hier` for a communicator with a NodeGroup, else `ring` or `tree`, whichever all-reduce
+    the latency-bandwidth model (`comm.model`) says is faster on `link` (or on the host's MPI
+    when there is none)."""
+    if group is not None:
+        return "hier"
     if link is None:
         return model.cheapest(nbytes, p)
     return model.cheapest(nbytes, p, link.latency * link.time_scale,
                           link.bandwidth / link.time_scale)
 
 
-def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledger=None):
+def _need_group(group, what: str):
+    if group is None:
+        raise ValueError(f"{what} with algo='hier' needs the communicator's NodeGroup (group=; "
+                         "Topology.group(comm) or hier.NodeGroup(comm, nodes))")
+    return group
+
+
+def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledger=None,
+                 group=None):
     """The all-reduce operation (a generator) for `algo`; `auto` resolved here."""
     as_ufunc(op)  # a bad op fails here, on every rank count
     if algo == "auto":
-        algo = choose_algo(buf.nbytes, comm.Get_size(), link)
+        algo = choose_algo(buf.nbytes, comm.Get_size(), link, group)
+    if algo == "hier":
+        return hier_reduce_op(buf, _need_group(group, "allreduce"), op, tag, link, ledger)
     if algo == "ring":
         return ring_allreduce_op(buf, comm, op, tag, link, ledger)
     if algo == "tree":
@@ -74,30 +97,56 @@ def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledg
     raise ValueError(f"algo={algo!r} is not one of {', '.join(ALGOS)}")
 
 
-def allreduce(buf, comm, algo="auto", op="sum", *, link=None, ledger=None, tag=COLL_TAG):
+def allreduce(buf, comm, algo="auto", op="sum", *, link=None, ledger=None, tag=COLL_TAG,
+              group=None):
     """All-reduce `buf` in place over `comm`; returns `buf`."""
     as_ufunc(op)
     if algo == "auto":
-        algo = choose_algo(buf.nbytes, comm.Get_size(), link)
+        algo = choose_algo(buf.nbytes, comm.Get_size(), link, group)
     if algo == "tree" and link is None and ledger is None and not LOG_MESSAGES and \
             work_dtype(buf.dtype).char in "fdilq":
         return tree_allreduce_blocking(buf, comm, op, tag)
-    return run(allreduce_op(buf, comm, algo, op, tag, link, ledger), link)
+    return run(allreduce_op(buf, comm, algo, op, tag, link, ledger, group), link)
 
 
-def reduce_scatter(buf, comm, op="sum", *, algo="ring", link=None, ledger=None, tag=COLL_TAG):
+def reduce_scatter_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None, algo="ring",
+                      group=None):
+    """The reduce-scatter operation for `algo` (`ring`, `hier`; `auto`: hier with a group)."""
+    if algo == "auto":
+        algo = "hier" if group is not None else "ring"
+    if algo == "hier":
+        return hier_reduce_op(buf, _need_group(group, "reduce_scatter"), op, tag, link, ledger,
+                              scatter=True)
+    if algo == "mpi":
+        return mpi_reduce_scatter_op(buf, comm, op)
+    if algo != "ring":
+        raise ValueError(f"reduce_scatter algo={algo!r}: use ring, hier, auto or mpi")
+    return ring_reduce_scatter_op(buf, comm, op, tag, link, ledger)
+
+
+def allgather_op(buf, comm, tag=COLL_TAG, link=None, algo="ring", group=None):
+    """The all-gather operation for `algo` (`ring`, `hier`; `auto`: hier with a group)."""
+    if algo == "auto":
+        algo = "hier" if group is not None else "ring"
+    if algo == "hier":
+        return hier_allgather_op(buf, _need_group(group, "allgather"), tag, link)
+    if algo == "mpi":
+        return mpi_allgather_op(buf, comm)
+    if algo != "ring":
+        raise ValueError(f"allgather algo={algo!r}: use ring, hier, auto or mpi")
+    return ring_allgather_op(buf, comm, tag, link)
+
+
+def reduce_scatter(buf, comm, op="sum", *, algo="ring", link=None, ledger=None, tag=COLL_TAG,
+                   group=None):
     """Reduce `buf` over `comm`; returns the view of this rank's segment (see `segments`) holding
     its reduced values. The rest of `buf` is scratch afterwards."""
-    if algo == "mpi":
-        return run(mpi_reduce_scatter_op(buf, comm, op))
-    return run(reduce_scatter_op(buf, comm, op, tag, link, ledger), link)
+    return run(reduce_scatter_op(buf, comm, op, tag, link, ledger, algo, group), link)
 
 
-def allgather(buf, comm, *, algo="ring", link=None, tag=COLL_TAG):
+def allgather(buf, comm, *, algo="ring", link=None, tag=COLL_TAG, group=None):
     """Fill `buf` in place with every rank's segment (rank q contributes `segments(n, p)[q:q+2]`)."""
-    if algo == "mpi":
-        return run(mpi_allgather_op(buf, comm))
-    return run(allgather_op(buf, comm, tag, link), link)
+    return run(allgather_op(buf, comm, tag, link, algo, group), link)
 
 
 def bcast(buf, comm, root=0, *, algo="tree", link=None, tag=COLL_TAG):
@@ -136,6 +185,10 @@ def reference_allreduce(arrays, algo="ring", op="sum"):
         while len(ys) > 1:
             ys = [ufunc(ys[i], ys[i + 1]) for i in range(0, len(ys), 2)]
         out = ys[0]
+    elif algo == "hier":  # a left fold in rank order, whatever the nodes
+        out = xs[0].copy()
+        for x in xs[1:]:
+            out = ufunc(out, x)
     else:
         raise ValueError(f"no reference order for algo={algo!r}")
     return out.astype(dtype).reshape(np.shape(arrays[0]))
@@ -152,6 +205,8 @@ __all__ = [
     "bcast",
     "bcast_op",
     "choose_algo",
+    "hier_allgather_op",
+    "hier_reduce_op",
     "reduce_scatter",
     "reduce_scatter_op",
     "reference_allreduce",

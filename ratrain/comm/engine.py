@@ -24,9 +24,13 @@ Tags: collectives run on a tag of their own (per communicator, in submission ord
 may be in flight on one communicator; every rank must submit collectives on a communicator in
 the same order (as with MPI). Messages use the tag they are given.
 
-Watchdog: an operation that has not finished `watchdog_s` after it was submitted fails with
-`CommTimeout` naming the operation, its sequence number and the rank; the engine is then
-broken (later submissions fail at once) and the caller should stop the job (`abort_on_error`).
+Watchdog: an operation that has not finished `watchdog_s` after it was submitted (the config's
+`comm.timeout`) fails with `CommTimeout` naming the operation, its sequence number and the rank;
+the engine is then broken (later submissions fail at once) and the caller should stop the job
+(`abort_on_error`). With the job's watchdog attached (`engine.attach(watchdog)`,
+`comm.watchdog`), an operation waiting on a rank that has stopped answering is left to it: it
+names the silent rank on every rank and ends the job; the operation's own error says what the
+watchdog knows.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class CommEngine:
         self._thread = threading.Thread(target=self._loop, name=f"ratrain-{name}-engine", daemon=True)
         self._thread.start()
         self._dog = None
+        self._job_watchdog = None  # comm.watchdog.Watchdog, when attached
         if watchdog_s:
             self._dog = threading.Thread(target=self._watch, name=f"ratrain-{name}-watchdog", daemon=True)
             self._dog.start()
@@ -114,24 +119,29 @@ class CommEngine:
             self._coll_count[key] = k + 1
         return COLL_TAG_BASE + k % COLL_TAG_SPAN
 
+    def _group(self, comm):
+        """The topology's NodeGroup of `comm` (hierarchical collectives), or None."""
+        return self.topology.group(comm) if self.topology is not None else None
+
     def allreduce(self, buf, comm=None, algo: str = "auto", op="sum") -> Future:
         comm = comm if comm is not None else self.comm
-        nbytes = buf.nbytes
+        nbytes, group = buf.nbytes, self._group(comm)
         if algo == "auto":
-            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link)
+            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link, group)
         tag = self._coll_tag(comm)
         return self.submit(coll.allreduce_op, buf, comm, algo, op, tag, self.link, self.ledger,
-                           name=f"allreduce({algo}, {nbytes} B, {comm.Get_size()} ranks)")
+                           group, name=f"allreduce({algo}, {nbytes} B, {comm.Get_size()} ranks)")
 
-    def reduce_scatter(self, buf, comm=None, op="sum") -> Future:
+    def reduce_scatter(self, buf, comm=None, op="sum", algo: str = "auto") -> Future:
         comm = comm if comm is not None else self.comm
         return self.submit(coll.reduce_scatter_op, buf, comm, op, self._coll_tag(comm), self.link,
-                           self.ledger, name=f"reduce_scatter({buf.nbytes} B)")
+                           self.ledger, algo, self._group(comm),
+                           name=f"reduce_scatter({algo}, {buf.nbytes} B)")
 
-    def allgather(self, buf, comm=None) -> Future:
+    def allgather(self, buf, comm=None, algo: str = "auto") -> Future:
         comm = comm if comm is not None else self.comm
-        return self.submit(coll.allgather_op, buf, comm, self._coll_tag(comm), self.link,
-                           name=f"allgather({buf.nbytes} B)")
+        return self.submit(coll.allgather_op, buf, comm, self._coll_tag(comm), self.link, algo,
+                           self._group(comm), name=f"allgather({algo}, {buf.nbytes} B)")
 
     def bcast(self, buf, comm=None, root: int = 0) -> Future:
         comm = comm if comm is not None else self.comm
@@ -148,6 +158,10 @@ class CommEngine:
         comm = comm if comm is not None else self.comm
         return self.submit(recv_op, out, source, tag, comm, self.link, verb,
                            name=f"{verb}(from {source}, tag {tag}, {out.nbytes} B)")
+
+    def attach(self, watchdog) -> None:
+        """Defer operation timeouts to the job's watchdog while some rank is silent."""
+        self._job_watchdog = watchdog
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -241,10 +255,14 @@ class CommEngine:
             for seq, task in list(self._inflight.items()):
                 age = now - task.t_start
                 if age > self.watchdog_s and not task.dead:
+                    dog = self._job_watchdog
+                    if dog is not None and dog.hold(task.name, age):
+                        continue  # a rank is silent: the job's watchdog names it and ends the job
+                    known = f"; {dog.explain()}" if dog is not None else ""
                     err = CommTimeout(
                         f"rank {self.rank}: communication op {task.name} #{seq} did not finish "
-                        f"within the watchdog's {self.watchdog_s:g} s (running {age:.1f} s): a peer "
-                        "is missing, stuck, or submitted collectives in a different order"
+                        f"within comm.timeout={self.watchdog_s:g} s (running {age:.1f} s): a peer "
+                        f"is missing, stuck, or submitted collectives in a different order{known}"
                     )
                     task.dead = True
                     with self._lock:

@@ -166,6 +166,8 @@ def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
+    if link is not None and hasattr(link, "resolve"):  # two tiers: the one to the next rank
+        link = link.resolve(comm, (comm.Get_rank() + 1) % p)
     if link is not None and not LOG_MESSAGES:
         seg = x.size // p + (x.size % p > 0)
         # two scratch segments, allocated apart (two smaller blocks are reused by the allocator

@@ -225,8 +225,15 @@ def prepare(
     train = _resolve_out(out, inputs, tokenizer)
     skipped: list[str] = []
     docs, source = _documents(inputs, max_bytes, skipped)
+    made = [d for d in (train.parent, *train.parent.parents) if not d.exists()]
     train.parent.mkdir(parents=True, exist_ok=True)
-    n, n_val, n_docs = _write_splits(train, docs, tok, source, val_fraction, inputs, eot_id)
+    try:
+        n, n_val, n_docs = _write_splits(train, docs, tok, source, val_fraction, inputs, eot_id)
+    except BaseException:
+        for d in made:  # innermost first; only folders this call made, and only if empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     val = val_path(train) if n_val else None
     result = Prepared(train, val, n - n_val, n_val, tok.vocab_size, n_docs, tuple(skipped))
     if log is not None:

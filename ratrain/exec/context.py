@@ -4,12 +4,15 @@ It carries the array module `xp`, the `ModelConfig`, the compute dtype of activa
 weight views (float32 or float16), RoPE tables cached per sequence length, the DDR ledger (GEMM
 scratch and transient workspace are accounted there while a block runs) and the compute threads.
 
-Threads: `threads` (run.threads; 0 = auto = the usable cores; a rank built by
-`lifecycle.rank` shares them with the node's other ranks) Python threads split each
-micro-batch along the batch dimension when B >= 2; each thread then runs single-threaded BLAS
-(numpy releases the GIL in matmul and most ufunc loops). With one chunk the calling thread runs
-it with `threads` BLAS threads. Weight-gradient partials of the chunks are summed in chunk
-order, so results are deterministic for a given thread count.
+Threads: a micro-batch of B sequences is cut into `min(B, BATCH_CHUNKS)` contiguous chunks
+whatever the thread count (`split`), and `threads` (run.threads; 0 = auto = the usable cores;
+a rank built by `lifecycle.rank` shares them with the node's other ranks) Python threads run
+the chunks, each thread a contiguous group of them, every GEMM on single-threaded BLAS (numpy
+releases the GIL in matmul and most ufunc loops). Weight-gradient partials of the chunks are
+summed in chunk order. So every reduction (the GEMMs' own, inside a chunk of fixed shape, and
+the sum over chunks) has an order fixed by the batch alone: the results are bitwise the same
+whatever `threads` is. (Multi-threaded BLAS is not used even with one chunk: OpenBLAS's results
+for small shapes change with its thread count; measured here, a (3, 100) @ (100, 70) sgemm.)
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def sgemm_rate(threads: int, n: int = 1024):
     return once
 
 
+BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the thread count
+
+
 class ExecContext:
     """Execution context of the block kernels (see docs/INTERNALS.md, "Block kernels")."""
 
@@ -146,32 +152,36 @@ class ExecContext:
     # -- threads ----------------------------------------------------------------------------
 
     def split(self, batch: int) -> list[slice]:
-        """Contiguous batch chunks, one per thread (one chunk when batch < 2 or 1 thread)."""
-        n = min(self.threads, batch) if self.on_cpu else 1
-        if n <= 1:
-            return [slice(0, batch)]
-        bounds = [batch * i // n for i in range(n + 1)]
-        return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        """The batch's contiguous chunks: `min(batch, BATCH_CHUNKS)` of them on the CPU (one on
+        a GPU), a function of the batch alone (never of the thread count)."""
+        n = min(BATCH_CHUNKS, batch) if self.on_cpu else 1
+        return [slice(batch * i // n, batch * (i + 1) // n) for i in range(max(n, 1))]
+
+    def parts(self) -> int:
+        """How many pieces to cut purely elementwise work into (copies, additions): one per
+        thread. Never use it to decide an order of reduction."""
+        return max(1, self.threads) if self.on_cpu else 1
 
     def map(self, fn, items):
-        """[fn(item) for item in items], items in parallel threads (single-threaded BLAS each);
-        one item runs here with `threads` BLAS threads."""
+        """[fn(item) for item in items]: the items in up to `threads` threads, each thread a
+        contiguous group of them in order, every BLAS call single-threaded."""
         items = list(items)
         if not self.on_cpu:
             return [fn(it) for it in items]
-        if len(items) == 1:
-            with BLAS.limit(self.threads):
-                return [fn(items[0])]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ratrain-exec")
+        n = min(self.threads, len(items))
         with BLAS.limit(1):
-            futures = [self._pool.submit(fn, it) for it in items[1:]]
+            if n <= 1:
+                return [fn(it) for it in items]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ratrain-exec")
+            bounds = [len(items) * i // n for i in range(n + 1)]
+            groups = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            futures = [self._pool.submit(lambda g: [fn(it) for it in g], g) for g in groups[1:]]
             try:
-                first = fn(items[0])
+                first = [fn(it) for it in groups[0]]
             finally:
                 wait(futures)  # never leave a worker running past this region
-            rest = [f.result() for f in futures]
-        return [first, *rest]
+            return first + [r for f in futures for r in f.result()]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -185,4 +195,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BLAS", "ExecContext", "auto_threads", "sgemm_rate"]
+__all__ = ["BATCH_CHUNKS", "BLAS", "ExecContext", "auto_threads", "sgemm_rate"]

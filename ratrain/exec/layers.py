@@ -157,7 +157,7 @@ def _gemm_weights(p, ctx):
         out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
         copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
     if copies:
-        n = len(ctx.split(ctx.threads))
+        n = ctx.parts()
 
         def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
             for dst, src in copies:
@@ -177,7 +177,7 @@ def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False
     per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
     if backward:
         per_token += 2 * C + qkv + 3 * F + H * D  # dy, dh; dqkv; dgu, dact; do
-    tiles = 4 * H * ctx.attn_block**2 * min(batch, ctx.threads)
+    tiles = 4 * H * ctx.attn_block**2 * min(batch, ctx.threads, len(ctx.split(batch)))
     return 4 * (batch * T * per_token + (tiles if T > 1 else 0))
 
 
@@ -364,9 +364,10 @@ def layer_backward(dy, cache, p, g, ctx):
 
 @timed("grad accumulate")
 def _accumulate(g, parts, pairs, ctx):
-    """g[name] += part[key][r0 : r0 + len(g[name])] for every chunk's part, in chunk order (deterministic for a
-    given thread count); the rows of each gradient are split across the threads."""
-    n = len(ctx.split(ctx.threads))
+    """g[name] += part[key][r0 : r0 + len(g[name])] for every chunk's part, in chunk order (the
+    chunks are the batch's, so the order never depends on the thread count); the rows of each
+    gradient are split across the threads (elementwise: any split gives the same bits)."""
+    n = ctx.parts()
 
     def add(i):
         for name, key, r0 in pairs:

@@ -392,7 +392,7 @@ class Executor:
                 if a.scatter:  # replica q ends with the reduced segment q
                     fut = self.engine.reduce_scatter(g, self.topo.dp_comm)
                 else:
-                    fut = self.engine.allreduce(g, self.topo.dp_comm, algo="ring")
+                    fut = self.engine.allreduce(g, self.topo.dp_comm)
                 self._comm_event(replace(a, blocks=(b,)).name(), t0, fut)
             else:
                 fut = _done()

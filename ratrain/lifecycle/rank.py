@@ -6,12 +6,18 @@ engine -> executor.
     rank.close()
 
 Every part comes from the config: the platform profile (`platform.*`) gives the DDR cap of the
-ledger, the link throttle of the communication engine and the compute pacer (both only under
-`platform.emulate`); the stage's blocks come from `parallel.pp` / `layers_per_stage`; a policy
+ledger, the link throttle of the communication engine in two tiers (inside a node, and the
+node's interface, whose slots the node's ranks share) and the compute pacer (both only under
+`platform.emulate`, where one host's ranks are also cut into nodes of the profile's
+`ranks_per_node`); `parallel.placement` lays the grid on the ranks (`comm.topology`); the
+staging windows of the hierarchical collectives are sized for the stage's largest gradient and
+accounted in the ledger (`comm.shm`); the stage's blocks come from `parallel.pp` /
+`layers_per_stage`; a policy
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
 whole stage's state is never allocated; `run.threads` (0: the cores the launcher gives this
-rank, `local_threads`) sets the compute threads. `load(state)` runs after the state is built and before the executor
-(which measures activations and may gather views), to put checkpointed or imported weights in.
+rank, `local_threads`; results never depend on it) sets the compute threads. `load(state)`
+runs after the state is built and before the executor (which measures activations and may
+gather views), to put checkpointed or imported weights in.
 The trainer, the benchmarks and the tests all build their ranks here.
 """
 
@@ -22,14 +28,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.comm.topology import Topology
+from ratrain.comm.topology import NodeLinks, Topology, coords
 from ratrain.exec.context import ExecContext, sgemm_rate
-from ratrain.exec.params import StageState
-from ratrain.exec.spec import stage_blocks
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
+from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
 from ratrain.lifecycle.policies import as_policy
 from ratrain.shim.ledger import Ledger
-from ratrain.shim.link import Link
+from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
 from ratrain.shim.platform import Profile, resolve_platform
 
@@ -48,6 +54,7 @@ class Rank:
     ctx: ExecContext
     engine: object | None  # comm.engine.CommEngine (None for one process)
     executor: Executor
+    slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
 
     def peak_flops(self) -> float:
         """This rank's peak compute rate in flop/s, for MFU: the platform's (`compute_flops`,
@@ -61,6 +68,8 @@ class Rank:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.slots is not None:
+            self.slots.free()
         if self.topo is not None:
             self.topo.free()
         self.ctx.close()
@@ -92,6 +101,37 @@ def _affinity() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
+def _open_comm(cfg, comm, profile, ledger, watchdog_s):
+    """The topology, the engine (with the two-tier link throttle under emulation) and the
+    node's shared interface slots, for a world of more than one rank."""
+    from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
+    from ratrain.comm.shm import SharedSlots  # likewise
+
+    p = cfg.parallel
+    stage, _ = coords(comm.Get_rank(), p.pp, p.dp, p.placement)
+    largest = max(block_params(cfg.model, b.role) for b in
+                  stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage))
+    topo = Topology(comm, p.pp, p.dp, p.placement,
+                    profile.ranks_per_node if profile.emulate else None,
+                    shm_bytes=GRAD_BYTES_PER_PARAM * largest)
+    slots = engine = None
+    try:
+        ledger.reserve("comm.shm", topo.shm_bytes)
+        tiers = None
+        if profile.emulate and profile.link_bandwidth:
+            slots = SharedSlots(topo.node_comm)
+            tiers = Tiers.from_profile(profile, shared=slots)
+        engine = CommEngine(topo, watchdog_s=watchdog_s,
+                            link=NodeLinks(tiers, topo) if tiers is not None else None,
+                            ledger=ledger)
+    except BaseException:
+        if slots is not None:
+            slots.free()
+        topo.free()
+        raise
+    return topo, engine, slots
+
+
 def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,
                xp=np, validate: bool = True) -> Rank:
     """This process's rank of `cfg` (see the module). `comm`: the world communicator (None or
@@ -105,15 +145,11 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     profile = resolve_platform(cfg.platform)
     rank_id = comm.Get_rank() if comm is not None else 0
     ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
-    topo = engine = None
+    topo = engine = slots = None
     stage = replica = 0
     if world > 1:
-        from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
-
-        topo = Topology(comm, p.pp, p.dp)
+        topo, engine, slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
         stage, replica = topo.stage, topo.replica
-        engine = CommEngine(topo, watchdog_s=watchdog_s, link=Link.from_profile(profile),
-                            ledger=ledger)
     try:
         shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
         state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
@@ -128,10 +164,12 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     except BaseException:
         if engine is not None:
             engine.close()
+        if slots is not None:
+            slots.free()
         if topo is not None:
             topo.free()
         raise
-    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor)
+    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
 
 
 __all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads"]

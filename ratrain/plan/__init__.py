@@ -1,6 +1,7 @@
 """The planner: what a layout costs on the platform, at scales no machine here runs.
 
-Owns: the cost model of every action, from the platform's rates (`cost`); calibration of the
+Owns: the cost model of every action, from the platform's rates, with nodes (ranks per node
+sharing an interface, the grid's placement: `cost.NodeLayout`) (`cost`); calibration of the
 compute rate to a measured run (`calibrate`); what the planner plays for a layout, its blocks,
 action lists and recompute choices (`steps`); each stage's peak memory (`memory`, over the
 lifecycle's memory model); one run's memory plan against the cap, checked before it starts
@@ -9,7 +10,8 @@ lifecycle's memory model); one run's memory plan against the cap, checked before
 `python -m ratrain.plan`.
 
 May import: `ratrain.lifecycle` (the schedules and the memory model are the runtime's own),
-`ratrain.exec` (model shapes and flops), `ratrain.comm.model` (collective costs; no MPI),
+`ratrain.exec` (model shapes and flops), `ratrain.comm.model` (collective costs) and
+`ratrain.comm.topology` (the grid's placement on ranks; neither loads MPI),
 `ratrain.shim` (profiles), `ratrain.config`. Never train or the other commands; nothing below it
 imports it.
 """

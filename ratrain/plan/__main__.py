@@ -3,12 +3,17 @@
     python -m ratrain.plan --config jobs/llama2-7b.yaml [--clusters 1024] [--policy all] [--top 5]
         [--global-batch SEQS] [--cap-gib 20] [--set platform.compute_flops=8e12 ...]
         [--calibrate RUN_DIR] [--match-tokens-per-s 112790] [--scaling 64,128,256,512,1024]
-        [--memory-table]
+        [--memory-table] [--ranks-per-node K] [--placement pp|dp|both]
 
 Prints the platform rates with their sources, per policy the fastest layouts that fit the DDR
 cap (step time, tokens/s, peak DDR vs cap, recomputed layers, exposed communication, bubble), a
 weak-scaling table (tokens/s and efficiency relative to the smallest cluster count) comparing
 the policies, and with `--memory-table` which pipeline depths fit under the cap.
+
+`--ranks-per-node K` packs K clusters per node (consecutive ranks, sharing one network
+interface of the profile's `link_bandwidth`; the profile's `ranks_per_node` by default, 4 for
+mt3000); `--placement` says which grid axis stays inside a node (`both`, the default, plans
+each layout with both and shows the better per policy, with its placement).
 
 `--match-tokens-per-s X` fits the compute rate so that the config's own layout under `ratrain`
 predicts X tokens/s at `--clusters` (a calibration, e.g. to a published figure); everything else
@@ -61,6 +66,10 @@ def _parse(argv):
                     help="cluster counts of the scaling table ('' for none)")
     ap.add_argument("--memory-table", action="store_true",
                     help="also print which pipeline depths fit under the cap")
+    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                    help="clusters per node, sharing its interface (default: the profile's)")
+    ap.add_argument("--placement", default="both", choices=("pp", "dp", "both"),
+                    help="which grid axis stays inside a node (default: plan both)")
     args = ap.parse_args(argv)
     if args.policy != "all" and args.policy not in POLICY_NAMES:
         ap.error(f"--policy {args.policy!r} is not one of {', '.join(POLICY_NAMES)}, all")
@@ -68,6 +77,9 @@ def _parse(argv):
         ap.error("--top must be >= 1")
     if args.clusters is not None and args.clusters < 1:
         ap.error("--clusters must be >= 1")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        ap.error("--ranks-per-node must be >= 1")
+    args.placements = ("pp", "dp") if args.placement == "both" else (args.placement,)
     try:
         args.mbs = tuple(int(x) for x in args.micro_batches.split(",") if x.strip())
         args.scale = tuple(int(x) for x in args.scaling.split(",") if x.strip())
@@ -90,6 +102,9 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.ranks_per_node is not None:
+        cost = cost.with_rates(cost.rates.with_("ranks_per_node", args.ranks_per_node,
+                                                "--ranks-per-node"))
     t0 = time.perf_counter()
     clusters = args.clusters or cfg.parallel.world_size
     cap = int(args.cap_gib * GIB) if args.cap_gib is not None else cap_bytes(cfg)
@@ -117,7 +132,8 @@ def main(argv=None) -> int:
           f"{_gib(cap) if cap else 'none'} GiB")
     _print_rates(cost.rates)
 
-    plans = search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs)
+    plans = search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs,
+                   placements=args.placements)
     _print_plans(plans, policies, clusters, m.layers, args.top)
 
     if args.scale:
@@ -132,7 +148,8 @@ def _match_rate(cfg, cost: CostModel, clusters: int, cap, tokens_per_s: float) -
     """`cost` with the compute rate at which the config's own layout under `ratrain` predicts
     `tokens_per_s` on `clusters` (ValueError when that layout does not fit the cap)."""
     p, m = cfg.parallel, cfg.model
-    lay = Layout(p.pp, clusters // p.pp, p.micro_batch, p.num_micro_batches)
+    lay = Layout(p.pp, clusters // p.pp, p.micro_batch, p.num_micro_batches,
+                 placement=p.placement)
 
     def step_at(rate: float) -> float:
         c = cost.with_rates(cost.rates.with_("compute_flops", rate, "fit"))
@@ -155,22 +172,39 @@ def _print_plans(plans, policies, clusters: int, layers: int, top: int) -> None:
         if not plans[pol]:
             print("  nothing fits under the cap")
             continue
-        print(f"  {'pp':>3} {'dp':>4} {'mb':>2} {'m':>4} {'step s':>8} {'tokens/s':>9} "
-              f"{'peak GiB':>8} {'recompute':>16} {'exposed s':>9} {'bubble s':>8}")
+        print(f"  {'pp':>3} {'dp':>4} {'mb':>2} {'m':>4} {'place':>5} {'step s':>8} "
+              f"{'tokens/s':>9} {'peak GiB':>8} {'recompute':>16} {'exposed s':>9} "
+              f"{'bubble s':>8}")
         for q in plans[pol][:top]:
             lay = q.layout
             print(f"  {lay.pp:>3} {lay.dp:>4} {lay.micro_batch:>2} {lay.num_micro_batches:>4} "
+                  f"{lay.placement:>5} "
                   f"{q.step_s:>8.2f} {q.tokens_per_s:>9.0f} {_gib(q.peak_bytes):>8} "
                   f"{lay.describe(layers):>16} {q.result.comm_exposed_s:>9.3f} "
                   f"{q.result.bubble_s:>8.2f}")
+    _print_placements(plans, policies)
     if len(policies) > 1 and plans.get("ratrain") and plans.get("baseline-1f1b"):
         r, b = plans["ratrain"][0], plans["baseline-1f1b"][0]
         print(f"\nratrain / baseline-1f1b (best of each): {r.tokens_per_s / b.tokens_per_s:.3f}x")
 
 
+def _print_placements(plans, policies) -> None:
+    """With both placements planned: per policy, the better one's best tokens/s over the other's."""
+    for pol in policies:
+        best = {}
+        for q in plans[pol]:
+            best.setdefault(q.layout.placement, q.tokens_per_s)
+        if len(best) == 2:
+            win = max(best, key=best.get)
+            lose = next(k for k in best if k != win)
+            print(f"placement ({pol}): {win} {best[win]:.0f} tok/s, {lose} {best[lose]:.0f} "
+                  f"({best[win] / best[lose]:.4f}x)")
+
+
 def _print_rates(rates: Rates) -> None:
     for key, unit in (("compute_flops", "flop/s"), ("link_bandwidth", "B/s"),
-                      ("link_latency", "s"), ("mem_bandwidth", "B/s")):
+                      ("link_latency", "s"), ("intra_bandwidth", "B/s"), ("intra_latency", "s"),
+                      ("ranks_per_node", "ranks"), ("mem_bandwidth", "B/s")):
         src = " ".join(rates.source(key).split())
         print(f"  {key} = {getattr(rates, key):.4g} {unit}  ({src})")
 

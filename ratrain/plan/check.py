@@ -8,6 +8,12 @@ cap. Nothing is allocated: the plan of a 70B job runs on a laptop.
     plan = run_plan(cfg)
     plan.check(rank)            # ConfigError naming the stage, its peak, the cap and the fixes
     print("\\n".join(plan.describe()))
+
+The trainer checks every run at start-up the same way (`python -m ratrain.train`), refusing
+only what cannot fit even allowing for the shape-based model's error (`tolerance=0.9`: the
+executor's own, measured plan is within 10-20% of it), and, with no cap (the `host` profile),
+against the memory the node has for its ranks (`available_memory`), which turns an oversized
+micro-batch into a one-line refusal instead of the kernel's OOM killer.
 """
 
 from __future__ import annotations
@@ -36,10 +42,20 @@ class RunPlan:
     def over(self, stage: int) -> bool:
         return self.cap is not None and self.peaks[stage] > self.cap
 
-    def check(self, rank: int) -> None:
-        """Raise ConfigError when rank `rank`'s stage does not fit the cap."""
+    def check(self, rank: int, tolerance: float = 1.0, available: int | None = None,
+              local_ranks: int = 1) -> None:
+        """Raise ConfigError when rank `rank`'s stage does not fit the cap (its peak times
+        `tolerance` over it); with no cap, when `local_ranks` such peaks exceed `available`."""
         stage = rank % self.pp  # rank = replica * pp + stage (comm.topology)
-        if self.over(stage):
+        peak = tolerance * self.peaks[stage]
+        if self.cap is None and available is not None and peak * local_ranks > available:
+            raise ConfigError(
+                f"rank {rank} (stage {stage}, {self.layers[stage]} layers) is predicted to need "
+                f"{_gib(self.peaks[stage])}, with {local_ranks} rank(s) on this node that have "
+                f"{_gib(available)} of memory available: lower parallel.micro_batch, set "
+                "schedule.recompute=full, or raise parallel.pp"
+            )
+        if self.cap is not None and peak > self.cap:
             raise ConfigError(
                 f"rank {rank} (stage {stage}, {self.layers[stage]} layers) is predicted to need "
                 f"{_gib(self.peaks[stage])}, over the DDR cap of {_gib(self.cap)} "
@@ -57,6 +73,18 @@ class RunPlan:
             lines.append(f"  stage {s} ({self.layers[s]} layers{rec}) x {self.dp} replicas: "
                          f"{_gib(peak)}  {verdict}")
         return lines
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can get on this node (`MemAvailable`)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    return None
 
 
 def run_plan(cfg: Config) -> RunPlan:
@@ -77,4 +105,4 @@ def run_plan(cfg: Config) -> RunPlan:
     return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full)
 
 
-__all__ = ["RunPlan", "run_plan"]
+__all__ = ["RunPlan", "available_memory", "run_plan"]

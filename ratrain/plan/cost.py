@@ -7,10 +7,19 @@ rates (`Rates`), each carrying its source:
   third of the block's training flops, backward two thirds plus what its recompute choice
   re-runs; the same figure the shim's pacing uses) over `compute_flops` (one rank's sustained
   rate on this model's kernels);
-- point-to-point: one message of n bytes costs `latency + n / bandwidth` (the shim's link model);
-- collectives across `p` replicas: the latency-bandwidth model of the algorithms the runtime
-  runs (`comm.model`): ring `2 (p-1) (a + n / (p B))`, tree (recursive doubling)
-  `(log2 m + 2 [p > m]) (a + n / B)`, `auto` the cheaper (the tree wins for small messages);
+- nodes: `ranks_per_node` consecutive ranks share a node (the platform's packing) and its
+  network interface (`link_bandwidth`, shared); ranks of one node talk over their intra-node
+  links (`intra_bandwidth`, each rank its own); `placement` (pp | dp) lays the grid on the
+  ranks as the runtime does (`comm.topology.grid`), and `NodeLayout` says, for one replica's
+  stages, which node each sits on, how many of the node's ranks are the same stage (copies
+  whose traffic shares the interface), and how many nodes and ranks per node each stage's
+  data-parallel group spans;
+- point-to-point: one message of n bytes costs `latency + n / bandwidth` on the tier it
+  crosses (the shim's link model);
+- collectives across the data-parallel replicas: the hierarchical collectives the runtime runs
+  (`comm.model.hier_terms`: latency, bytes through each rank's intra-node link, bytes through
+  the busiest interface); the flat ring / tree formulas (`allreduce_terms`) stay for
+  comparisons;
 - memory-bound lifecycle work: an AdamW update moves `exec.optim.ADAMW_BYTES_PER_PARAM` bytes
   per parameter, a view cast `exec.params.view_cast_bytes_per_param`, both at `mem_bandwidth`
   (the shim paces them the same way under emulation, at the profile's DDR bandwidth).
@@ -24,13 +33,15 @@ predicts other layouts and scales from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 from ratrain.comm import model as comm_model
+from ratrain.comm.topology import grid
 from ratrain.config import Config, ModelConfig
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
-from ratrain.exec.spec import block_flops, block_params
+from ratrain.exec.spec import block_flops, block_params, block_role
 from ratrain.shim.platform import resolve_platform
 
 # The DDR bandwidth when the profile has no `ddr_bandwidth` fact (mt3000 has; this is its value).
@@ -43,17 +54,24 @@ class Rates:
     """One rank's platform rates (per cluster) with their sources."""
 
     compute_flops: float  # sustained flop/s on model kernels
-    link_bandwidth: float  # bytes/s of the rank's outgoing link
-    link_latency: float  # s per message
+    link_bandwidth: float  # bytes/s of a node's network interface (shared by its ranks)
+    link_latency: float  # s per message across nodes
     mem_bandwidth: float = DEFAULT_MEM_BANDWIDTH  # bytes/s, DDR
     sources: tuple[tuple[str, str], ...] = ()
+    intra_bandwidth: float = math.inf  # bytes/s between two ranks of one node
+    intra_latency: float = 0.0  # s per message inside a node
+    ranks_per_node: int = 1  # ranks (clusters) per node, sharing its interface
 
     def __post_init__(self):
-        for k in ("compute_flops", "link_bandwidth", "mem_bandwidth"):
+        for k in ("compute_flops", "link_bandwidth", "mem_bandwidth", "intra_bandwidth"):
             if not getattr(self, k) or getattr(self, k) <= 0:
                 raise ValueError(f"Rates.{k}={getattr(self, k)!r} must be > 0")
-        if self.link_latency < 0:
-            raise ValueError(f"Rates.link_latency={self.link_latency!r} must be >= 0")
+        for k in ("link_latency", "intra_latency"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"Rates.{k}={getattr(self, k)!r} must be >= 0")
+        if self.ranks_per_node != int(self.ranks_per_node) or self.ranks_per_node < 1:
+            raise ValueError(f"Rates.ranks_per_node={self.ranks_per_node!r} must be a positive "
+                             "integer")
 
     def source(self, key: str) -> str:
         return dict(self.sources).get(key, "")
@@ -62,7 +80,8 @@ class Rates:
         """A copy with one rate replaced and its source recorded."""
         src = dict(self.sources)
         src[key] = source
-        return replace(self, **{key: float(value)}, sources=tuple(src.items()))
+        value = int(value) if key == "ranks_per_node" else float(value)
+        return replace(self, **{key: value}, sources=tuple(src.items()))
 
     @classmethod
     def from_profile(cls, profile, mem_bandwidth: float | None = None) -> Rates:
@@ -85,6 +104,7 @@ class Rates:
             mb, mb_source = fact.value, f"profile {profile.name}: {fact.source}"
         else:
             mb, mb_source = DEFAULT_MEM_BANDWIDTH, "assumed: one DDR4-3200 channel, 25.6e9 B/s"
+        intra = profile.intra_bandwidth
         return cls(
             compute_flops=float(profile.compute_flops),
             link_bandwidth=float(profile.link_bandwidth),
@@ -95,7 +115,13 @@ class Rates:
                 ("link_bandwidth", profile.source("link_bandwidth")),
                 ("link_latency", profile.source("link_latency")),
                 ("mem_bandwidth", mb_source),
+                ("intra_bandwidth", profile.source("intra_bandwidth")),
+                ("intra_latency", profile.source("intra_latency")),
+                ("ranks_per_node", profile.source("ranks_per_node")),
             ),
+            intra_bandwidth=float(intra) if intra else math.inf,
+            intra_latency=float(profile.intra_latency or 0.0),
+            ranks_per_node=int(profile.ranks_per_node or 1),
         )
 
     @classmethod
@@ -125,6 +151,43 @@ def allreduce_terms(nbytes: float, p: int, algo: str, bandwidth: float, latency:
     return comm_model.terms("allreduce", algo, nbytes, p, latency)
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where the stages of replica 0 sit when `ranks_per_node` consecutive world ranks share a
+    node (the grid laid out by `placement`, as `comm.topology.grid` lays it). Replicas are
+    alike, so the simulator plays replica 0 and scales the interface's traffic by `copies`."""
+
+    pp: int
+    dp: int
+    placement: str = "pp"
+    ranks_per_node: int = 1
+    node: tuple[int, ...] = field(init=False)  # per stage: its node
+    copies: tuple[int, ...] = field(init=False)  # per stage: ranks of that stage on its node
+    runs: tuple[tuple[int, int], ...] = field(init=False)  # per stage: (nodes, ranks per node)
+
+    def __post_init__(self):
+        g, k = grid(self.pp, self.dp, self.placement), self.ranks_per_node
+        node = tuple(int(g[0, s]) // k for s in range(self.pp))
+        copies, runs = [], []
+        for s in range(self.pp):
+            members = [int(g[r, s]) // k for r in range(self.dp)]
+            copies.append(members.count(node[s]))
+            rs = comm_model.runs_of(members)
+            runs.append((len(rs), min(b - a for a, b in rs)))
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "copies", tuple(copies))
+        object.__setattr__(self, "runs", tuple(runs))
+
+    @property
+    def world_runs(self) -> tuple[int, int]:
+        """(nodes, ranks per node) of the whole world (the step's global facts)."""
+        world, k = self.pp * self.dp, self.ranks_per_node
+        return -(-world // k), min(k, world)
+
+    def same_node(self, s: int, t: int) -> bool:
+        return self.node[s] == self.node[t]
+
+
 # --------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------
@@ -141,7 +204,8 @@ class CostModel:
     rates: Rates
     micro_batch: int = 1
     precision: str = "fp16"
-    algo: str = "auto"  # gradient all-reduce algorithm
+    algo: str = "auto"  # flat all-reduce algorithm of `allreduce_time` (comparisons)
+    placement: str = "pp"  # parallel.placement
 
     @classmethod
     def from_config(cls, cfg: Config, rates: Rates | None = None, algo: str = "auto") -> CostModel:
@@ -151,7 +215,12 @@ class CostModel:
             cfg.parallel.micro_batch,
             cfg.precision,
             algo,
+            cfg.parallel.placement,
         )
+
+    def nodes(self, pp: int, dp: int) -> NodeLayout:
+        """The node layout of a pp x dp grid under this model's placement and ranks per node."""
+        return NodeLayout(pp, dp, self.placement, self.rates.ranks_per_node)
 
     def with_rates(self, rates: Rates) -> CostModel:
         return replace(self, rates=rates)
@@ -197,10 +266,39 @@ class CostModel:
 
     # -- communication ----------------------------------------------------------------------------
 
-    def p2p_time(self, nbytes: float | None = None) -> float:
-        """One activation (default) or any message between neighbouring stages."""
+    def p2p_time(self, nbytes: float | None = None, same_node: bool = False) -> float:
+        """One activation (default) or any message between neighbouring stages, alone on the
+        tier it crosses (inside a node, or through the interface)."""
         n = self.activation_bytes if nbytes is None else nbytes
-        return p2p_time(n, self.rates.link_bandwidth, self.rates.link_latency)
+        r = self.rates
+        if same_node:
+            return p2p_time(n, r.intra_bandwidth, r.intra_latency)
+        return p2p_time(n, r.link_bandwidth, r.link_latency)
+
+    def collective_terms(self, op: str, nbytes: float, nodes: int, local: int,
+                         chunk_bytes: int | None = None):
+        """(fixed s, bytes through each rank's intra-node link, bytes through the busiest
+        interface) of the runtime's hierarchical `op` over `nodes` nodes of `local` ranks, in
+        rounds of `chunk_bytes` per lane (`comm.model.hier_terms`)."""
+        r = self.rates
+        return comm_model.hier_terms(op, nbytes, nodes, local, r.intra_latency,
+                                     r.intra_bandwidth, r.link_latency, r.link_bandwidth,
+                                     chunk_bytes)
+
+    def collective_time(self, op: str, nbytes: float, nodes: int, local: int,
+                        chunk_bytes: int | None = None) -> float:
+        """The hierarchical `op` alone on its links (`comm.model.hier_seconds`)."""
+        r = self.rates
+        return comm_model.hier_seconds(op, nbytes, nodes, local, r.intra_latency,
+                                       r.intra_bandwidth, r.link_latency, r.link_bandwidth,
+                                       chunk_bytes)
+
+    def staging_chunk(self, blocks, nodes: int, local: int) -> int:
+        """The chunk the runtime's data-parallel group uses for a stage of `blocks`: sized for
+        its largest gradient (`lifecycle.rank` sizes the topology's window so)."""
+        largest = max((self.grad_bytes(block_role(b)) for b in blocks), default=0)
+        return comm_model.hier_chunk_bytes(int(largest), min(local, max(1, int(largest))),
+                                           nodes)
 
     def allreduce_time(self, nbytes: float, p: int, algo: str | None = None) -> float:
         """One all-reduce of `nbytes` across `p` ranks, alone on the link."""
@@ -241,6 +339,7 @@ __all__ = [
     "ALGOS",
     "CostModel",
     "DEFAULT_MEM_BANDWIDTH",
+    "NodeLayout",
     "Rates",
     "allreduce_terms",
     "p2p_time",

@@ -163,8 +163,9 @@ class _Link:
 
 
 class RankState:
-    def __init__(self, stage: int, items: list[_Item]):
+    def __init__(self, stage: int, items: list[_Item], blocks=()):
         self.stage, self.items, self.pc = stage, items, 0
+        self.blocks = tuple(blocks)  # the stage's block names
         self.blocked_since: float | None = None
         self.busy: dict[int, dict[str, float]] = {}  # step -> category -> s
         self.comm: dict[int, float] = {}  # step -> exposed comm s
@@ -181,8 +182,14 @@ class RankState:
 class Sim:
     def __init__(self, ranks, cost, dp: int, send_mode: str, timeline: bool):
         self.ranks, self.cost, self.dp, self.send_mode = ranks, cost, dp, send_mode
-        bw = cost.rates.link_bandwidth
-        self.links = [_Link(self, bw) for _ in ranks]
+        rates = cost.rates
+        self.layout = cost.nodes(len(ranks), dp)
+        # each rank's own intra-node link; one interface per node that replica 0 occupies
+        self.intra = [_Link(self, rates.intra_bandwidth) for _ in ranks]
+        self.nics = {n: _Link(self, rates.link_bandwidth) for n in set(self.layout.node)}
+        # the chunk of each stage's data-parallel staging, as the runtime sizes it
+        self.chunk = [cost.staging_chunk(rk.blocks, *self.layout.runs[s])
+                      for s, rk in enumerate(ranks)]
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -220,12 +227,21 @@ class Sim:
     # -- messages ---------------------------------------------------------------------------
 
     def _transfer(self, t: float, key: tuple, src: int) -> None:
+        """A pipeline message from stage `src`: on its intra-node link when the neighbour is on
+        the same node, else through its node's interface together with the same message of the
+        other replicas of `src` on that node (`copies`)."""
         self.sent[key] = t
-        lat = self.cost.rates.link_latency
+        rates, lay = self.cost.rates, self.layout
+        dst = src + (1 if key[1] == "f" else -1)
         nbytes = self.cost.activation_bytes
+        if lay.same_node(src, dst):
+            lat, link = rates.intra_latency, self.intra[src]
+        else:
+            lat, link = rates.link_latency, self.nics[lay.node[src]]
+            nbytes *= lay.copies[src]
 
         def on_wire(t2):
-            self.links[src].add(t2, nbytes, on_done)
+            link.add(t2, nbytes, on_done)
 
         def on_done(t3):
             self.delivered[key] = t3
@@ -236,24 +252,31 @@ class Sim:
     # -- the engine ---------------------------------------------------------------------------
 
     def _engine_next(self, t: float, r: int) -> None:
+        """The next collective of rank r's engine: its latency, then its bytes on the rank's
+        intra-node link and on the node's interface at once (`CostModel.collective_terms`)."""
         rk = self.ranks[r]
         if rk.engine_busy or not rk.engine_q:
             return
         step, block, op = rk.engine_q.pop(0)
         rk.engine_busy = True
         role = block_role(block)
-        if op == "allreduce":
-            lat, wire = self.cost.allreduce_terms(self.cost.grad_bytes(role), self.dp)
-        elif op == "scatter":
-            lat, wire = self.cost.ring_half_terms(self.cost.grad_bytes(role), self.dp)
-        else:  # gather: the block's view
-            lat, wire = self.cost.ring_half_terms(self.cost.view_bytes(role), self.dp)
-        start = t
+        nodes, local = self.layout.runs[r]
+        if op == "gather":  # the block's view
+            coll, nbytes = "allgather", self.cost.view_bytes(role)
+        else:
+            coll = "reduce_scatter" if op == "scatter" else "allreduce"
+            nbytes = self.cost.grad_bytes(role)
+        lat, intra, nic = self.cost.collective_terms(coll, nbytes, nodes, local, self.chunk[r])
+        start, left = t, [2]
 
         def on_wire(t2):
-            self.links[r].add(t2, wire, on_done)
+            self.intra[r].add(t2, intra, on_done)
+            self.nics[self.layout.node[r]].add(t2, nic, on_done)
 
         def on_done(t3):
+            left[0] -= 1
+            if left[0]:
+                return
             rk.engine_busy = False
             rk.engine_s += t3 - start
             if op == "gather":
@@ -370,8 +393,8 @@ class Sim:
         return True
 
     def _norm_cost(self) -> float:
-        world = len(self.ranks) * self.dp
-        return self.cost.allreduce_time(NORM_BYTES, world, "tree") if world > 1 else 0.0
+        nodes, local = self.layout.world_runs
+        return self.cost.collective_time("allreduce", NORM_BYTES, nodes, local)
 
     def _arrive_norm(self, t: float, r: int, step: int) -> None:
         rk = self.ranks[r]

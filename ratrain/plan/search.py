@@ -2,7 +2,7 @@
 a given number of clusters without any rank going over its DDR cap.
 
 For each candidate layout (pp, dp = clusters // pp, micro_batch, num_micro_batches chosen to keep
-the global batch), each policy's action lists give each stage's peak memory
+the global batch, and placement: which grid axis stays inside a node), each policy's action lists give each stage's peak memory
 (`ratrain.plan.memory`); the recomputation is the cheapest that fits: none, else `selective`
 (all layers) and `auto` (the fewest layers fully recomputed, per stage) are both tried. The
 fitting candidates are simulated (`ratrain.plan.simulate`) and ranked by tokens/s.
@@ -38,6 +38,7 @@ class Layout:
     num_micro_batches: int
     recompute: str = "none"  # none | selective | full | auto
     recompute_layers: tuple[int, ...] | None = None  # auto: fully recomputed layers per stage
+    placement: str = "pp"  # parallel.placement: pp | dp (which axis stays inside a node)
 
     @property
     def clusters(self) -> int:
@@ -96,9 +97,10 @@ def candidate_pps(layers: int, clusters: int, extra=()) -> list[int]:
 
 
 def candidate_layouts(cfg: Config, clusters: int, global_batch: int | None = None,
-                      micro_batches=(1, 2), pps=None) -> list[Layout]:
-    """(pp, dp, micro_batch, num_micro_batches) keeping the global batch (sequences; default the
-    config's) as nearly as the layout allows; recomputation is decided later."""
+                      micro_batches=(1, 2), pps=None, placements=None) -> list[Layout]:
+    """(pp, dp, micro_batch, num_micro_batches, placement) keeping the global batch (sequences;
+    default the config's) as nearly as the layout allows; recomputation is decided later.
+    `placements`: default the config's."""
     g = global_batch or cfg.parallel.global_batch
     out = []
     for pp in pps or candidate_pps(cfg.model.layers, clusters, (cfg.parallel.pp,)):
@@ -107,7 +109,8 @@ def candidate_layouts(cfg: Config, clusters: int, global_batch: int | None = Non
             continue
         for mb in micro_batches:
             m = max(1, round(g / (mb * dp)))
-            out.append(Layout(pp, dp, mb, m))
+            for pl in placements or (cfg.parallel.placement,):
+                out.append(Layout(pp, dp, mb, m, placement=pl))
     return out
 
 
@@ -127,7 +130,8 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     peak) when none fits."""
     m = cfg.model
     cost = cost or CostModel.from_config(cfg)
-    cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
+    cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
+                   placement=layout.placement)
     blocks = stage_block_names(m, layout.pp)
     shards = plan_shards(cfg, policy, layout.dp)
     low = _static_lower_bound(cfg, blocks, shards)
@@ -173,11 +177,11 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
 def search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
            cap: int | None = -1, global_batch: int | None = None, micro_batches=(1, 2),
            recompute=("none", "selective", "auto"), pps=None, steps: int = 2,
-           send_mode: str = "eager") -> dict[str, list[Plan]]:
+           send_mode: str = "eager", placements=None) -> dict[str, list[Plan]]:
     """Every fitting plan per policy, fastest first. `cap=-1`: the platform's DDR cap."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
-    layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps)
+    layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps, placements)
     out = {}
     for pol in policies:
         plans = []
@@ -214,7 +218,8 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
                              steps, shards)
         choice = recompute_for(blocks, lay.recompute, list(lay.recompute_layers)
                                if lay.recompute_layers is not None else None)
-        c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision)
+        c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision,
+                    placement=lay.placement)
         res = simulate(lists, blocks, c, dp, choice, lay.global_batch * cfg.model.seq_len,
                        send_mode, shards=shards)
         peaks = stage_peaks(lists, blocks, cfg.model, lay.micro_batch, cfg.precision, choice,

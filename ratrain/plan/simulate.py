@@ -136,7 +136,7 @@ def simulate(
         items: list = []
         for k, lists in enumerate(step_lists):
             items += events.items(lists[s], s, blocks[s], recompute[s], cost, k, shards)
-        ranks.append(events.RankState(s, items))
+        ranks.append(events.RankState(s, items, blocks[s]))
     sim = events.Sim(ranks, cost, dp, send_mode, timeline)
     sim.run()
 

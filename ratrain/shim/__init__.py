@@ -1,18 +1,19 @@
 """The platform shim: what one rank's compute cluster has, and making this host behave like it.
 
 Owns: platform profiles with a source for every value (`platform`, `profiles/*.yaml`); the DDR
-ledger that accounts and caps every buffer of a rank (`ledger`); the link model and throttle
-(`link`); compute and memory pacing (`pacing`); the host allocator settings that keep freed
-memory in the process, as DDR does (`allocator`).
+ledger that accounts and caps every buffer of a rank (`ledger`); the link model and throttle in
+two tiers, a node's shared interface and each rank's link inside its node (`link`); compute
+and memory pacing (`pacing`); the host allocator settings that keep freed memory in the
+process, as DDR does (`allocator`).
 
 May import: nothing of ratrain but `ratrain.config` (only duck-typed: a `platform` section is
 read by attribute); yaml and numpy. It knows nothing of models, schedules or MPI.
 """
 
 from .ledger import DDRCapExceeded, Ledger
-from .link import Link
+from .link import Link, Slots, Tiers
 from .pacing import Pacer
 from .platform import Profile, ProfileError, load_profile, resolve_platform
 
-__all__ = ["DDRCapExceeded", "Ledger", "Link", "Pacer", "Profile", "ProfileError", "load_profile",
-           "resolve_platform"]
+__all__ = ["DDRCapExceeded", "Ledger", "Link", "Pacer", "Profile", "ProfileError", "Slots",
+           "Tiers", "load_profile", "resolve_platform"]

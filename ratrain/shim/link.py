@@ -1,8 +1,12 @@
 """The link model and throttle: what a message costs on the platform's links.
 
-Model (LogGP-like, per rank): a message of n bytes costs `latency + n / bandwidth`; the rank's
-outgoing link is one resource, so its concurrent sends share the bandwidth. Emulated times are
-platform times x `time_scale`.
+Model (LogGP-like): a message of n bytes costs `latency + n / bandwidth` on the link it crosses;
+a link is one resource, so its concurrent sends share the bandwidth. Emulated times are platform
+times x `time_scale`. Links come in two tiers (`Tiers`): a message to a rank of the same node
+crosses the sender's own intra-node link; a message to another node crosses the node's network
+interface, one link whose slots every rank of the node reserves from (`Link(shared=...)`: a
+slot book that the ranks of a node share, e.g. in shared memory; `ratrain.comm` provides it),
+so the node's ranks share the interface's bandwidth.
 
 The throttle is a virtual clock of the rank's outgoing link. A message is cut into chunks of
 `chunk_bytes`; each chunk reserves the next free slot of `chunk / bandwidth` seconds and is
@@ -56,8 +60,29 @@ def fine_sleep() -> None:
         pass
 
 
+class Slots:
+    """When a link is free, for the threads of one process: `reserve(earliest, duration)` books
+    the next slot of `duration` seconds starting no sooner than `earliest` and returns its end.
+    A node's ranks share their interface through an object with the same method that lives in
+    shared memory (`ratrain.comm.shm.SharedSlots`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # clock time at which the last reserved slot ends
+
+    def reserve(self, earliest: float, duration: float) -> float:
+        with self._lock:
+            start = max(earliest, self._free_at)
+            self._free_at = start + duration
+            return self._free_at
+
+    def free_at(self) -> float:
+        return self._free_at
+
+
 class Link:
-    """The outgoing link of one rank: `bandwidth` B/s, `latency` s per message, scaled by `time_scale`."""
+    """One link: `bandwidth` B/s, `latency` s per message, scaled by `time_scale`; its slots
+    are this process's own, or `shared` by the ranks of a node (their network interface)."""
 
     def __init__(
         self,
@@ -66,6 +91,7 @@ class Link:
         time_scale: float = 1.0,
         chunk_bytes: int | None = None,
         clock=time.perf_counter,
+        shared=None,
     ):
         if not bandwidth or bandwidth <= 0:
             raise ValueError(f"link bandwidth must be > 0 B/s, got {bandwidth!r}")
@@ -83,16 +109,18 @@ class Link:
         self._s_per_byte = self.time_scale / self.bandwidth
         self._lat = self.latency * self.time_scale
         self._lock = threading.Lock()
-        self._free_at = 0.0  # clock time at which the link's last reserved slot ends
+        self.slots = shared if shared is not None else Slots()
         self.bytes_sent = 0
         self.messages = 0
 
     @classmethod
-    def from_profile(cls, profile, chunk_bytes: int | None = None) -> Link | None:
-        """The throttle for `profile`, or None when emulation is off or the link is not modelled."""
+    def from_profile(cls, profile, chunk_bytes: int | None = None, shared=None) -> Link | None:
+        """The inter-node throttle of `profile` (its interface, `shared` by the node's ranks),
+        or None when emulation is off or the link is not modelled."""
         if not profile.emulate or not profile.link_bandwidth:
             return None
-        return cls(profile.link_bandwidth, profile.link_latency or 0.0, profile.time_scale, chunk_bytes)
+        return cls(profile.link_bandwidth, profile.link_latency or 0.0, profile.time_scale,
+                   chunk_bytes, shared=shared)
 
     # -- the model ------------------------------------------------------------------------------
 
@@ -117,21 +145,19 @@ class Link:
         `after=None` marks a message's first chunk, which pays the latency from `t0` (when the
         send was posted; default now); otherwise pass the previous chunk's release time.
         """
+        now = self.clock()
+        if after is None:
+            earliest = (now if t0 is None else min(t0, now)) + self._lat
+        else:
+            earliest = after
+        end = self.slots.reserve(earliest, nbytes * self._s_per_byte)
         with self._lock:
-            now = self.clock()
-            if after is None:
-                earliest = (now if t0 is None else min(t0, now)) + self._lat
-            else:
-                earliest = after
-            start = max(earliest, self._free_at)
-            end = start + nbytes * self._s_per_byte
-            self._free_at = end
             self.bytes_sent += nbytes
             self.messages += after is None
-            return end
+        return end
 
     def idle(self) -> bool:
-        return self.clock() >= self._free_at
+        return self.clock() >= self.slots.free_at()
 
     def __repr__(self) -> str:
         return (
@@ -140,4 +166,41 @@ class Link:
         )
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Link", "auto_chunk_bytes", "fine_sleep"]
+class Tiers:
+    """The links of one rank in two tiers: `intra` (to ranks of the same node: the rank's own
+    link) and `inter` (to other nodes: the node's interface, shared).
+
+    Both tiers cut messages into the same chunks (the inter tier's), so that a receiver, which
+    posts one receive per chunk, cuts a message as its sender did whichever tier it crossed.
+    `latency`, `bandwidth` and `time_scale` are the inter tier's (what a cost model of the
+    network asks)."""
+
+    def __init__(self, intra: Link, inter: Link):
+        if intra.chunk_bytes != inter.chunk_bytes:
+            raise ValueError(f"the tiers cut messages differently: {intra} and {inter}")
+        self.intra, self.inter = intra, inter
+        self.latency, self.bandwidth = inter.latency, inter.bandwidth
+        self.time_scale, self.chunk_bytes = inter.time_scale, inter.chunk_bytes
+
+    def tier(self, same_node: bool) -> Link:
+        """The link a message crosses: intra when both ranks are on one node."""
+        return self.intra if same_node else self.inter
+
+    @classmethod
+    def from_profile(cls, profile, shared=None) -> Tiers | None:
+        """The two tiers of `profile` (the interface's slots `shared` by the node's ranks), or
+        None when emulation is off or the network is not modelled. Without an `intra_bandwidth`
+        the intra tier costs nothing (an infinitely fast link)."""
+        inter = Link.from_profile(profile, shared=shared)
+        if inter is None:
+            return None
+        intra = Link(profile.intra_bandwidth or math.inf, profile.intra_latency or 0.0,
+                     profile.time_scale, inter.chunk_bytes)
+        return cls(intra, inter)
+
+    def __repr__(self) -> str:
+        return f"Tiers(intra={self.intra}, inter={self.inter})"
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Link", "Slots", "Tiers", "auto_chunk_bytes",
+           "fine_sleep"]

@@ -1,4 +1,9 @@
-"""Platform profiles: what one rank's cluster has (DDR, link, compute), each value with its source.
+"""Platform profiles: what one rank's cluster has (DDR, links, compute), each value with its source.
+
+Links come in two tiers: `link_bandwidth` / `link_latency` are the network between nodes (the
+bandwidth of one node's interface, which the node's ranks share; the latency of a message
+across nodes), `intra_bandwidth` / `intra_latency` the path between two ranks of one node (each
+rank its own), and `ranks_per_node` how many ranks (clusters) a node holds.
 
 Profiles are YAML files shipped in `ratrain/shim/profiles/` (`mt3000`, `host`); a path to another
 YAML file of the same shape works too. The config's `platform` section selects one and
@@ -19,7 +24,10 @@ from typing import Any
 
 import yaml
 
-VALUE_KEYS = ("ddr_bytes", "compute_flops", "link_bandwidth", "link_latency")
+VALUE_KEYS = ("ddr_bytes", "compute_flops", "link_bandwidth", "link_latency", "intra_bandwidth",
+              "intra_latency", "ranks_per_node")
+# values a profile may leave out (older profiles, test profiles): not modelled
+OPTIONAL_KEYS = ("intra_bandwidth", "intra_latency", "ranks_per_node")
 RUN_KEYS = ("time_scale", "emulate")
 
 
@@ -131,12 +139,20 @@ def _parse(data: Any, where: str) -> Profile:
     values: dict[str, Sourced] = {}
     for k in VALUE_KEYS:
         entry = data["values"].get(k)
+        if entry is None and k in OPTIONAL_KEYS:
+            values[k] = Sourced(None, f"{where}: not stated (not modelled)")
+            continue
         if not isinstance(entry, dict) or "value" not in entry or not entry.get("source"):
             raise ProfileError(f"{where}: values.{k} needs `value` (may be null) and `source`")
         values[k] = Sourced(_number(entry["value"], f"{where}: values.{k}"), str(entry["source"]))
     unknown = set(data["values"]) - set(VALUE_KEYS)
     if unknown:
         raise ProfileError(f"{where}: unknown values {sorted(unknown)}; known: {VALUE_KEYS}")
+    rpn = values["ranks_per_node"].value
+    if rpn is not None and (rpn != int(rpn) or rpn < 1):
+        raise ProfileError(f"{where}: values.ranks_per_node={rpn!r} must be a positive integer")
+    if rpn is not None:
+        values["ranks_per_node"] = Sourced(int(rpn), values["ranks_per_node"].source)
     values["time_scale"] = Sourced(1.0, "default: platform time")
     values["emulate"] = Sourced(False, "default: run at host speed")
     facts = {
@@ -147,6 +163,7 @@ def _parse(data: Any, where: str) -> Profile:
 
 
 __all__ = [
+    "OPTIONAL_KEYS",
     "Profile",
     "ProfileError",
     "Sourced",

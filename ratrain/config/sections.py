@@ -1,28 +1,14 @@
-"""Run configuration: frozen dataclasses loaded strictly from YAML.
-
-Every key of the design's contract lives here, with its type and default. Loading is strict:
-an unknown section or key, a value of the wrong type, or an impossible combination raises
-`ConfigError` naming the key, the value, the file and what to do instead, before any work.
-
-    cfg = load_config("jobs/tiny.yaml", overrides=["parallel.pp=2", "optim.lr=1e-3"])
+"""The sections of a run's configuration: one frozen dataclass each, its keys typed, defaulted,
+documented in its docstring (`key: meaning`, which docs/CONFIG.md is generated from) and checked
+in `check()`. `ratrain.config` assembles them into `Config` and loads them from YAML.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
-import typing
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message names the key, the value and the fix."""
-
+from ratrain.typedyaml import ConfigError
 
 # --------------------------------------------------------------------------------------------
 # Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
@@ -120,12 +106,18 @@ class ParallelConfig:
     num_micro_batches: micro-batches per step on each replica (gradient accumulation; the
         pipeline's m)
     layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible
+    placement: pp | dp: which grid axis is laid on neighbouring ranks, hence stays inside a node
+        (pp: a replica's stages, so pipeline messages stay in a node; dp: a stage's replicas, so
+        the gradient all-reduce does); results are bitwise the same either way
     """
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
     num_micro_batches: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    placement: str = "pp"  # see comm.topology and docs/BENCHMARKS.md (Nodes) for the default
+
+    PLACEMENTS = ("pp", "dp")
 
     @property
     def world_size(self) -> int:
@@ -138,6 +130,7 @@ class ParallelConfig:
     def check(self) -> None:
         for key in ("pp", "dp", "micro_batch", "num_micro_batches"):
             _positive(self, "parallel", key)
+        _choice(self, "parallel", "placement", self.PLACEMENTS)
         if self.layers_per_stage is not None:
             if len(self.layers_per_stage) != self.pp:
                 raise ConfigError(
@@ -193,6 +186,8 @@ class OptimConfig:
     no_decay: parameter-name globs exempt from weight decay, e.g. "*norm*" or [embed.*, "*norm*"]
     loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default)
     loss_scale_window: fp16: steps without overflow before the scale doubles
+    max_nonfinite_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
+        after which the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16
     """
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -206,6 +201,9 @@ class OptimConfig:
     no_decay: tuple[str, ...] = ()  # parameter-name globs exempt from weight decay
     loss_scale_init: float = 65536.0  # fp16 dynamic loss scaling (torch.amp.GradScaler defaults)
     loss_scale_window: int = 2000
+    # consecutive steps with a non-finite loss or gradient norm (each one skipped) after which
+    # the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16 (overflows are normal)
+    max_nonfinite_steps: int = 0
 
     def check(self) -> None:
         _positive(self, "optim", "lr")
@@ -220,6 +218,13 @@ class OptimConfig:
         _choice(self, "optim", "lr_schedule", ("constant", "cosine"))
         _positive(self, "optim", "loss_scale_init")
         _positive(self, "optim", "loss_scale_window")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError(f"optim.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 0 "
+                              "(0 = auto)")
+
+    def nonfinite_limit(self, precision: str) -> int:
+        """Consecutive non-finite steps that stop the run (`max_nonfinite_steps`, 0 = auto)."""
+        return self.max_nonfinite_steps or (20 if precision == "fp16" else 1)
 
 
 @dataclass(frozen=True)
@@ -277,11 +282,15 @@ class PlatformConfig:
 
     profile: host (this machine, no cap, no pacing) | mt3000 | a profile YAML path
     ddr_bytes: DDR cap per rank in bytes (the ledger refuses to go over it)
-    link_bandwidth: link bandwidth in bytes/s
-    link_latency: link latency in s
+    link_bandwidth: bandwidth in bytes/s of a node's network interface, shared by its ranks
+    link_latency: latency in s of a message between nodes
     compute_flops: compute rate per rank in flop/s (pacing, and the peak MFU is taken against)
     time_scale: emulated time = platform time x time_scale
-    emulate: throttle links and pace compute to the profile
+    emulate: throttle links and pace compute to the profile (and cut one host's ranks into nodes
+        of ranks_per_node)
+    intra_bandwidth: bandwidth in bytes/s between two ranks of one node (each rank its own link)
+    intra_latency: latency in s of a message inside a node
+    ranks_per_node: ranks (clusters) a node holds, sharing its interface
     """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
@@ -291,13 +300,19 @@ class PlatformConfig:
     compute_flops: float | None = None  # flop/s per rank
     time_scale: float = 1.0  # emulated time = platform time x time_scale
     emulate: bool = False  # throttle links and pace compute to the profile
+    intra_bandwidth: float | None = None  # bytes/s between two ranks of one node
+    intra_latency: float | None = None  # s
+    ranks_per_node: int | None = None  # ranks sharing a node and its network interface
 
     def check(self) -> None:
-        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops"):
+        for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
+                    "intra_bandwidth", "intra_latency"):
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"platform.{key}={v} must be >= 0")
         _positive(self, "platform", "time_scale")
+        if self.ranks_per_node is not None:
+            _positive(self, "platform", "ranks_per_node")
 
 
 @dataclass(frozen=True)
@@ -306,13 +321,23 @@ class CheckpointConfig:
 
     dir: checkpoints directory; "" = <run.dir>/checkpoints
     interval: steps between checkpoints (and one at the last step); 0 = none
-    keep: committed checkpoints kept (older ones are deleted)
-    resume: auto (the newest committed checkpoint, if any) | never | a checkpoint path
+    keep: committed checkpoints kept (older ones are deleted; before a save when the disk is
+        short: a save needs room for keep + 1)
+    resume: auto (the newest committed checkpoint that verifies; none at all: start fresh; some
+        but none usable: an error naming each) | never (start over; checkpoints stay, metrics are
+        appended to) | a checkpoint path
+    on_error: a save that fails (disk full, I/O error): stop (exit 5; the last committed
+        checkpoint is intact) | continue (warn and try again at the next interval)
     """
     dir: str = ""  # "" = <run.dir>/checkpoints
     interval: int = 0  # steps between checkpoints; 0 = only none
-    keep: int = 2
-    resume: str = "auto"  # auto | never | PATH
+    keep: int = 2  # committed checkpoints kept (older ones pruned; before a save if space is short)
+    # auto: the newest usable checkpoint (an error when there are some but none is usable) |
+    # never: start over (checkpoints stay; metrics.jsonl is appended to) | PATH: that checkpoint
+    resume: str = "auto"
+    # a save that fails (disk full, I/O error): stop (exit 5; the last committed checkpoint is
+    # intact) | continue (warn and try again at the next interval)
+    on_error: str = "stop"
 
     def check(self) -> None:
         if self.interval < 0:
@@ -320,13 +345,16 @@ class CheckpointConfig:
         _positive(self, "checkpoint", "keep")
         if not self.resume:
             raise ConfigError("checkpoint.resume is empty: use auto, never or a checkpoint path")
+        _choice(self, "checkpoint", "on_error", ("stop", "continue"))
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run: where it writes and how long it goes.
+    """The run: where it writes, how long it goes, and when it stops early.
 
-    dir: run directory (config.yaml, metrics.jsonl, eval.jsonl, trace.json, checkpoints)
+    name: the run's name (under Slurm, the job name); dir defaults to runs/<name>
+    dir: run directory (config.yaml, metrics.jsonl, eval.jsonl, status.json, trace.json,
+        checkpoints); "" = runs/<name>, or runs/default without a name
     steps: total optimizer steps (a resumed run continues up to this step)
     log_interval: steps between progress lines
     trace: write trace.json (Chrome trace events; Perfetto) at the end
@@ -334,239 +362,61 @@ class RunConfig:
         affinity, shared by the node's ranks that have the same cores)
     tensorboard: also log scalars to <run.dir>/tensorboard (needs the tensorboard extra:
         tensorboardX)
+    time_limit: seconds of wall clock from start-up the run may use; it stops at a step boundary
+        early enough to write a checkpoint and exits 75 (run again to continue); 0 = no limit
+    stop_signals: signals that ask for a graceful stop (checkpoint at the next step boundary,
+        exit 75; a second one exits at once with what is committed); [] = the default actions
+    stop_grace: seconds a graceful stop may take before the run exits at once; 0 = no limit
     """
-    dir: str = "runs/default"
+    name: str = ""  # the run's name (Slurm: the job name); run.dir defaults to runs/<name>
+    dir: str = ""  # where the run writes; "" = runs/<run.name>, or runs/default without a name
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
     tensorboard: bool = False
+    # seconds of wall clock from start-up the run may use (0 = no limit): it stops at a step
+    # boundary early enough to write a checkpoint, then exits 75 (run again to continue)
+    time_limit: float = 0.0
+    # signals that ask for a graceful stop (checkpoint at the next step boundary, exit 75); a
+    # second one exits at once with what is committed; [] = the default actions
+    stop_signals: tuple[str, ...] = ("TERM", "USR1")
+    stop_grace: float = 300.0  # seconds a graceful stop may take before exiting at once; 0 = no limit
+
+    SIGNALS = ("TERM", "INT", "USR1", "USR2", "HUP", "XCPU")
+
+    def __post_init__(self) -> None:
+        if not self.dir:  # resolved once, so that every reader sees the same path
+            object.__setattr__(self, "dir", os.path.join("runs", self.name or "default"))
 
     def check(self) -> None:
         _positive(self, "run", "steps")
         _positive(self, "run", "log_interval")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
+        if os.sep in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name={self.name!r} must be a plain name (no {os.sep!r})")
+        for key in ("time_limit", "stop_grace"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"run.{key}={getattr(self, key)} must be >= 0 (0 = no limit)")
+        bad = [s for s in self.stop_signals if s.upper().removeprefix("SIG") not in self.SIGNALS]
+        if bad:
+            raise ConfigError(f"run.stop_signals: {bad[0]!r} is not one of {', '.join(self.SIGNALS)}")
 
 
 @dataclass(frozen=True)
-class Config:
-    """A run's configuration: sections of keys, and precision.
+class CommConfig:
+    """Communication between ranks: the job's watchdog.
 
-    precision: fp32 | fp16 (fp16 views and activations, fp32 masters, dynamic loss scaling)
+    timeout: seconds a rank may give no sign of life (stopped, hung, its node lost) before the
+        job ends on every rank naming it (exit 3); also the longest a message or collective of a
+        step may wait; 0 = no watchdog
     """
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    precision: str = "fp32"
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    init: InitConfig = field(default_factory=InitConfig)
-    platform: PlatformConfig = field(default_factory=PlatformConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    timeout: float = 300.0  # seconds; 0 = no watchdog
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            sub = getattr(self, f.name)
-            if hasattr(sub, "check"):
-                sub.check()
-        _choice(self, "", "precision", ("fp32", "fp16"))
-        m, p = self.model, self.parallel
-        if p.pp > m.layers:
-            raise ConfigError(
-                f"parallel.pp={p.pp} is more pipeline stages than model.layers={m.layers}: "
-                "every stage needs at least one layer; lower parallel.pp"
-            )
-        if p.layers_per_stage is not None and sum(p.layers_per_stage) != m.layers:
-            raise ConfigError(
-                f"parallel.layers_per_stage={list(p.layers_per_stage)} sums to "
-                f"{sum(p.layers_per_stage)} but model.layers={m.layers}"
-            )
-        if m.tie_embeddings and p.pp > 1:
-            raise ConfigError(
-                "model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
-                "and the LM head live on different stages; untie them or use parallel.pp=1"
-            )
-
-    # -- conversions ------------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def check_world(self, world_size: int) -> None:
-        """The layout must match the launched world, before any work."""
-        if world_size != self.parallel.world_size:
-            raise ConfigError(
-                f"world size {world_size} != parallel.pp x parallel.dp = {self.parallel.pp} x "
-                f"{self.parallel.dp} = {self.parallel.world_size}: launch "
-                f"{self.parallel.world_size} ranks (mpirun -n {self.parallel.world_size}) or set "
-                "parallel.pp / parallel.dp to match"
-            )
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-JOBS = Path(__file__).resolve().parent / "jobs"  # the example jobs shipped in the package
-
-
-def shipped_jobs() -> list[str]:
-    """Names of the example jobs shipped with ratrain (`tiny`, `llama2-7b`, ...)."""
-    return sorted(p.stem for p in JOBS.glob("*.yaml")) if JOBS.is_dir() else []
-
-
-def job_path(path: str | os.PathLike) -> str:
-    """`path` itself, or, when no such file exists and it is a bare name, the shipped job of
-    that name (`tiny` -> ratrain/jobs/tiny.yaml)."""
-    p = str(path)
-    if os.path.exists(p) or os.sep in p:
-        return p
-    shipped = JOBS / (p if p.endswith(".yaml") else p + ".yaml")
-    return str(shipped) if shipped.is_file() else p
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
-    validate; raise ConfigError."""
-    path = job_path(path) if path is not None else None
-    source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            jobs = ", ".join(shipped_jobs())
-            raise ConfigError(
-                f"config file {source!r} does not exist (shipped jobs: {jobs})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    data = _deepcopy(data)
-    for ov in overrides:
-        _apply_override(data, ov)
-    return config_from_dict(data, source)
-
-
-def with_overrides(cfg: Config, overrides, source: str = "<config>") -> Config:
-    """`cfg` with `section.key=value` overrides applied as `--set` applies them; validated."""
-    data = cfg.to_dict()
-    for ov in overrides:
-        _apply_override(data, ov)
-    return config_from_dict(data, source)
-
-
-def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
-    try:
-        return _build(Config, data, "", source)
-    except ConfigError as e:
-        msg = str(e)
-        if not msg.startswith(source):
-            msg = f"{source}: {msg}"
-        raise ConfigError(msg) from None
-
-
-def _apply_override(data: dict, ov: str) -> None:
-    if "=" not in ov:
-        raise ConfigError(f"--set {ov!r}: expected section.key=value, e.g. --set optim.lr=1e-3")
-    key, raw = ov.split("=", 1)
-    parts = key.strip().split(".")
-    hints = typing.get_type_hints(Config)
-    if parts[0] not in hints:
-        raise ConfigError(
-            f"--set {ov!r}: unknown section {parts[0]!r}; sections are {', '.join(hints)}"
-        )
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw.strip()  # not YAML (a glob such as *norm*): the text as given
-    node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {ov!r}: {p!r} is not a section")
-    node[parts[-1]] = value
-
-
-def _build(cls, data: Any, prefix: str, source: str):
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{prefix.rstrip('.') or 'the top level'} must be a mapping, got {data!r}"
-        )
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        where = f"section {prefix.rstrip('.')!r}" if prefix else "the top level"
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]!s} in {where}; valid keys are: {', '.join(names)}"
-        )
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        kwargs[name] = _coerce(hints[name], data[name], f"{prefix}{name}", source)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - guarded above
-        raise ConfigError(str(e)) from None
-
-
-def _coerce(tp, value, key: str, source: str):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, key + ".", source)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key, source)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} must be a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], v, key, source) for v in value)
-        if len(value) != len(args):
-            raise ConfigError(f"{key}={list(value)!r} must have {len(args)} entries")
-        return tuple(_coerce(a, v, key, source) for a, v in zip(args, value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} must be an integer") from None
-        if not f.is_integer():
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} must be a number") from None
-    if tp is str:
-        if value is None:
-            return ""
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+    def check(self) -> None:
+        if self.timeout < 0 or 0 < self.timeout < 1:
+            raise ConfigError(f"comm.timeout={self.timeout} must be 0 (off) or >= 1 second")
 
 
 def _positive(obj, section: str, key: str) -> None:
@@ -582,25 +432,5 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-def _to_plain(obj):
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _deepcopy(d):
-    if isinstance(d, dict):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deepcopy(v) for v in d]
-    return d
-
-
-__all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "InitConfig", "ModelConfig",
-    "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig",
-    "config_from_dict", "job_path", "load_config", "replace", "shipped_jobs",
-    "with_overrides",
-]
+__all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "InitConfig", "ModelConfig",
+           "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig"]

@@ -1,0 +1,192 @@
+"""Run configuration: frozen dataclasses loaded strictly from YAML.
+
+Every key of the design's contract lives here, with its type and default. Loading is strict:
+an unknown section or key, a value of the wrong type, or an impossible combination raises
+`ConfigError` naming the key, the value, the file and what to do instead, before any work.
+
+    cfg = load_config("jobs/tiny.yaml", overrides=["parallel.pp=2", "optim.lr=1e-3"])
+
+The package: the sections, one dataclass each with its keys documented (`sections`), and here
+`Config`, which holds them, and the loading (YAML through `ratrain.typedyaml`'s strict loader,
+`--set` overrides, the shipped jobs). May import: `ratrain.typedyaml`, PyYAML; nothing else of
+ratrain (every package reads its config).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
+from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig, PlatformConfig
+from ratrain.config.sections import RunConfig, ScheduleConfig, _choice
+from ratrain.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
+
+
+@dataclass(frozen=True)
+class Config:
+    """A run's configuration: sections of keys, and precision.
+
+    precision: fp32 | fp16 (fp16 views and activations, fp32 masters, dynamic loss scaling)
+    """
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: str = "fp32"
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    platform: PlatformConfig = field(default_factory=PlatformConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            sub = getattr(self, f.name)
+            if hasattr(sub, "check"):
+                sub.check()
+        _choice(self, "", "precision", ("fp32", "fp16"))
+        m, p = self.model, self.parallel
+        if p.pp > m.layers:
+            raise ConfigError(
+                f"parallel.pp={p.pp} is more pipeline stages than model.layers={m.layers}: "
+                "every stage needs at least one layer; lower parallel.pp"
+            )
+        if p.layers_per_stage is not None and sum(p.layers_per_stage) != m.layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage={list(p.layers_per_stage)} sums to "
+                f"{sum(p.layers_per_stage)} but model.layers={m.layers}"
+            )
+        if m.tie_embeddings and p.pp > 1:
+            raise ConfigError(
+                "model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
+                "and the LM head live on different stages; untie them or use parallel.pp=1"
+            )
+
+    # -- conversions ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def check_world(self, world_size: int) -> None:
+        """The layout must match the launched world, before any work. Under srun, a world of
+        one in a step of several tasks means srun started singletons: the error says why."""
+        if world_size == self.parallel.world_size:
+            return
+        msg = (f"world size {world_size} != parallel.pp x parallel.dp = {self.parallel.pp} x "
+               f"{self.parallel.dp} = {self.parallel.world_size}: launch "
+               f"{self.parallel.world_size} ranks (mpirun -n {self.parallel.world_size}) or set "
+               "parallel.pp / parallel.dp to match")
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "")
+        if world_size == 1 and tasks.isdigit() and int(tasks) > 1:
+            msg = (f"world size 1 but srun started {tasks} tasks: each task is an MPI world of "
+                   "its own, so srun's MPI plugin is not one this MPI uses; with Open MPI use "
+                   "srun --mpi=pmix (RATRAIN_SRUN_MPI=pmix for slurm/train.sbatch; srun "
+                   "--mpi=list shows the plugins), or RATRAIN_LAUNCHER=mpirun")
+        raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+JOBS = Path(__file__).resolve().parents[1] / "jobs"  # the example jobs shipped in the package
+
+
+def shipped_jobs() -> list[str]:
+    """Names of the example jobs shipped with ratrain (`tiny`, `llama2-7b`, ...)."""
+    return sorted(p.stem for p in JOBS.glob("*.yaml")) if JOBS.is_dir() else []
+
+
+def job_path(path: str | os.PathLike) -> str:
+    """`path` itself, or, when no such file exists and it is a bare name, the shipped job of
+    that name (`tiny` -> ratrain/jobs/tiny.yaml)."""
+    p = str(path)
+    if os.path.exists(p) or os.sep in p:
+        return p
+    shipped = JOBS / (p if p.endswith(".yaml") else p + ".yaml")
+    return str(shipped) if shipped.is_file() else p
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
+    validate; raise ConfigError."""
+    path = job_path(path) if path is not None else None
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.load(f, Loader=StrictLoader) or {}
+        except FileNotFoundError:
+            jobs = ", ".join(shipped_jobs())
+            raise ConfigError(
+                f"config file {source!r} does not exist (shipped jobs: {jobs})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}:{e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    data = deepcopy(data)
+    for ov in overrides:
+        _apply_override(data, ov)
+    return config_from_dict(data, source)
+
+
+def with_overrides(cfg: Config, overrides, source: str = "<config>") -> Config:
+    """`cfg` with `section.key=value` overrides applied as `--set` applies them; validated."""
+    data = cfg.to_dict()
+    for ov in overrides:
+        _apply_override(data, ov)
+    return config_from_dict(data, source)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        return build(Config, data, "", source)
+    except ConfigError as e:
+        msg = str(e)
+        if not msg.startswith(source):
+            msg = f"{source}: {msg}"
+        raise ConfigError(msg) from None
+
+
+def _apply_override(data: dict, ov: str) -> None:
+    if "=" not in ov:
+        raise ConfigError(f"--set {ov!r}: expected section.key=value, e.g. --set optim.lr=1e-3")
+    key, raw = ov.split("=", 1)
+    parts = key.strip().split(".")
+    hints = typing.get_type_hints(Config)
+    if parts[0] not in hints:
+        raise ConfigError(
+            f"--set {ov!r}: unknown section {parts[0]!r}; sections are {', '.join(hints)}"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw.strip()  # not YAML (a glob such as *norm*): the text as given
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {ov!r}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+__all__ = [
+    "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "InitConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
+    "ScheduleConfig", "StrictLoader", "config_from_dict", "job_path", "load_config", "replace",
+    "shipped_jobs", "with_overrides",
+]

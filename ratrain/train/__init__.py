@@ -1,0 +1,159 @@
+"""Train a model: `python -m ratrain.train --config FILE [--set section.key=value ...]`.
+
+Runs alone (one process, no launcher) or under `mpirun -n N` / `srun`. Every check of the
+input (config, world size, data, Hugging Face import, the memory plan against the DDR cap or
+the node's memory, checkpoint, room for checkpoints, the run directory's lock) runs before any
+work, on every rank, and the ranks agree on the verdict: a bad input stops every rank with the
+same message (printed once, by rank 0) and exit code 2. After start-up, an exception on any
+rank aborts the whole job (MPI_Abort; every rank prints why) instead of leaving the others
+hanging, and the job's watchdog (`comm.timeout`, `ratrain.comm.watchdog`) ends it when a rank
+stops answering. A run stops early and cleanly on a signal or `run.time_limit` (a checkpoint
+at the step reached, exit 75), on `optim.max_nonfinite_steps` non-finite steps (exit 4) and on
+a checkpoint that cannot be written (exit 5, unless `checkpoint.on_error: continue`); the exit
+codes are `ratrain.runctl`'s.
+
+The package: `startup` (the checks, agreed across ranks), `trainer` (the loop, and how a run
+ends), and here the command itself (arguments, --print-config, --dry-run, MPI and the job's
+control plane and watchdog). The schedule and its numerics live in `ratrain.lifecycle`.
+
+May import: every package below the commands (a command: nothing imports it, and it imports no
+other command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import sys
+
+from ratrain.comm.abort import abort_on_error
+from ratrain.config import CommConfig, ConfigError, load_config
+from ratrain.data import open_datasets
+from ratrain.plan.check import run_plan
+from ratrain.runctl import EXIT_OK, EXIT_USAGE
+from ratrain.shim import allocator
+from ratrain.train.startup import (
+    Setup,
+    StartupError,
+    agree,
+    check_memory,
+    finished_message,
+    resolve_config,
+    startup,
+)
+from ratrain.train.trainer import Trainer
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m ratrain.train",
+        description="Train a LLaMA-family model with ratrain (one process, mpirun or srun).",
+    )
+    ap.add_argument("--config", required=True,
+                    help="YAML job file, or the name of a shipped job (tiny, correctness, ...)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set optim.lr=1e-3",
+    )
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML; with init.from_hf's model) and exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check config, data, world size and the memory plan against the DDR "
+                    "cap on every rank, train nothing; exit 0 (fits) or 2")
+    return ap.parse_args(argv)
+
+
+
+def print_config(args) -> int:
+    """--print-config: the resolved config as YAML (no MPI, no data read)."""
+    try:
+        print(resolve_config(args).to_yaml(), end="", flush=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def dry_run(setup: Setup, comm) -> int:
+    """--dry-run: after every start-up check, the memory plan against the cap, checked on every
+    rank for its own stage; prints the plan; trains nothing."""
+    plan = agree(comm, run_plan, setup.cfg)
+    bad = None
+    try:
+        agree(comm, plan.check, comm.Get_rank())
+    except StartupError as e:
+        bad = e
+    if comm.Get_rank() == 0:
+        cfg, ds = setup.cfg, open_datasets(setup.cfg, setup.data_paths)[0]
+        epochs = cfg.run.steps * cfg.parallel.global_batch / ds.num_windows
+        print(f"config {cfg.parallel.pp} x {cfg.parallel.dp} = {comm.Get_size()} ranks: OK\n"
+              f"data {ds.path}: {ds.num_tokens} tokens, {ds.num_windows} windows of "
+              f"{cfg.model.seq_len + 1}; run.steps={cfg.run.steps} reads {epochs:.2f} epochs\n"
+              f"eval {setup.data_paths.eval_tokens or 'none'}; tokenizer "
+              f"{cfg.data.tokenizer or 'unknown'}\n" + "\n".join(plan.describe()), flush=True)
+    if bad is not None:
+        raise bad
+    if comm.Get_rank() == 0:
+        print("dry run: every check passed; nothing trained", flush=True)
+    return 0
+
+
+def _comm_timeout(args) -> float:
+    """comm.timeout of the job as this process reads it alone (before MPI starts; the default
+    when the config is bad: start-up will say why on every rank)."""
+    try:
+        return load_config(args.config, args.overrides).comm.timeout
+    except ConfigError:
+        return CommConfig.timeout
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.print_config:
+        return print_config(args)
+    timeout = _comm_timeout(args)
+    # MPI's start-up and the watchdog's own set-up are collectives that no watchdog covers yet:
+    # should a rank stop meanwhile, dump the stacks and exit instead of waiting for ever.
+    backstop = timeout and "mpi4py.MPI" not in sys.modules
+    if backstop:
+        faulthandler.dump_traceback_later(timeout + 30, exit=True)
+    from mpi4py import MPI  # after the arguments: --help needs no MPI
+
+    from ratrain.comm.control import Control  # loads MPI, after the backstop is armed
+
+    allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
+    comm = MPI.COMM_WORLD
+    ctl = Control.for_job(comm, timeout)
+    if backstop:
+        faulthandler.cancel_dump_traceback_later()
+    with abort_on_error():  # an error on one rank, even in start-up, ends every rank
+        code = _main(args, comm, ctl)
+    ctl.close()  # collective: every rank gets here with the same code
+    return code
+
+
+def _main(args, comm, ctl) -> int:
+    try:
+        setup = startup(args, ctl)
+        if args.dry_run:
+            return dry_run(setup, ctl)
+    except StartupError as e:
+        if comm.Get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if setup.finished:
+        if comm.Get_rank() == 0:
+            print(f"ratrain: {setup.finished}", flush=True)
+        return EXIT_OK
+    try:
+        return Trainer(setup, comm, ctl).run()
+    finally:
+        setup.release()
+
+
+__all__ = ["Setup", "StartupError", "Trainer", "agree", "check_memory", "dry_run",
+           "finished_message", "main", "parse_args", "print_config", "resolve_config", "startup"]

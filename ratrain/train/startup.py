@@ -1,0 +1,125 @@
+"""Start-up of a run: every check of the input before any work, on every rank, agreed.
+
+`startup(args, comm)` resolves the config and checks it against the world, the data, a Hugging
+Face import, the memory plan (`plan.check`: against the DDR cap, or the node's memory without
+one), the checkpoint to resume (and whether the run is finished already), the room for the next
+checkpoint, and takes the run directory's lock; each check runs through `agree`, so a bad input
+stops every rank with the same message. `comm` is the control plane (`comm.control.Control`) or
+anything mpi4py-like.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from ratrain import tblog
+from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
+from ratrain.checkpoint.space import room_problem
+from ratrain.config import Config, ConfigError, load_config
+from ratrain.data import check_data, record_tokenizer
+from ratrain.hf import check_hf, import_model_section
+from ratrain.plan.check import available_memory, run_plan
+from ratrain.runctl import lock_dirs
+
+
+class StartupError(RuntimeError):
+    """Bad input found before any work; the message is the same on every rank."""
+
+
+def agree(comm, fn, *args):
+    """Run `fn` on every rank; if it fails on any rank, raise StartupError with the first
+    failing rank's message on every rank. (A start-up control-plane exchange, not training
+    traffic.)"""
+    result, err = None, None
+    try:
+        result = fn(*args)
+    except (ConfigError, ValueError, OSError, RuntimeError, KeyError) as e:
+        err = str(e) or type(e).__name__
+    errs = comm.allgather(err) if comm.Get_size() > 1 else [err]
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        rank, msg = bad[0]
+        if comm.Get_size() > 1 and not all(e == msg for _, e in bad):
+            msg = f"{msg} (rank {rank}; other ranks failed too)"
+        raise StartupError(msg)
+    return result
+
+
+def resolve_config(args) -> Config:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.init.from_hf:
+        # The model section comes from the checkpoint's config.json (seq_len stays ours).
+        cfg = import_model_section(cfg, cfg.init.from_hf, args.overrides)
+    return cfg
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    data_paths: object
+    resume: str | None
+    finished: str | None = None  # a message: the run is already done, nothing to train
+    locks: list = field(default_factory=list)  # RunLock of run.dir (and checkpoint.dir), rank 0
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+
+def check_memory(cfg: Config, rank: int) -> None:
+    """The memory plan of this rank's stage against the DDR cap, or without a cap against the
+    memory this node has for its ranks (`plan.check`; refused only beyond the plan's error)."""
+    from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
+
+    run_plan(cfg).check(rank, tolerance=0.9, available=available_memory(),
+                        local_ranks=local_ranks() or 1)
+
+
+def finished_message(cfg: Config, resume: str | None) -> str | None:
+    """Why there is nothing to train: the checkpoint to resume is at run.steps already."""
+    if resume is None:
+        return None
+    step = read_manifest(resume)["step"]
+    if step < cfg.run.steps:
+        return None
+    return (f"nothing to do: resumed at step {step} ({resume}, checkpoint.resume="
+            f"{cfg.checkpoint.resume}), run.steps={cfg.run.steps}: the run is finished; raise "
+            "run.steps to train on, or set checkpoint.resume=never to start over")
+
+
+def startup(args, comm) -> Setup:
+    cfg = agree(comm, resolve_config, args)
+    agree(comm, cfg.check_world, comm.Get_size())
+    data_paths = agree(comm, check_data, cfg, comm)
+    cfg = agree(comm, record_tokenizer, cfg, data_paths)
+    if cfg.init.from_hf:
+        agree(comm, check_hf, cfg.init.from_hf, cfg.model)
+    if cfg.run.tensorboard:
+        agree(comm, tblog.check)
+    if getattr(args, "dry_run", False):  # the plan is the dry run's own report
+        return Setup(cfg, data_paths, None)
+    agree(comm, check_memory, cfg, comm.Get_rank())
+    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
+    done = agree(comm, finished_message, cfg, resume)
+    if done:
+        return Setup(cfg, data_paths, resume, finished=done)
+    root = checkpoint_root(cfg.checkpoint, cfg.run.dir)
+    if cfg.checkpoint.interval and cfg.checkpoint.on_error == "stop":
+        agree(comm, lambda: comm.Get_rank() == 0 and _no_room(root, cfg))
+    locks = agree(comm, lambda: [] if comm.Get_rank() else lock_dirs(cfg.run.dir, root, _note))
+    return Setup(cfg, data_paths, resume, locks=locks)
+
+
+def _note(msg: str) -> None:
+    print(f"ratrain: {msg}", file=sys.stderr, flush=True)
+
+
+def _no_room(root: str, cfg: Config) -> None:
+    problem = room_problem(root, cfg)
+    if problem:
+        raise OSError(problem)
+
+
+__all__ = ["Setup", "StartupError", "agree", "check_memory", "finished_message",
+           "resolve_config", "startup"]

@@ -1,0 +1,315 @@
+"""One rank's training loop: steps, metrics, evaluation, checkpoints, and how a run ends.
+
+`Trainer(setup, comm, ctl).run()` builds the rank (`lifecycle.rank.build_rank`), resumes or
+imports its weights, and loops over steps; after each step every rank agrees whether to stop (a
+signal or `run.time_limit` on any rank: `runctl.StopRequests`, one tiny all-reduce through the
+engine), and the loop ends early on `optim.max_nonfinite_steps` non-finite steps or a checkpoint
+that cannot be written. It returns the exit code (`ratrain.runctl`). The schedule and its
+numerics live in `ratrain.lifecycle`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from ratrain.checkpoint import (
+    CheckpointError,
+    StateStream,
+    checkpoint_root,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ratrain.checkpoint.space import checkpoint_bytes
+from ratrain.comm.abort import abort
+from ratrain.data import eval_batches, open_datasets
+from ratrain.exec.params import BUFFERS
+from ratrain.fileio import atomic_write
+from ratrain.hf import load_hf_params
+from ratrain.lifecycle.rank import build_rank
+from ratrain.metrics import MetricsWriter
+from ratrain.runctl import (
+    EXIT_CHECKPOINT,
+    EXIT_DIVERGED,
+    EXIT_OK,
+    EXIT_STOPPED,
+    StopRequests,
+    write_status,
+)
+from ratrain.tblog import TensorBoard
+from ratrain.train.startup import Setup
+
+
+class Trainer:
+    """One rank's training loop."""
+
+    def __init__(self, setup: Setup, comm, ctl=None):
+        cfg = self.cfg = setup.cfg
+        self.comm = comm
+        self.ctl = ctl if ctl is not None else comm  # the control plane (comm.control.Control)
+        self.rank = comm.Get_rank()
+        self.start_step = 0
+        self.resume_state = None
+        self.resumed = bool(setup.resume)
+        self.parts = build_rank(cfg, comm if comm.Get_size() > 1 else None,
+                                watchdog_s=cfg.comm.timeout or None,
+                                load=lambda state: self._load_weights(state, setup.resume))
+        self.watchdog = getattr(self.ctl, "watchdog", None)
+        if self.parts.engine is not None and self.watchdog is not None:
+            self.parts.engine.attach(self.watchdog)
+        self.topo, self.profile = self.parts.topo, self.parts.profile
+        self.state, self.executor = self.parts.state, self.parts.executor
+        if self.resume_state is not None:
+            self.executor.load_state_dict(self.resume_state["executor"])
+        self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
+        self.writes_metrics = self.executor.reports_loss
+        self.metrics = self.tb = None
+        self.nonfinite = 0  # consecutive non-finite steps
+        self.save_s = 0.0  # the last checkpoint's duration (the time limit keeps room for one)
+        self.stop: StopRequests | None = None
+
+    @property
+    def replica(self) -> int:
+        return self.topo.replica if self.topo is not None else 0
+
+    def _load_weights(self, state, resume: str | None) -> None:
+        """The starting weights: a checkpoint to resume, or an imported Hugging Face model."""
+        if resume:
+            self._load_checkpoint(state, resume)
+        elif self.cfg.init.from_hf:
+            state.load_named(load_hf_params(self.cfg.init.from_hf, self.cfg.model,
+                                            names=state.names))
+
+    def _load_checkpoint(self, state, path: str) -> None:
+        """Read this stage's parameters; a sharded state keeps only its segment, one block at a
+        time (so never more than one extra block is held)."""
+        if not state.sharded:
+            ck = load_checkpoint(path, state.names, out=state.state_dict())
+        else:
+            for b in state.blocks:
+                ck = load_checkpoint(path, [p.name for p in b.params])
+                for buf in BUFFERS:
+                    state.load_named(ck[buf], buf, blocks=[b.name])
+        self.start_step = ck["step"]
+        self.resume_state = ck["state"]
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train from the resumed step to run.steps; the exit code (`ratrain.runctl`)."""
+        cfg = self.cfg
+        if self.rank == 0:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+        self.ctl.barrier()  # the run directory exists before any rank writes into it
+        if self.rank == 0:
+            atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
+            write_status(cfg.run.dir, self.start_step)
+            self._banner()
+        self.t_start = time.perf_counter()
+        if self.writes_metrics:
+            self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
+            self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            self.tb = TensorBoard(cfg.run.dir) if cfg.run.tensorboard else None
+        self.stop = StopRequests(cfg.run, self._hard_exit)
+        self.step_reached = self.start_step
+        try:
+            code = self._loop()
+        finally:
+            self.stop.close()
+        if cfg.run.trace and code in (EXIT_OK, EXIT_STOPPED):
+            self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
+        if self.rank == 0:
+            write_status(cfg.run.dir, self.step_reached, code)
+        self.close()
+        return code
+
+    def _loop(self) -> int:
+        cfg = self.cfg
+        for step in range(self.start_step, cfg.run.steps):
+            n = step + 1  # steps are numbered from 1 in metrics and checkpoints
+            self._doing(f"step {n}")
+            self.step_reached = n
+            t0 = time.perf_counter()
+            res = self.executor.run_step(step, self._batch(step))
+            dt = time.perf_counter() - t0
+            self._record(n, res, dt)
+            if self._diverged(n, res):
+                return EXIT_DIVERGED
+            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_ds is not None:
+                self._eval(n)
+            # The last step is saved whenever checkpoints are in use (an interval, or this run
+            # resumed one), so that a later start knows the run is finished.
+            last = n == cfg.run.steps and (cfg.checkpoint.interval or self.resumed)
+            saved = bool(last or cfg.checkpoint.interval and n % cfg.checkpoint.interval == 0)
+            if saved and not self._save(n):
+                return EXIT_CHECKPOINT
+            reason = self._agree_stop(dt) if n < cfg.run.steps else None
+            if reason:
+                return self._stop_at(n, reason, saved)
+        return EXIT_OK
+
+    def _record(self, n: int, res, dt: float) -> None:
+        if self.metrics is None:
+            return
+        cfg = self.cfg
+        tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_len
+        rec = {
+            "step": n,
+            "loss": res.loss,
+            "grad_norm": res.grad_norm,
+            "lr": res.lr,
+            "loss_scale": res.loss_scale,
+            "skipped": bool(res.skipped),
+            "tokens": tokens_per_step,
+            "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+            "peak_ddr_bytes": int(res.peak_ddr_bytes),
+            "mfu": tokens_per_step / dt * cfg.model.flops_per_token() / self.peak,
+            "elapsed_s": time.perf_counter() - self.t_start,
+        }
+        log = n % cfg.run.log_interval == 0 or n == cfg.run.steps or n == self.start_step + 1
+        self.metrics.write(rec, cfg.model.flops_per_token(), log=log)
+        if self.tb is not None:
+            self.tb.log(rec, "train")
+
+    def _diverged(self, n: int, res) -> bool:
+        """Whether `optim.max_nonfinite_steps` consecutive steps were not finite (every rank
+        knows the loss and the skip, so every rank decides the same)."""
+        bad = bool(res.skipped) or not math.isfinite(res.loss)
+        self.nonfinite = self.nonfinite + 1 if bad else 0
+        limit = self.cfg.optim.nonfinite_limit(self.cfg.precision)
+        if self.nonfinite < limit:
+            return False
+        if self.rank == 0:
+            print(f"error: step {n}: the loss or the gradients were not finite for "
+                  f"{self.nonfinite} consecutive step(s) (loss {res.loss}, grad norm "
+                  f"{res.grad_norm}; optim.max_nonfinite_steps={limit} in {self.cfg.precision}): "
+                  "training diverged; lower optim.lr, raise optim.warmup_steps or check the data",
+                  file=sys.stderr, flush=True)
+        return True
+
+    def _agree_stop(self, step_s: float) -> str | None:
+        """Whether every rank stops now: any rank's signal or time limit (one tiny all-reduce
+        through the engine per step); the reason, or None."""
+        mine = self.stop.local_reason(step_s, self.save_s or step_s)
+        if self.parts.engine is None:
+            return mine
+        flag = np.array([1.0 if mine else 0.0])
+        self.parts.engine.allreduce(flag, self.topo.comm, algo="tree").result()
+        return (mine or "a stop request on another rank") if flag[0] > 0 else None
+
+    def _stop_at(self, n: int, reason: str, saved: bool) -> int:
+        """The graceful stop: a checkpoint at step n (unless just written), then exit 75."""
+        if not saved and not self._save(n, stopping=True):
+            return EXIT_CHECKPOINT
+        if self.rank == 0:
+            print(f"ratrain: stopped at step {n} of {self.cfg.run.steps} ({reason}); the "
+                  f"checkpoint of step {n} is committed: run the same command again to continue "
+                  f"(exit {EXIT_STOPPED})", flush=True)
+        return EXIT_STOPPED
+
+    def _hard_exit(self, code: int, why: str) -> None:
+        """A second signal, or the graceful stop ran out of time: end at once (every rank)."""
+        print(f"[rank {self.rank}] ratrain: {why} (exit {code})", file=sys.stderr, flush=True)
+        abort(None, code)
+
+    def _doing(self, what: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.doing(what)
+
+    def _batch(self, step: int):
+        """This rank's micro-batches: inputs on the first stage, targets on the last."""
+        ex = self.executor
+        first, last = ex.stage == 0, ex.stage == ex.pp - 1
+        if not (first or last):
+            return None
+        inputs, targets = self.train_ds.batch_for_step(step, self.replica)
+        return (inputs if first else None, targets if last else None)
+
+    def _eval(self, n: int) -> None:
+        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
+        loss = self.executor.eval_loss(batches)
+        if self.metrics is not None:
+            rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+                   "eval_tokens": len(batches) * self.cfg.parallel.global_batch
+                   * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
+            self.metrics.write_event(rec)
+            if self.tb is not None:
+                self.tb.log(rec, "eval")
+            print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
+                  flush=True)
+
+    def _save(self, n: int, stopping: bool = False) -> bool:
+        """Checkpoint step n and log it; on failure (the same error on every rank) say so and
+        return whether training goes on (`checkpoint.on_error`; never when stopping)."""
+        self._doing(f"checkpoint save at step {n}")
+        t0 = time.perf_counter()
+        try:
+            path = self._write_checkpoint(n)
+        except CheckpointError as e:
+            go_on = self.cfg.checkpoint.on_error == "continue" and not stopping
+            if self.rank == 0:
+                then = (f"training goes on (checkpoint.on_error=continue); next try at step "
+                        f"{n + self.cfg.checkpoint.interval}" if go_on else
+                        f"stopping (exit {EXIT_CHECKPOINT}); set checkpoint.on_error=continue to "
+                        "train on without checkpoints")
+                print(f"{'warning' if go_on else 'error'}: {e}\n  {then}", file=sys.stderr,
+                      flush=True)
+            return go_on
+        self.save_s = time.perf_counter() - t0
+        if self.rank == 0:
+            size = checkpoint_bytes(path)
+            print(f"step {n:>5d} | checkpoint saved: {path} ({size / 2**20:.2f} MiB, {size} "
+                  f"bytes, {self.save_s:.2f} s)", flush=True)
+        return True
+
+    def _write_checkpoint(self, n: int) -> str:
+        cfg = self.cfg
+        self.executor.flush()  # deferred updates applied: the saved masters are step n's
+        if self.executor.sharded:
+            # Each replica holds a segment of every block: gather one block at a time while
+            # replica 0 writes it (every replica of the stage takes part in the gathers).
+            shapes = {p.name: p.shape for b in self.state.blocks for p in b.params}
+            tensors = StateStream(shapes, BUFFERS, self.executor.iter_full_state())
+        else:
+            tensors = self.state.state_dict()
+        return save_checkpoint(
+            checkpoint_root(cfg.checkpoint, cfg.run.dir),
+            n,
+            cfg,
+            tensors,
+            {"executor": self.executor.state_dict(), "data": self.train_ds.state_dict(n)},
+            stage=self.executor.stage,
+            replica=self.replica,
+            comm=self.ctl if self.comm.Get_size() > 1 else None,
+            log=(lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None),
+        )
+
+    def _banner(self) -> None:
+        cfg = self.cfg
+        m, p = cfg.model, cfg.parallel
+        print(
+            f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
+            f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
+            f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
+            f"{cfg.precision}, policy {cfg.schedule.policy}, recompute {cfg.schedule.recompute}, "
+            f"platform {self.profile.name}, {self.parts.ctx.threads} threads/rank, "
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
+            + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.parts.close()
+
+
+__all__ = ["Trainer"]
