@@ -39,7 +39,7 @@ call, so losses are bitwise identical across policies. What differs is *when*:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ratrain.config import ScheduleConfig
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
@@ -79,7 +79,7 @@ class StageInfo:
     @classmethod
     def from_config(cls, cfg, stage: int, blocks, policy=None) -> StageInfo:
         """From a `Config` and the stage's `BlockSpec`s (`policy`: default cfg.schedule.policy)."""
-        pol = as_policy(policy if policy is not None else cfg.schedule.policy)
+        pol = as_policy(policy) if policy is not None else policy_of(cfg.schedule)
         return cls(
             pp=cfg.parallel.pp,
             stage=stage,
@@ -87,7 +87,7 @@ class StageInfo:
             blocks=tuple(b.name for b in blocks),
             block_bytes=tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks),
             precision=cfg.precision,
-            shards=pol.shards(cfg.parallel.dp, cfg.schedule.shard_optimizer),
+            shards=pol.shards(cfg.parallel.dp),
         )
 
     @property
@@ -104,10 +104,8 @@ class StageInfo:
         return self.fp16 or self.sharded
 
 
-SYNCS = ("end", "bucket", "layer")
-UPDATES = ("end", "next-step")
-BUFFERS = ("resident", "per-block")
-RECOVERIES = ("uniform", "per-layer")
+SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES
+BUFFERS, RECOVERIES = ScheduleConfig.BUFFERS, ScheduleConfig.RECOVERIES
 ORDERS = ("1f1b", "gpipe")
 
 
@@ -162,7 +160,8 @@ PRESETS = {
 @dataclass(frozen=True)
 class Policy:
     """A named preset (`name`), or the preset's components with some switched
-    (`Policy("baseline-1f1b", components=Components(sync="layer"))`, named `custom`)."""
+    (`Policy("baseline-1f1b", components=Components(sync="layer"))`, labelled with the switches:
+    `baseline-1f1b(sync=layer)`; `policy_of` makes one from a config's schedule section)."""
 
     name: str = "ratrain"
     bucket_bytes: int = MEGATRON_BUCKET_BYTES  # sync=bucket only
@@ -182,10 +181,10 @@ class Policy:
                 if getattr(self.components, k) != getattr(preset, k)]
         return self.name + ("(" + ",".join(diff) + ")" if diff else "")
 
-    def shards(self, dp: int, enabled: bool = True) -> int:
-        """Segments each block's optimizer state is cut into: dp when the policy shards (and
-        `enabled`, i.e. `schedule.shard_optimizer`), 1 (whole on every replica) otherwise."""
-        return dp if self.components.shard and enabled and dp > 1 else 1
+    def shards(self, dp: int) -> int:
+        """Segments each block's optimizer state is cut into: dp when the policy shards, 1
+        (whole on every replica) otherwise."""
+        return dp if self.components.shard and dp > 1 else 1
 
     def carries(self, info: StageInfo) -> bool:
         """Whether a step leaves lifecycle work or state for the next (see `build_flush`)."""
@@ -198,7 +197,8 @@ class Policy:
             raise ValueError(f"policy {self.label} carries nothing between steps")
         if info.sharded and not self.components.shard:
             raise ValueError(f"policy {self.label} keeps whole optimizer state on every replica "
-                             f"(shards={info.shards}); only a sharding policy shards it")
+                             f"(shards={info.shards}); only a sharding policy shards it "
+                             "(schedule.shard_optimizer=true)")
         return _build(self.components, info, carry, self.bucket_bytes)
 
     def build_flush(self, info: StageInfo) -> tuple[Action, ...]:
@@ -221,6 +221,20 @@ class Policy:
 
 def as_policy(policy) -> Policy:
     return policy if isinstance(policy, Policy) else Policy(str(policy))
+
+
+# ScheduleConfig's component keys -> Components fields
+_KEYS = {"sync": "sync", "update": "update", "buffers": "buffers", "shard_optimizer": "shard",
+         "prefetch": "prefetch", "recovery": "recovery"}
+
+
+def policy_of(schedule: ScheduleConfig, name: str | None = None) -> Policy:
+    """The policy a `schedule` section asks for: the preset `name` (default `schedule.policy`)
+    with every component key the section sets (`schedule.sync`, ...) switched."""
+    name = name or schedule.policy
+    preset = Policy(name).components
+    switched = {f: getattr(schedule, k) for k, f in _KEYS.items() if getattr(schedule, k) is not None}
+    return Policy(name, components=replace(preset, **switched))
 
 
 def stage_infos(model, pp: int, m: int, precision: str = "fp32", shards: int = 1,
@@ -311,4 +325,4 @@ def _build(c: Components, info: StageInfo, carry: bool, bucket_bytes: int):
 
 __all__ = ["BUFFERS", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
            "SYNCS", "UPDATES", "Components", "Policy", "StageInfo", "as_policy", "buckets",
-           "pipeline_steps", "stage_infos"]
+           "pipeline_steps", "policy_of", "stage_infos"]
