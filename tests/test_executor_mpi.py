@@ -8,9 +8,9 @@ compares against a one-rank run of the same global batch computed locally.
 """
 
 
-import numpy as np
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tests._executor_util import params_digest, same_global_batch, tiny_config, train
