@@ -1,6 +1,7 @@
 """Whole-step speed of two ratrain checkouts, interleaved in one run (an A/B of a change).
 
     python benchmarks/ab_step.py OLD_TREE NEW_TREE [--precision fp32] [--rounds 15] [--threads 2]
+    python benchmarks/ab_step.py . . --old-env RATRAIN_FUSED=0     # one tree, two settings
 
 Each tree gets a worker process of its own (`PYTHONPATH=TREE`) that builds `ratrain.bench`'s
 benchmark model through that tree's own code (`runtime_step(bench_config(...))`) and times one
@@ -33,8 +34,9 @@ for line in sys.stdin:
 """
 
 
-def worker(tree: str, precision: str, threads: int) -> subprocess.Popen:
+def worker(tree: str, precision: str, threads: int, extra_env=()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    env.update(kv.split("=", 1) for kv in extra_env)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, precision, str(threads)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.abspath(tree))
@@ -57,10 +59,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15, help="timed steps of each tree")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each tree first")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of each worker")
+    ap.add_argument("--old-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the old side only (repeatable)")
+    ap.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the new side only (repeatable)")
     a = ap.parse_args(argv)
     load0 = os.getloadavg()
-    procs = {"old": worker(a.old, a.precision, a.threads), "new": worker(a.new, a.precision,
-                                                                           a.threads)}
+    procs = {"old": worker(a.old, a.precision, a.threads, a.old_env),
+             "new": worker(a.new, a.precision, a.threads, a.new_env)}
     times = {k: [] for k in procs}
     try:
         for r in range(a.warmup + a.rounds):

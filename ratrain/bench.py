@@ -2,6 +2,7 @@
 
     python -m ratrain.bench                       # fp32, fp16, PyTorch eager, sgemm; 2 threads
     python -m ratrain.bench --memory              # ledger peak vs measured peak memory growth
+    python -m ratrain.bench --profile             # where a step's time goes, kernel by kernel
     python -m ratrain.bench --rounds 7 --json out.json
 
 A step is a whole training step through the runtime's own path (`lifecycle.Executor` with
@@ -39,6 +40,7 @@ import numpy as np
 
 from ratrain.config import load_config
 from ratrain.exec.context import sgemm_rate
+from ratrain.exec.profile import Profile
 from ratrain.fileio import atomic_write
 from ratrain.lifecycle.rank import build_rank
 from ratrain.shim import allocator
@@ -258,6 +260,36 @@ def memory(a) -> dict:
     return out
 
 
+def profile(a) -> dict:
+    """Per-kernel CPU seconds of one step (`exec.profile`), per precision, against the sgemm
+    bound: the model's flops at the measured sgemm rate of the same thread count."""
+    rate = statistics.median(sgemm_step(a.threads)() for _ in range(3)) * 1e9  # flop/s
+    out = {"threads": a.threads, "sgemm_gflops": round(rate / 1e9, 1)}
+    for precision in ("fp32",) + (() if a.no_fp16 else ("fp16",)):
+        cfg = bench_config(precision, a.threads)
+        step, _ = runtime_step(cfg)
+        for _ in range(max(1, a.warmup)):
+            step()
+        walls, profs = [], []
+        for _ in range(a.rounds):
+            with Profile() as prof:
+                t = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - t)
+            profs.append(prof)
+        best = profs[walls.index(statistics.median_low(walls))]
+        flops = cfg.model.flops_per_token() * cfg.parallel.global_batch * cfg.model.seq_len
+        wall = statistics.median_low(walls)
+        rows = best.rows(rate / a.threads)
+        accounted = sum(r["seconds"] for r in rows)
+        out[precision] = {
+            "step_s": round(wall, 4), "sgemm_bound_s": round(flops / rate, 4),
+            "of_sgemm": round(flops / wall / rate, 3),
+            "compute_thread_s": round(wall * a.threads, 4),
+            "unaccounted_s": round(wall * a.threads - accounted, 4), "kernels": rows}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ratrain.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2,
@@ -270,13 +302,15 @@ def main(argv=None) -> int:
                     "pip install 'ratrain[bench]')")
     ap.add_argument("--no-fp16", action="store_true", help="leave ratrain's fp16 step out")
     ap.add_argument("--memory", action="store_true", help="the memory-accounting check only")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel time of a step against the sgemm bound (median of --rounds)")
     ap.add_argument("--recompute", default="none", help="schedule.recompute for --memory")
     ap.add_argument("--torch-malloc", choices=("default", "tuned"), default="default",
                     help="the PyTorch process's allocator (default: as PyTorch users run it)")
     ap.add_argument("--json", default="", metavar="FILE", help="also write the results to FILE")
     a = ap.parse_args(argv)
     allocator.tune()
-    out = memory(a) if a.memory else throughput(a)
+    out = memory(a) if a.memory else profile(a) if a.profile else throughput(a)
     text = json.dumps(out, indent=1)
     print(text)
     if a.json:

@@ -8,6 +8,8 @@ compares against a one-rank run of the same global batch computed locally.
 """
 
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -40,12 +42,20 @@ def test_layout_matches_single_rank(pp, dp, mpi_group):
 def test_policies_bitwise_equal_2x2(precision, mpi_group):
     comm = mpi_group(4)
     out = {}
-    for policy in ["baseline-1f1b", "megatron-1f1b", "ratrain"]:
-        cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=policy, steps=3)
+    # the presets, and presets with components switched through the schedule section
+    variants = {"baseline-1f1b": {}, "megatron-1f1b": {}, "ratrain": {},
+                "baseline-1f1b+update": {"update": "next-step"},
+                "baseline-1f1b+shard": {"sync": "layer", "shard_optimizer": True},
+                "ratrain-prefetch": {"prefetch": False, "buffers": "resident"}}
+    for name, switches in variants.items():
+        cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=name.split("+")[0]
+                          .removesuffix("-prefetch"), steps=3)
+        cfg = replace(cfg, schedule=replace(cfg.schedule, **switches))
         res, state, ex = train(cfg, comm)
-        out[policy] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
-                       params_digest(ex.final_params))
-    assert out["baseline-1f1b"] == out["megatron-1f1b"] == out["ratrain"]
+        out[name] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
+                     params_digest(ex.final_params))
+    first = out["baseline-1f1b"]
+    assert all(got == first for got in out.values()), [k for k, v in out.items() if v != first]
 
 
 @pytest.mark.mpi(min_size=3)

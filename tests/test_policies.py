@@ -131,3 +131,82 @@ def test_grid_shows_lifecycle():
     inf = infos(2, 2)
     text = grid([Policy("ratrain").build_step(i, True) for i in inf], [i.blocks for i in inf])
     assert "update head" in text and "sync L3" in text and "norm" in text and "B mb1" in text
+
+
+def _combinations():
+    from itertools import product
+
+    from ratrain.lifecycle.policies import BUFFERS, ORDERS, SYNCS, UPDATES, Components
+
+    for order, sync, update, buffers, shard, prefetch in product(
+            ORDERS, SYNCS, UPDATES, BUFFERS, (False, True), (False, True)):
+        if prefetch and not shard:
+            continue  # prefetch is about gathers: the same lists without sharding
+        yield Components(sync=sync, update=update, buffers=buffers, shard=shard,
+                         prefetch=prefetch, order=order)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 3), (3, 2), (4, 6)])
+def test_every_combination_of_components_validates_and_computes_the_same(pp, m, precision):
+    from dataclasses import replace
+
+    ref = None
+    for comp in _combinations():
+        pol = Policy("baseline-1f1b", bucket_bytes=150, components=comp)
+        dp = 2 if comp.shard else 1
+        stage_infos = [replace(i, shards=pol.shards(dp)) for i in infos(pp, m, precision)]
+        validate_policy(pol, stage_infos, steps=3)
+        compute = [[(type(a).__name__, a.mb) for a in pol.build_step(i, False)
+                    if a.group != "lifecycle"] for i in stage_infos]
+        if comp.order == "1f1b":
+            ref = ref or compute
+            assert compute == ref, pol.label
+
+
+def test_presets_are_components():
+    from ratrain.lifecycle.policies import PRESETS, Components
+
+    assert Policy("ratrain").components == PRESETS["ratrain"]
+    custom = Policy("baseline-1f1b", components=Components(sync="layer"))
+    assert custom.label == "baseline-1f1b(sync=layer)" and Policy("ratrain").label == "ratrain"
+    with pytest.raises(ValueError, match="schedule.sync='eager' is not one of"):
+        Components(sync="eager")
+
+
+def test_the_schedule_section_switches_components():
+    from ratrain.config import ConfigError, load_config
+    from ratrain.lifecycle.bench import variant_sets
+    from ratrain.lifecycle.policies import policy_of
+
+    cfg = load_config("jobs/tiny.yaml", variant_sets("baseline-1f1b+sync=layer+update=next-step"))
+    pol = policy_of(cfg.schedule)
+    assert pol.label == "baseline-1f1b(sync=layer,update=next-step)"
+    assert (pol.components.buffers, pol.components.shard) == ("resident", False)
+    assert policy_of(cfg.schedule, "ratrain").label == "ratrain"  # ratrain already syncs per layer
+    sharded = load_config("jobs/tiny.yaml", variant_sets("baseline-1f1b+shard_optimizer=true"))
+    assert policy_of(sharded.schedule).shards(4) == 4
+    off = load_config("jobs/tiny.yaml", ["schedule.shard_optimizer=false"])
+    assert policy_of(off.schedule).shards(4) == 1 and policy_of(off.schedule).label == "ratrain(shard=False)"
+    with pytest.raises(ConfigError, match="schedule.update='later' is not one of: end, next-step"):
+        load_config("jobs/tiny.yaml", ["schedule.update=later"])
+    with pytest.raises(ConfigError, match="'sync' is not KEY=VALUE"):
+        variant_sets("ratrain+sync")
+
+
+def test_the_planner_plays_the_configured_components():
+    from ratrain.config import load_config
+    from ratrain.plan.check import run_plan
+    from ratrain.plan.simulate import simulate_config
+
+    base = load_config("jobs/bench-lifecycle.yaml", ["schedule.policy=baseline-1f1b"])
+    layered = load_config("jobs/bench-lifecycle.yaml",
+                          ["schedule.policy=baseline-1f1b", "schedule.sync=layer"])
+    # the same compute; syncs started per layer overlap the backward: never slower
+    assert simulate_config(layered).step_s < simulate_config(base).step_s
+    # uniform recovery recomputes every layer of a stage or none
+    per_layer = run_plan(base).full
+    uniform = run_plan(load_config("jobs/bench-lifecycle.yaml", [
+        "schedule.policy=baseline-1f1b", "schedule.recovery=uniform"])).full
+    assert any(0 < n < 4 for n in per_layer)  # the cap binds: some layers of a stage
+    assert all(n in (0, 4) for n in uniform) and sum(uniform) > sum(per_layer)

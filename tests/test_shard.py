@@ -7,12 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ratrain.config import OptimConfig
+from ratrain.config import OptimConfig, ScheduleConfig
 from ratrain.exec.optim import AdamW, global_grad_norm
 from ratrain.exec.params import BUFFERS, StageState, segment_bounds
 from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.grid import grid
-from ratrain.lifecycle.policies import Policy, StageInfo
+from ratrain.lifecycle.policies import Policy, StageInfo, policy_of
 from ratrain.lifecycle.schedule import MaterializeView, SyncGrad, WaitView
 from ratrain.lifecycle.validate import ScheduleError, check_lifecycle, validate_policy
 from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
@@ -121,9 +121,10 @@ def infos(pp, m, precision="fp16", shards=2, per_stage=2):
 def test_sharded_ratrain_validates(pp, precision):
     for m in range(1, 7):
         validate_policy(Policy("ratrain"), infos(pp, m, precision, shards=3), steps=3)
-    with pytest.raises(ValueError, match="only ratrain shards"):
+    with pytest.raises(ValueError, match="only a sharding policy shards it"):
         Policy("baseline-1f1b").build_step(infos(pp, 2, precision)[0])
-    assert Policy("ratrain").shards(4) == 4 and Policy("ratrain").shards(4, False) == 1
+    assert Policy("ratrain").shards(4) == 4
+    assert policy_of(ScheduleConfig(shard_optimizer=False)).shards(4) == 1
     assert Policy("megatron-1f1b").shards(4) == 1 and Policy("ratrain").shards(1) == 1
 
 

@@ -147,27 +147,49 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """When things happen (never what is computed: every policy gives bitwise the same losses).
+    """When things happen (never what is computed: every policy, and every combination of its
+    components, gives bitwise the same losses).
 
-    policy: baseline-1f1b | megatron-1f1b | ratrain | gpipe: where gradient sync, update and view
-        materialisation are placed
+    policy: baseline-1f1b | megatron-1f1b | ratrain | gpipe: a preset of the components below
     recompute: none | selective | full | auto: what a layer's backward re-runs (auto: the fewest
         layers full that fit the DDR cap)
-    shard_optimizer: under ratrain with dp > 1, shard each block's fp32 master and AdamW moments
-        over the replicas
+    sync: when each block's gradient sync starts: end (all after the stage's last backward) |
+        bucket (Megatron's buckets) | layer (each block after its own last backward); unset: the
+        policy's
+    update: end (after the step's global facts) | next-step (deferred into the next step's
+        warm-up bubble); unset: the policy's
+    buffers: resident (views and gradients held all step) | per-block (a gradient from the
+        block's first backward, a separate view dropped after its last); unset: the policy's
+    shard_optimizer: with dp > 1, shard each block's fp32 master and AdamW moments over the
+        replicas (ZeRO-1 per block; reduce-scatter + all-gather); unset: the policy's (ratrain)
+    prefetch: sharded: wait for each view's gather just before the block's first forward
+        (overlapping the earlier blocks) instead of all at step start; unset: the policy's
+    recovery: recompute auto: per-layer (the fewest layers that fit) | uniform (all or none);
+        unset: the policy's
     """
     policy: str = "ratrain"
     recompute: str = "none"
-    # ratrain with dp > 1: shard each block's fp32 master and AdamW moments over the replicas
-    # (ZeRO-1 per block; reduce-scatter + all-gather). The other policies never shard.
-    shard_optimizer: bool = True
+    sync: str | None = None
+    update: str | None = None
+    buffers: str | None = None
+    shard_optimizer: bool | None = None
+    prefetch: bool | None = None
+    recovery: str | None = None
 
     POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe")
     RECOMPUTE = ("none", "full", "selective", "auto")
+    SYNCS = ("end", "bucket", "layer")
+    UPDATES = ("end", "next-step")
+    BUFFERS = ("resident", "per-block")
+    RECOVERIES = ("per-layer", "uniform")
 
     def check(self) -> None:
         _choice(self, "schedule", "policy", self.POLICIES)
         _choice(self, "schedule", "recompute", self.RECOMPUTE)
+        for key, ok in (("sync", self.SYNCS), ("update", self.UPDATES),
+                        ("buffers", self.BUFFERS), ("recovery", self.RECOVERIES)):
+            if getattr(self, key) is not None:
+                _choice(self, "schedule", key, ok)
 
 
 @dataclass(frozen=True)
@@ -291,6 +313,8 @@ class PlatformConfig:
     intra_bandwidth: bandwidth in bytes/s between two ranks of one node (each rank its own link)
     intra_latency: latency in s of a message inside a node
     ranks_per_node: ranks (clusters) a node holds, sharing its interface
+    ddr_bandwidth: DDR bandwidth in bytes/s per rank, which paces and prices the memory-bound
+        AdamW update and view casts (the profile's `ddr_bandwidth` fact)
     """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
@@ -303,10 +327,11 @@ class PlatformConfig:
     intra_bandwidth: float | None = None  # bytes/s between two ranks of one node
     intra_latency: float | None = None  # s
     ranks_per_node: int | None = None  # ranks sharing a node and its network interface
+    ddr_bandwidth: float | None = None  # bytes/s; overrides the profile's fact
 
     def check(self) -> None:
         for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
-                    "intra_bandwidth", "intra_latency"):
+                    "intra_bandwidth", "intra_latency", "ddr_bandwidth"):
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"platform.{key}={v} must be >= 0")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ratrain.exec.profile import add_flops, timed
+
 SCRATCH_BYTES = 8 << 20  # fp32 conversion scratch of one fp16 GEMM on the CPU
 SCRATCH_TAG = "scratch.gemm"
 
@@ -25,12 +27,14 @@ def is_numpy(xp) -> bool:
     return xp is np
 
 
+@timed("gemm")
 def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES):
     """a @ b with fp32 (or better) accumulation.
 
     a (..., M, K), b (K, N) or (..., K, N); transposed views welcome. With a float16 operand the
     result is float32 (or written into `out`, any float dtype). fp16 operands on numpy must be
     2-D for `b` (the tiled path flattens the leading dimensions of `a`)."""
+    add_flops(2.0 * a.size * b.shape[-1])  # 2 M N K (a: (..., M, K), b: (K, N))
     half = np.dtype(np.float16)
     if a.dtype != half and b.dtype != half:
         return xp.matmul(a, b, out=out)

@@ -21,6 +21,9 @@ import math
 
 import numpy as np
 
+from ratrain.exec import fused
+from ratrain.exec.profile import add_flops, timed
+
 NEG_INF = -math.inf
 
 
@@ -60,12 +63,14 @@ def linear_backward(dy, cache, xp):
 # --------------------------------------------------------------------------------------------
 
 
+@timed("embedding")
 def embedding_forward(ids, w, xp):
     """ids (B, T) integer -> x (B, T, C) in w's dtype (a gather of rows of w (V, C))."""
     x = xp.take(w, ids, axis=0)  # (B, T, C)
     return x, (ids, w.shape)
 
 
+@timed("embedding")
 def embedding_backward(dx, cache, xp, dw=None):
     """Scatter-add dx (B, T, C) into dw (V, C) (a new zero array unless given); returns dw."""
     ids, wshape = cache
@@ -88,10 +93,16 @@ def embedding_backward(dx, cache, xp, dw=None):
 # --------------------------------------------------------------------------------------------
 
 
+@timed("rmsnorm")
 def rmsnorm_forward(x, w, eps, xp, out=None):
     """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w)."""
     ct = compute_dtype(x, w)
     x = _as(x, ct)
+    if fused.usable(xp, x, w) and x.flags.c_contiguous:
+        y = xp.empty(x.shape, ct) if out is None else out
+        rstd = fused.rmsnorm_forward(x.reshape(-1, x.shape[-1]), w, eps,
+                                     y.reshape(-1, x.shape[-1]))
+        return y, (x, rstd.reshape(*x.shape[:-1], 1), w)
     y = xp.multiply(x, x, out=out)  # (..., C) scratch for x^2
     rstd = y.mean(axis=-1, keepdims=True, dtype=ct)  # (..., 1)
     rstd += eps
@@ -102,11 +113,16 @@ def rmsnorm_forward(x, w, eps, xp, out=None):
     return y, (x, rstd, w)
 
 
+@timed("rmsnorm")
 def rmsnorm_backward(dy, cache, xp):
     """-> (dx (..., C), dw (C,)), in the compute type."""
     x, rstd, w = cache
     ct = x.dtype
     dy = _as(dy, ct)
+    if fused.usable(xp, x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
+        dx, dw = fused.rmsnorm_backward(dy.reshape(-1, x.shape[-1]), x.reshape(-1, x.shape[-1]),
+                                        rstd, w)
+        return dx.reshape(x.shape), dw
     xhat = x * rstd  # (..., C)
     dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)  # (C,)
     gy = dy * _as(w, ct)  # (..., C)
@@ -134,17 +150,20 @@ def rope_tables(seq_len, head_dim, theta, xp=np, dtype=np.float32):
     return xp.asarray(cos.astype(dtype)), xp.asarray(sin.astype(dtype))
 
 
+@timed("rope")
 def rope_forward(x, cos, sin, xp, out=None):
     """y = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
 
     x (..., D); cos, sin broadcastable to x ((T, D) for x (B, H, T, D), (T, 1, D) for
     x (B, T, H, D)). `out` may be a strided view (the layers write the head-major layout)."""
     ct = compute_dtype(x, cos)
+    if out is None:
+        out = xp.empty(x.shape, ct)
+    if x.ndim == 4 and cos.ndim == 3 and fused.usable(xp, x, cos, sin, out):
+        return fused.rope(x, cos[:, 0], sin[:, 0], out), (cos, sin)  # (T, 1, D) tables
     d = x.shape[-1] // 2
     c, s = _as(cos[..., :d], ct), _as(sin[..., :d], ct)  # the halves are equal
     x1, x2 = x[..., :d], x[..., d:]
-    if out is None:
-        out = xp.empty(x.shape, ct)
     o1, o2 = out[..., :d], out[..., d:]
     xp.multiply(x1, c, out=o1)
     o1 -= x2 * s
@@ -153,15 +172,18 @@ def rope_forward(x, cos, sin, xp, out=None):
     return out, (cos, sin)
 
 
+@timed("rope")
 def rope_backward(dy, cache, xp, out=None):
     """dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = cat(z2, -z1)."""
     cos, sin = cache
     ct = compute_dtype(dy, cos)
+    if out is None:
+        out = xp.empty(dy.shape, ct)
+    if dy.ndim == 4 and cos.ndim == 3 and fused.usable(xp, dy, cos, sin, out):
+        return fused.rope(dy, cos[:, 0], sin[:, 0], out, backward=True)  # (T, 1, D) tables
     d = dy.shape[-1] // 2
     c, s = _as(cos[..., :d], ct), _as(sin[..., :d], ct)
     g1, g2 = dy[..., :d], dy[..., d:]
-    if out is None:
-        out = xp.empty(dy.shape, ct)
     o1, o2 = out[..., :d], out[..., d:]
     xp.multiply(g1, c, out=o1)
     o1 += g2 * s
@@ -236,6 +258,7 @@ def _batch_groups(B, H, block, itemsize):
     return [slice(b0, min(b0 + n, B)) for b0 in range(0, B, n)]
 
 
+@timed("attention")
 def flash_attention_forward(q, k, v, xp, block=128, out=None):
     """Causal GQA attention by blocks of `block` queries x `block` keys with an online softmax.
 
@@ -268,6 +291,7 @@ def _flash_fwd_group(q, k, v, o, lse, block, scale, xp):
         for j0 in range(0, i1, block):
             j1 = min(j0 + block, i1)
             s = xp.matmul(qi, kt[..., j0:j1])  # scaled scores (B, KV, G, bq, bk)
+            add_flops(4.0 * s.size * D)  # QK^T and PV of the tile
             bias = _causal_bias(i0, i1, j0, j1, ct, xp)
             if bias is not None:
                 s += bias
@@ -294,6 +318,7 @@ def _flash_fwd_group(q, k, v, o, lse, block, scale, xp):
         lg[:, :, :, i0:i1] = l[..., 0]
 
 
+@timed("attention")
 def flash_attention_backward(do, cache, xp):
     """Blocked backward from (q, k, v, o, lse): scores are recomputed tile by tile.
 
@@ -330,6 +355,7 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
             i1 = min(i0 + block, T)
             qi, doi = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, KV, G, bq, D)
             s = xp.matmul(qi, kj.swapaxes(-1, -2))  # scaled scores (B, KV, G, bq, bk)
+            add_flops(10.0 * s.size * D)  # the tile's five GEMMs
             bias = _causal_bias(i0, i1, j0, j1, ct, xp)
             if bias is not None:
                 s += bias
@@ -360,9 +386,13 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
 # --------------------------------------------------------------------------------------------
 
 
+@timed("swiglu")
 def swiglu_forward(gate, up, xp, out=None):
     """act = gate * sigmoid(gate) * up, in the compute type; cache (gate, up)."""
     ct = compute_dtype(gate, up)
+    if gate.ndim == 2 and fused.usable(xp, gate, up):
+        a = xp.empty(gate.shape, ct) if out is None else out
+        return fused.swiglu_forward(gate, up, a), (gate, up)
     g = _as(gate, ct)
     a = xp.negative(g, out=out) if out is not None else xp.negative(g)  # (..., F)
     xp.exp(a, out=a)
@@ -372,12 +402,18 @@ def swiglu_forward(gate, up, xp, out=None):
     return a, (gate, up)
 
 
+@timed("swiglu")
 def swiglu_backward(dact, cache, xp, out=None, with_act=False):
     """-> (dgate, dup) in the compute type, written into `out` = (dgate, dup) when given (views
     welcome). `with_act`: also return act = silu(gate) * up, which the sigmoid computed here
     gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act)."""
     gate, up = cache
     ct = compute_dtype(gate, up, dact)
+    if gate.ndim == 2 and fused.usable(xp, gate, up, dact):
+        dgate, dup = out if out is not None else (xp.empty(gate.shape, ct), xp.empty(gate.shape, ct))
+        act = xp.empty(gate.shape, ct) if with_act else None
+        fused.swiglu_backward(dact, gate, up, dgate, dup, act)
+        return (dgate, dup, act) if with_act else (dgate, dup)
     g, u, da = _as(gate, ct), _as(up, ct), _as(dact, ct)
     dgate, dup = out if out is not None else (None, None)
     sig = xp.negative(g)  # (..., F)
@@ -433,6 +469,7 @@ def cross_entropy_forward(logits, targets, xp):
     return losses.mean(dtype=ct), (z, targets, lse)
 
 
+@timed("head")
 def logsumexp_rows(z, xp):
     """log(sum(exp(z), -1)) of rows of z (N, V), with the max subtracted first."""
     m = z.max(axis=-1, keepdims=True)  # (N, 1)

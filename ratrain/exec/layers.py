@@ -39,6 +39,7 @@ import numpy as np
 
 from ratrain.exec import kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
+from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
 WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
 HALF = np.dtype(np.float16)
@@ -100,44 +101,71 @@ def _dims(ctx):
     return m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn_hidden
 
 
+_STACKS = {"wqkv": ("attn.wq", "attn.wk", "attn.wv"), "wgu": ("mlp.w_gate", "mlp.w_up")}
+
+
+def _stacked(arrays, dtype):
+    """The rows of `arrays` as one (sum of their rows, C) view, when they lie back to back in
+    memory as C-contiguous arrays of `dtype` (numpy), or None. The flat parameter buffers keep
+    wq, wk, wv and w_gate, w_up in that order, so in fp32 the layer's concatenated GEMM
+    weights are views, not copies."""
+    if not all(isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous
+               for a in arrays):
+        return None
+    for a, b in zip(arrays[:-1], arrays[1:]):
+        if a.__array_interface__["data"][0] + a.nbytes != b.__array_interface__["data"][0]:
+            return None
+    rows = sum(a.shape[0] for a in arrays)
+    return np.lib.stride_tricks.as_strided(arrays[0], (rows, arrays[0].shape[1]),
+                                           arrays[0].strides, writeable=False)
+
+
+def _gemm_dtype(ctx):
+    return ctx.compute if ctx.on_cpu else ctx.dtype
+
+
 def _gemm_weight_nbytes(p, ctx) -> int:
-    """Scratch bytes of `_gemm_weights`: the concatenated copies, and fp32 copies of wo, wd."""
-    C, H, KV, D, F = _dims(ctx)
-    item = (ctx.compute if ctx.on_cpu else ctx.dtype).itemsize
-    n = (H * D + 2 * KV * D + 2 * F) * C
+    """Scratch bytes of `_gemm_weights`: the concatenated copies that are not views, and fp32
+    copies of wo, wd."""
+    wdt = _gemm_dtype(ctx)
+    n = sum(sum(p[k].size for k in names) for names in _STACKS.values()
+            if _stacked([p[k] for k in names], wdt) is None)
     if ctx.on_cpu and p["attn.wo"].dtype != ctx.compute:
         n += p["attn.wo"].size + p["mlp.w_down"].size
-    return n * item
+    return n * wdt.itemsize
 
 
+@timed("weight copies")
 def _gemm_weights(p, ctx):
     """fp32 (numpy) or ctx.dtype (cupy) GEMM weights: wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
-    wd (account `_gemm_weight_nbytes` under scratch.gemm around their use)."""
+    wd (account `_gemm_weight_nbytes` under scratch.gemm around their use). Views of the
+    parameters where their dtype and layout allow (`_stacked`), else copies (converted)."""
     xp = ctx.xp
-    C, H, KV, D, F = _dims(ctx)
-    wdt = ctx.compute if ctx.on_cpu else ctx.dtype
-    wqkv = xp.empty((H * D + 2 * KV * D, C), wdt)  # (HD + 2 KVD, C)
-    wgu = xp.empty((2 * F, C), wdt)  # (2F, C)
-    copies = [
-        (wqkv[: H * D], p["attn.wq"]),
-        (wqkv[H * D : H * D + KV * D], p["attn.wk"]),
-        (wqkv[H * D + KV * D :], p["attn.wv"]),
-        (wgu[:F], p["mlp.w_gate"]),
-        (wgu[F:], p["mlp.w_up"]),
-    ]
-    wo, wd = p["attn.wo"], p["mlp.w_down"]
-    if wo.dtype != wdt:
-        wo, wd = xp.empty(wo.shape, wdt), xp.empty(wd.shape, wdt)
-        copies += [(wo, p["attn.wo"]), (wd, p["mlp.w_down"])]
-    n = ctx.parts()
+    wdt = _gemm_dtype(ctx)
+    out, copies = {}, []
+    for key, names in _STACKS.items():
+        srcs = [p[k] for k in names]
+        out[key] = _stacked(srcs, wdt)
+        if out[key] is None:
+            out[key] = xp.empty((sum(a.shape[0] for a in srcs), srcs[0].shape[1]), wdt)
+            r = 0
+            for a in srcs:
+                copies.append((out[key][r : r + a.shape[0]], a))
+                r += a.shape[0]
+    out["wo"], out["wd"] = p["attn.wo"], p["mlp.w_down"]
+    if out["wo"].dtype != wdt:
+        out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
+        copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
+    if copies:
+        n = ctx.parts()
 
-    def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
-        for dst, src in copies:
-            r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
-            dst[r0:r1] = src[r0:r1]
+        def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
+            for dst, src in copies:
+                r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
+                dst[r0:r1] = src[r0:r1]
 
-    ctx.map(fill, range(n))
-    return {"wqkv": wqkv, "wo": wo, "wgu": wgu, "wd": wd}
+        ctx.map(fill, range(n))
+    return out
 
 
 def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
@@ -153,6 +181,7 @@ def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False
     return 4 * (batch * T * per_token + (tiles if T > 1 else 0))
 
 
+@timed("layer (rest)")
 def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
     xp = ctx.xp
@@ -214,6 +243,7 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     return parts
 
 
+@timed("layer (rest)")
 def _mlp_backward(dy, kept, p, w, ctx, parts):
     """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
     type and puts the wd, wgu and mlp_norm partials into `parts`."""
@@ -242,6 +272,7 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     return dh
 
 
+@timed("layer (rest)")
 def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     """h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x)): writes dx_out (the
     layer's input gradient, dh included) and puts the wo, wqkv and attn_norm partials into
@@ -331,6 +362,7 @@ def layer_backward(dy, cache, p, g, ctx):
     return dx
 
 
+@timed("grad accumulate")
 def _accumulate(g, parts, pairs, ctx):
     """g[name] += part[key][r0 : r0 + len(g[name])] for every chunk's part, in chunk order (the
     chunks are the batch's, so the order never depends on the thread count); the rows of each
@@ -356,6 +388,7 @@ def _head_rows(ctx, V):
     return max(1, ctx.head_chunk_bytes // (4 * V))
 
 
+@timed("head")
 def _head_fwd_chunk(x, targets, p, w, ctx):
     xp = ctx.xp
     ct = ctx.compute
@@ -375,6 +408,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     return {"rstd": rstd, "lse": lse}, losses
 
 
+@timed("head")
 def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     xp = ctx.xp
     ct = ctx.compute

@@ -37,6 +37,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from ratrain.config import OptimConfig
+from ratrain.exec import fused
+from ratrain.exec.profile import timed
 
 NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
 # Memory bytes one AdamW update moves per parameter: reads master, grad, m, v (4 x 4 B), writes
@@ -58,6 +60,7 @@ def decays(name: str, cfg: OptimConfig, spec=None) -> bool:
     return not any(fnmatch.fnmatchcase(name, pat) for pat in cfg.no_decay)
 
 
+@timed("grad norm")
 def block_sq_norm(grad_flat, xp=None) -> float:
     """Sum of squares of a block's fp32 gradient, accumulated in float64 (a Python float).
 
@@ -189,6 +192,7 @@ class AdamW:
             self._decay_cache[key] = ranges
         return self._decay_cache[key]
 
+    @timed("adamw")
     def update_block(self, state, block: str, step: int, lr: float, grad_scale: float = 1.0):
         """Apply AdamW update number `step` (t, 1-based) to `block`'s masters and moments.
 
@@ -214,6 +218,10 @@ class AdamW:
         m = state.flat("m", block)  # (n,)
         v = state.flat("v", block)  # (n,)
         g = state.grad_segment(block)  # (n,)
+        if fused.usable(xp, p, m, v, g):
+            self._update_fused(state, block, p, m, v, g, step, lr, grad_scale)
+            self._block_step[block] = step
+            return
         if grad_scale != 1.0:
             g *= np.float32(grad_scale)
 
@@ -241,6 +249,31 @@ class AdamW:
         finally:
             state.ledger.free(t)
         self._block_step[block] = step
+
+    def _update_fused(self, state, block, p, m, v, g, step, lr, grad_scale) -> None:
+        """`update_block` in one pass per range (`fused.adamw`: the same arithmetic), the ranges
+        that decay and those that do not each with their factor, in two halves on two threads
+        for large blocks (elementwise: bitwise the same as one pass)."""
+        b1, b2 = self.beta1, self.beta2
+        keep = np.float32(1 - lr * self.cfg.weight_decay) if self.cfg.weight_decay else 1.0
+        n = p.shape[0]
+        cuts = [0, n // 2, n] if n >= _PARALLEL_MIN else [0, n]
+        consts = (b1, b2, lr / (1 - b1**step), (1 - b2**step) ** 0.5, self.cfg.eps)
+
+        def run(part):
+            lo, hi = part
+            edges = sorted({lo, hi, *(x for r in self.decay_ranges(state, block) for x in r
+                                      if lo < x < hi)})
+            decays = self.decay_ranges(state, block)
+            for a, b in zip(edges[:-1], edges[1:]):
+                k = keep if any(s <= a and b <= e for s, e in decays) else 1.0
+                fused.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts)
+
+        parts = list(zip(cuts[:-1], cuts[1:]))
+        if len(parts) == 1:
+            run(parts[0])
+        else:
+            list(_pool().map(run, parts))
 
     def state_dict(self) -> dict:
         """{"step": t}; raises if blocks disagree (a checkpoint in the middle of a step)."""

@@ -44,7 +44,7 @@ from ratrain.config import (
 from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
-from ratrain.lifecycle.policies import POLICIES, Policy, stage_infos
+from ratrain.lifecycle.policies import POLICIES, Policy, policy_of, stage_infos
 from ratrain.lifecycle.rank import build_rank
 from ratrain.lifecycle.validate import validate_policy
 
@@ -66,8 +66,8 @@ def cmd_memory(args) -> None:
     model, prec, mb = cfg.model, cfg.precision, cfg.parallel.micro_batch
     rows = []
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
-        pol = Policy(policy)
-        shards = pol.shards(args.dp, cfg.schedule.shard_optimizer)
+        pol = policy_of(cfg.schedule, policy)
+        shards = pol.shards(args.dp)
         for info in stage_infos(model, args.pp, args.m, prec, shards):
             layers = [b for b in info.blocks if b.startswith("layers.")]
             sizes = stage_sizes(model, mb, prec, info.blocks,
@@ -222,6 +222,20 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     }
 
 
+def variant_sets(spec: str) -> list[str]:
+    """`--set` overrides of one `--policies` entry: a preset's name, optionally with component
+    switches, `baseline-1f1b+sync=layer+update=next-step` (the `schedule` section's keys)."""
+    name, *switches = spec.split("+")
+    out = [f"schedule.policy={name}"]
+    for sw in switches:
+        key, eq, val = sw.partition("=")
+        if not eq:
+            raise ConfigError(f"policy variant {spec!r}: {sw!r} is not KEY=VALUE (e.g. "
+                              "baseline-1f1b+sync=layer+shard_optimizer=true)")
+        out.append(f"schedule.{key}={val}")
+    return out
+
+
 def cmd_job(args) -> None:
     """`time --config`: each policy on the job's own config, in rounds (rotated order)."""
     from mpi4py import MPI  # every rank of the benchmark: MPI is needed here
@@ -233,11 +247,13 @@ def cmd_job(args) -> None:
         if val is not None:
             sets.append(f"{key}={val}")
     policies = args.policies.split(",")
+    for pol in policies:  # every variant checked before any work
+        load_config(args.config, [*sets, *variant_sets(pol)]).check_world(comm.Get_size())
     runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     for r in range(args.rounds):
         order = policies[r % len(policies):] + policies[:r % len(policies)]
         for pol in order:
-            cfg = load_config(args.config, [*sets, f"schedule.policy={pol}"])
+            cfg = load_config(args.config, [*sets, *variant_sets(pol)])
             cfg.check_world(comm.Get_size())
             runs[pol].append(_job_run(cfg, comm, cfg.run.steps, args.skip))
     if comm.Get_rank() != 0:
@@ -319,7 +335,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--compute-flops", type=float, default=0.0,
                    help="pace each block's compute to flops / this rate (0: host speed)")
     t.add_argument("--policies", default="baseline-1f1b,megatron-1f1b,ratrain",
-                   help="comma-separated policies to time, interleaved")
+                   help="comma-separated policies to time, interleaved; with --config each may "
+                        "switch components: baseline-1f1b+sync=layer+update=next-step")
     t.add_argument("--trace", default="", metavar="PREFIX",
                    help="write each policy's Chrome trace to PREFIX.<policy>.json")
     return ap

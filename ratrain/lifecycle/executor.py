@@ -68,7 +68,7 @@ from ratrain.lifecycle.facts import FactsLayout
 from ratrain.lifecycle.mailbox import Mailbox
 from ratrain.lifecycle.measure import measure_stage_sizes
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak
-from ratrain.lifecycle.policies import Policy, StageInfo, as_policy
+from ratrain.lifecycle.policies import Policy, StageInfo, as_policy, policy_of
 from ratrain.lifecycle import schedule as sched
 from ratrain.lifecycle.schedule import dispatch_table, event_name
 from ratrain.lifecycle.validate import check_lifecycle, validate_policy
@@ -134,7 +134,7 @@ class Executor:
         self.global_index = {b: i for i, b in enumerate(x for s in all_blocks for x in s)}
         self.facts = FactsLayout(len(self.global_index), self.dp, self.m, self.world)
 
-        self.policy: Policy = as_policy(policy if policy is not None else cfg.schedule.policy)
+        self.policy: Policy = as_policy(policy) if policy is not None else policy_of(cfg.schedule)
         self.info = StageInfo.from_config(cfg, self.stage, state.blocks, self.policy)
         self.sharded = self.info.sharded
         self._shard_state()
@@ -491,7 +491,8 @@ class Executor:
         sizes = measure_stage_sizes(self, choice)
         lists = self.policy.steps(self.info, 2, flush=False)
         if mode == "auto":
-            chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks)
+            per_layer = self.policy.components.recovery == "per-layer"
+            chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks, per_layer)
             return {b: chosen.get(b, "none") for b in choice}, peak
         return choice, simulate_peak(lists, self.blocks, sizes)
 

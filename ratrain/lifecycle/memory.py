@@ -205,13 +205,15 @@ def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
     return int(walk.peak)
 
 
-def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks
+def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True
                      ) -> tuple[dict[str, str], int]:
     """The fewest layers fully recomputed (the first ones of the stage) whose simulated peak
-    fits `cap`; returns ({layer: recompute choice}, peak). All of them when nothing fits."""
+    fits `cap`; returns ({layer: recompute choice}, peak). All of them when nothing fits.
+    `per_layer=False` (uniform recovery): no layer, or every layer."""
     layers = [b for b in blocks if b.startswith("layers.")]
+    counts = range(len(layers) + 1) if per_layer else sorted({0, len(layers)})
     best: tuple[dict[str, str], int] = ({}, 0)
-    for k in range(len(layers) + 1):
+    for k in counts:
         choice = {b: ("full" if i < k else "none") for i, b in enumerate(layers)}
         peak = simulate_peak(lists, blocks, sizes.with_recompute(choice))
         best = (choice, peak)

@@ -39,7 +39,7 @@ call, so losses are bitwise identical across policies. What differs is *when*:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ratrain.config import ScheduleConfig
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
@@ -79,7 +79,7 @@ class StageInfo:
     @classmethod
     def from_config(cls, cfg, stage: int, blocks, policy=None) -> StageInfo:
         """From a `Config` and the stage's `BlockSpec`s (`policy`: default cfg.schedule.policy)."""
-        pol = as_policy(policy if policy is not None else cfg.schedule.policy)
+        pol = as_policy(policy) if policy is not None else policy_of(cfg.schedule)
         return cls(
             pp=cfg.parallel.pp,
             stage=stage,
@@ -87,7 +87,7 @@ class StageInfo:
             blocks=tuple(b.name for b in blocks),
             block_bytes=tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks),
             precision=cfg.precision,
-            shards=pol.shards(cfg.parallel.dp, cfg.schedule.shard_optimizer),
+            shards=pol.shards(cfg.parallel.dp),
         )
 
     @property
@@ -104,43 +104,106 @@ class StageInfo:
         return self.fp16 or self.sharded
 
 
+SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES
+BUFFERS, RECOVERIES = ScheduleConfig.BUFFERS, ScheduleConfig.RECOVERIES
+ORDERS = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Components:
+    """The switches a policy is made of: when each lifecycle action happens (never what is
+    computed: every combination is bitwise the same training).
+
+    - `sync`: when a block's gradient sync starts: `end` (every block after the stage's last
+      backward), `bucket` (Megatron's buckets, as each bucket's last block finishes its last
+      backward), `layer` (each block right after its own last backward);
+    - `update`: `end` (every block after the step's global facts) or `next-step` (deferred to
+      the start of the next step, into the stage's own warm-up bubble: stage-local);
+    - `buffers`: `resident` (views made and gradients allocated at step start, held to the end)
+      or `per-block` (a gradient allocated at the block's first backward, a separate view
+      dropped after its last backward);
+    - `shard`: the optimizer state cut over the dp replicas (ZeRO-1 per block): syncs become
+      reduce-scatters, views are gathered;
+    - `prefetch` (sharded): each view's gather waited for just before the block's first forward
+      (so it runs under the previous blocks' forwards) instead of all at step start;
+    - `recovery` (`schedule.recompute: auto`): `per-layer` (the fewest layers recomputed that fit
+      the cap) or `uniform` (every layer or none, as GPU frameworks' full recomputation);
+    - `order`: the pipeline order, `1f1b` or `gpipe` (a reference).
+    """
+
+    sync: str = "end"
+    update: str = "end"
+    buffers: str = "resident"
+    shard: bool = False
+    prefetch: bool = False
+    recovery: str = "per-layer"
+    order: str = "1f1b"
+
+    def __post_init__(self):
+        for key, ok in (("sync", SYNCS), ("update", UPDATES), ("buffers", BUFFERS),
+                        ("recovery", RECOVERIES), ("order", ORDERS)):
+            if getattr(self, key) not in ok:
+                raise ValueError(f"schedule.{key}={getattr(self, key)!r} is not one of: "
+                                 f"{', '.join(ok)}")
+
+
+# The named policies, as presets of the components (`Policy(name)`).
+PRESETS = {
+    "baseline-1f1b": Components(),  # DeepSpeed-style
+    "megatron-1f1b": Components(sync="bucket"),
+    "ratrain": Components(sync="layer", update="next-step", buffers="per-block", shard=True,
+                          prefetch=True),
+    "gpipe": Components(order="gpipe"),
+}
+
+
 @dataclass(frozen=True)
 class Policy:
+    """A named preset (`name`), or the preset's components with some switched
+    (`Policy("baseline-1f1b", components=Components(sync="layer"))`, labelled with the switches:
+    `baseline-1f1b(sync=layer)`; `policy_of` makes one from a config's schedule section)."""
+
     name: str = "ratrain"
-    bucket_bytes: int = MEGATRON_BUCKET_BYTES  # megatron-1f1b only
+    bucket_bytes: int = MEGATRON_BUCKET_BYTES  # sync=bucket only
+    components: Components | None = None
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"policy {self.name!r} is not one of: {', '.join(POLICIES)}")
+        if self.components is None:
+            object.__setattr__(self, "components", PRESETS[self.name])
 
-    def shards(self, dp: int, enabled: bool = True) -> int:
-        """Segments each block's optimizer state is cut into: dp under `ratrain` (when
-        `enabled`, i.e. `schedule.shard_optimizer`), 1 (whole on every replica) otherwise."""
-        return dp if self.name == "ratrain" and enabled and dp > 1 else 1
+    @property
+    def label(self) -> str:
+        """The preset's name, or `name+switches` when components differ from it."""
+        preset = PRESETS[self.name]
+        diff = [f"{k}={getattr(self.components, k)}" for k in Components.__dataclass_fields__
+                if getattr(self.components, k) != getattr(preset, k)]
+        return self.name + ("(" + ",".join(diff) + ")" if diff else "")
+
+    def shards(self, dp: int) -> int:
+        """Segments each block's optimizer state is cut into: dp when the policy shards, 1
+        (whole on every replica) otherwise."""
+        return dp if self.components.shard and dp > 1 else 1
 
     def carries(self, info: StageInfo) -> bool:
         """Whether a step leaves lifecycle work or state for the next (see `build_flush`)."""
-        return self.name == "ratrain"
+        return self.components.update == "next-step"
 
     def build_step(self, info: StageInfo, carry: bool = False) -> tuple[Action, ...]:
         """This rank's actions for one step. `carry`: the previous step of this policy ran and
-        was not flushed (only `ratrain` carries)."""
+        was not flushed (only deferred updates carry)."""
         if carry and not self.carries(info):
-            raise ValueError(f"policy {self.name} carries nothing between steps")
-        if info.sharded and self.name != "ratrain":
-            raise ValueError(f"policy {self.name} keeps whole optimizer state on every replica "
-                             f"(shards={info.shards}); only ratrain shards it")
-        if self.name == "ratrain":
-            return _ratrain_step(info, carry)
-        order = gpipe if self.name == "gpipe" else one_f_one_b
-        pipeline = order(info.pp, info.stage, info.num_micro_batches)
-        if self.name == "megatron-1f1b":
-            return _resident_step(info, pipeline, buckets(info, self.bucket_bytes))
-        return _resident_step(info, pipeline, None)
+            raise ValueError(f"policy {self.label} carries nothing between steps")
+        if info.sharded and not self.components.shard:
+            raise ValueError(f"policy {self.label} keeps whole optimizer state on every replica "
+                             f"(shards={info.shards}); only a sharding policy shards it "
+                             "(schedule.shard_optimizer=true)")
+        return _build(self.components, info, carry, self.bucket_bytes)
 
     def build_flush(self, info: StageInfo) -> tuple[Action, ...]:
         """Finish what the last step left (run after a step built with this policy)."""
-        if self.name != "ratrain":
+        if not self.carries(info):
             return ()
         return tuple(a for b in info.blocks for a in (Update(b), FreeGrad(b)))
 
@@ -158,6 +221,20 @@ class Policy:
 
 def as_policy(policy) -> Policy:
     return policy if isinstance(policy, Policy) else Policy(str(policy))
+
+
+# ScheduleConfig's component keys -> Components fields
+_KEYS = {"sync": "sync", "update": "update", "buffers": "buffers", "shard_optimizer": "shard",
+         "prefetch": "prefetch", "recovery": "recovery"}
+
+
+def policy_of(schedule: ScheduleConfig, name: str | None = None) -> Policy:
+    """The policy a `schedule` section asks for: the preset `name` (default `schedule.policy`)
+    with every component key the section sets (`schedule.sync`, ...) switched."""
+    name = name or schedule.policy
+    preset = Policy(name).components
+    switched = {f: getattr(schedule, k) for k, f in _KEYS.items() if getattr(schedule, k) is not None}
+    return Policy(name, components=replace(preset, **switched))
 
 
 def stage_infos(model, pp: int, m: int, precision: str = "fp32", shards: int = 1,
@@ -194,57 +271,58 @@ def buckets(info: StageInfo, bucket_bytes: int) -> list[tuple[str, ...]]:
     return out
 
 
-def _resident_step(info: StageInfo, pipeline, bucket_list) -> tuple[Action, ...]:
-    """baseline / megatron / gpipe: views and gradients resident for the whole step."""
-    blocks, last = info.blocks, info.num_micro_batches - 1
-    start = [MaterializeView(b) for b in blocks] + [AllocGrad(b) for b in blocks]
-    if bucket_list is None:  # baseline: everything after the last backward
-        body = list(pipeline)
-        sync = [SyncGrad(tuple(reversed(blocks))), WaitGrad(tuple(reversed(blocks)))]
-    else:  # megatron: each bucket starts when its last block's last backward is done
-        hooks = [(bk[-1], SyncGrad(bk)) for bk in bucket_list]
-        body = list(add_hooks(pipeline, bwd_post={last: hooks}))
-        sync = [WaitGrad(bk) for bk in bucket_list]
-    end = [GradNorm()] + [Update(b) for b in blocks] + [FreeGrad(b) for b in blocks]
-    if info.fp16:
-        end += [DropView(b) for b in blocks]
-    return tuple(start + body + sync + end)
-
-
-def _ratrain_step(info: StageInfo, carry: bool) -> tuple[Action, ...]:
-    """ratrain: per-block lifecycle in this stage's own idle time."""
+def _build(c: Components, info: StageInfo, carry: bool, bucket_bytes: int):
+    """One step of any combination of components (see `Components` and the module)."""
     blocks, m = info.blocks, info.num_micro_batches
     backward_order = tuple(reversed(blocks))
-    pipeline = one_f_one_b(info.pp, info.stage, m)
     sharded, separate = info.sharded, info.separate_views
+    deferred, per_block = c.update == "next-step", c.buffers == "per-block"
+    pipeline = (gpipe if c.order == "gpipe" else one_f_one_b)(info.pp, info.stage, m)
 
-    # step start (the warm-up bubble: the executor has already posted the first receive):
-    # finish the previous step's deferred updates and make this step's views (sharded: start
-    # their all-gathers, which then run under the updates of the next blocks and the forwards)
+    # step start (the warm-up bubble: the executor has already posted the first receive): the
+    # previous step's deferred updates, this step's views (an unsharded fp32 view is the master,
+    # made once), their gathers when sharded; resident gradients
     start: list[Action] = []
     for b in blocks:
         if carry:
             start += [Update(b), FreeGrad(b)]
-        if separate or not carry:  # an unsharded fp32 view is the master: made once
+        if separate or not carry:
             start.append(MaterializeView(b, gather=sharded))
+    if sharded and not c.prefetch:  # every gather waited for at once
+        start += [WaitView(b) for b in blocks]
+    if not per_block:
+        start += [AllocGrad(b) for b in blocks]
 
-    # pipeline: a sharded view is waited for just before the block's first forward; gradients
-    # appear at the first backward; each block's sync starts (and its separate view goes)
-    # right after its last backward
-    first_fwd = [(b, WaitView(b)) for b in blocks] if sharded else []
-    first_bwd = [(b, AllocGrad(b)) for b in blocks]
+    # pipeline hooks: prefetched views waited for just before the block's first forward;
+    # per-block gradients appear at the first backward; syncs (and per-block views' release)
+    # right after the last backward of the block (or of its bucket's last block)
+    first_fwd = [(b, WaitView(b)) for b in blocks] if sharded and c.prefetch else []
+    first_bwd = [(b, AllocGrad(b)) for b in blocks] if per_block else []
+    groups = {"end": [], "layer": [(b,) for b in backward_order],
+              "bucket": buckets(info, bucket_bytes)}[c.sync]
     last_bwd = []
     for b in backward_order:
-        last_bwd.append((b, SyncGrad((b,), scatter=sharded)))
-        if separate:
+        last_bwd += [(g[-1], SyncGrad(g, scatter=sharded)) for g in groups if g[-1] == b]
+        if per_block and separate:
             last_bwd.append((b, DropView(b)))
     body = add_hooks(pipeline, fwd_pre={0: first_fwd}, bwd_pre={0: first_bwd},
                      bwd_post={m - 1: last_bwd})
 
-    # cool-down: wait for the syncs in the order they started; the global facts need every stage
-    end = [WaitGrad((b,), scatter=sharded) for b in backward_order] + [GradNorm()]
+    # cool-down: the syncs' waits in the order they started (`end`: all syncs now), the global
+    # facts (they need every stage), then, unless deferred, the updates and releases
+    if c.sync == "end":
+        end: list[Action] = [SyncGrad(backward_order, scatter=sharded),
+                             WaitGrad(backward_order, scatter=sharded)]
+    else:
+        end = [WaitGrad(g, scatter=sharded) for g in groups]
+    end.append(GradNorm())
+    if not deferred:
+        end += [Update(b) for b in blocks] + [FreeGrad(b) for b in blocks]
+    if separate and not per_block:
+        end += [DropView(b) for b in blocks]
     return tuple(start + list(body) + end)
 
 
-__all__ = ["MEGATRON_BUCKET_BYTES", "POLICIES", "Policy", "StageInfo", "as_policy", "buckets",
-           "pipeline_steps", "stage_infos"]
+__all__ = ["BUFFERS", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
+           "SYNCS", "UPDATES", "Components", "Policy", "StageInfo", "as_policy", "buckets",
+           "pipeline_steps", "policy_of", "stage_infos"]

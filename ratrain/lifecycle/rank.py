@@ -33,7 +33,7 @@ from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
-from ratrain.lifecycle.policies import as_policy
+from ratrain.lifecycle.policies import policy_of
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
@@ -151,7 +151,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         topo, engine, slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
         stage, replica = topo.stage, topo.replica
     try:
-        shards = as_policy(cfg.schedule.policy).shards(p.dp, cfg.schedule.shard_optimizer)
+        shards = policy_of(cfg.schedule).shards(p.dp)
         state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
                            cfg.precision, ledger, xp, cfg.init.seed,
                            shard=(replica, shards) if shards > 1 else None)

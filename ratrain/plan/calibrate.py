@@ -90,7 +90,6 @@ def calibrate(cfg: Config, run_dir: str, cost: CostModel | None = None, policy: 
             cost = CostModel.from_config(cfg)
         except ValueError:  # e.g. the host profile models no link: start from mt3000's figures
             cost = CostModel.from_config(cfg, Rates.from_profile(load_profile("mt3000")))
-    policy = policy or cfg.schedule.policy
     measured, n = measured_step_time(read_metrics(run_dir), skip)
     steps = max(1, n)
     trace = os.path.join(run_dir, "trace.json") if os.path.isdir(run_dir) else ""

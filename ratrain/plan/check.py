@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 from ratrain.config import Config, ConfigError
 from ratrain.plan.memory import fit_recompute, stage_peaks
-from ratrain.plan.steps import plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.plan.steps import (
+    per_layer_recovery,
+    plan_policy,
+    plan_shards,
+    policy_steps,
+    recompute_for,
+    stage_block_names,
+)
 from ratrain.shim.platform import resolve_platform
 
 
@@ -92,11 +99,13 @@ def run_plan(cfg: Config) -> RunPlan:
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
     cap = resolve_platform(cfg.platform).ddr_bytes
     blocks = stage_block_names(m, p.pp, p.layers_per_stage)
-    shards = plan_shards(cfg, s.policy, p.dp)
-    lists = policy_steps(s.policy, blocks, p.num_micro_batches, cfg.precision, m, 2, shards)
+    policy = plan_policy(cfg)
+    shards = plan_shards(cfg, policy, p.dp)
+    lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, 2, shards)
     full = None
     if s.recompute == "auto":
-        full, peaks, _ = fit_recompute(lists, blocks, m, p.micro_batch, cfg.precision, cap, shards)
+        full, peaks, _ = fit_recompute(lists, blocks, m, p.micro_batch, cfg.precision, cap, shards,
+                                      per_layer_recovery(policy))
         full = tuple(full)
     else:
         peaks = stage_peaks(lists, blocks, m, p.micro_batch, cfg.precision,

@@ -29,13 +29,15 @@ def stage_peaks(step_lists, blocks, model: ModelConfig, micro_batch: int, precis
 
 
 def fit_recompute(step_lists, blocks, model: ModelConfig, micro_batch: int, precision: str,
-                  cap: int | None, shards: int = 1):
+                  cap: int | None, shards: int = 1, per_layer: bool = True):
     """Per stage, the fewest layers fully recomputed whose peak fits `cap`
-    (`lifecycle.memory.choose_recompute`). Returns (counts, peaks, fits)."""
+    (`lifecycle.memory.choose_recompute`; `per_layer=False`: none or all). Returns (counts,
+    peaks, fits)."""
     counts, peaks, fits = [], [], True
     for s, names in enumerate(blocks):
         sizes = stage_sizes(model, micro_batch, precision, names, shards=shards)
-        choice, peak = choose_recompute(cap, sizes, [lists[s] for lists in step_lists], names)
+        choice, peak = choose_recompute(cap, sizes, [lists[s] for lists in step_lists], names,
+                                        per_layer)
         counts.append(sum(1 for r in choice.values() if r == "full"))
         peaks.append(peak)
         fits = fits and (cap is None or peak <= cap)

@@ -21,7 +21,14 @@ from ratrain.exec.spec import block_params, block_role
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import fit_recompute, stage_peaks
 from ratrain.plan.simulate import SimResult, simulate
-from ratrain.plan.steps import plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.plan.steps import (
+    per_layer_recovery,
+    plan_policy,
+    plan_shards,
+    policy_steps,
+    recompute_for,
+    stage_block_names,
+)
 from ratrain.shim.platform import resolve_platform
 
 POLICY_NAMES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
@@ -137,7 +144,7 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     low = _static_lower_bound(cfg, blocks, shards)
     if cap is not None and low > cap:
         return [Plan(layout, policy, None, (low,), cap)]
-    lists = policy_steps(policy, blocks, layout.num_micro_batches, cfg.precision, m, steps,
+    lists = policy_steps(plan_policy(cfg, policy), blocks, layout.num_micro_batches, cfg.precision, m, steps,
                          shards)
     tokens = layout.global_batch * m.seq_len
 
@@ -152,8 +159,9 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     least: tuple[int, ...] | None = None
     for mode in recompute:
         if mode == "auto":
-            counts, peaks, fits = fit_recompute(lists, blocks, m, layout.micro_batch,
-                                                cfg.precision, cap, shards)
+            counts, peaks, fits = fit_recompute(
+                lists, blocks, m, layout.micro_batch, cfg.precision, cap, shards,
+                per_layer_recovery(plan_policy(cfg, policy)))
             choice = recompute_for(blocks, "auto", counts)
             peaks = tuple(peaks)
             lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
@@ -214,7 +222,7 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
         lay = replace(layout, dp=dp)
         blocks = stage_block_names(cfg.model, lay.pp)
         shards = plan_shards(cfg, policy, dp)
-        lists = policy_steps(policy, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
+        lists = policy_steps(plan_policy(cfg, policy), blocks, lay.num_micro_batches, cfg.precision, cfg.model,
                              steps, shards)
         choice = recompute_for(blocks, lay.recompute, list(lay.recompute_layers)
                                if lay.recompute_layers is not None else None)
@@ -255,7 +263,7 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
             continue
         blocks = stage_block_names(m, pp)
         shards = plan_shards(cfg, policy, max(1, clusters // pp) if clusters else 1)
-        lists = policy_steps(policy, blocks, max(pp, 1), cfg.precision, m, steps, shards)
+        lists = policy_steps(plan_policy(cfg, policy), blocks, max(pp, 1), cfg.precision, m, steps, shards)
         peaks = {}
         for mode in ("none", "selective", "full"):
             peaks[mode] = max(stage_peaks(lists, blocks, m, micro_batch, cfg.precision,
@@ -264,7 +272,7 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
             rec = None
         else:
             counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap,
-                                            shards)
+                                            shards, per_layer_recovery(plan_policy(cfg, policy)))
             rec = sum(counts) if fits else None
         rows.append(MemoryRow(pp, peaks["none"], peaks["selective"], peaks["full"], rec))
     return rows

@@ -42,7 +42,7 @@ from ratrain.config import Config
 from ratrain.plan import events
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import stage_peaks
-from ratrain.plan.steps import plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.plan.steps import plan_policy, plan_shards, policy_steps, recompute_for, stage_block_names
 
 SEND_MODES = ("eager", "rendezvous")
 
@@ -177,7 +177,7 @@ def simulate_config(
     layers)."""
     cost = cost or CostModel.from_config(cfg)
     m, p = cfg.model, cfg.parallel
-    policy = policy or cfg.schedule.policy
+    policy = plan_policy(cfg, policy)
     blocks = stage_block_names(m, p.pp, p.layers_per_stage)
     shards = plan_shards(cfg, policy, p.dp)
     lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, steps, shards)

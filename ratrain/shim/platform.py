@@ -18,7 +18,7 @@ overrides single values:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -29,6 +29,7 @@ VALUE_KEYS = ("ddr_bytes", "compute_flops", "link_bandwidth", "link_latency", "i
 # values a profile may leave out (older profiles, test profiles): not modelled
 OPTIONAL_KEYS = ("intra_bandwidth", "intra_latency", "ranks_per_node")
 RUN_KEYS = ("time_scale", "emulate")
+FACT_KEYS = ("ddr_bandwidth",)  # facts the config may override (platform.ddr_bandwidth)
 
 
 class ProfileError(ValueError):
@@ -120,7 +121,12 @@ def resolve_platform(platform_cfg) -> Profile:
     }
     for k in RUN_KEYS:
         over[k] = (getattr(platform_cfg, k), f"config: platform.{k}")
-    return prof.with_values(**over)
+    prof = prof.with_values(**over)
+    for k in FACT_KEYS:  # facts the config may override
+        if getattr(platform_cfg, k, None) is not None:
+            prof = replace(prof, facts={**prof.facts, k: Sourced(getattr(platform_cfg, k),
+                                                                 f"config: platform.{k}")})
+    return prof
 
 
 def _number(v, where: str):

@@ -296,7 +296,7 @@ class Trainer:
             f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
             f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
-            f"{cfg.precision}, policy {cfg.schedule.policy}, recompute {cfg.schedule.recompute}, "
+            f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             f"platform {self.profile.name}, {self.parts.ctx.threads} threads/rank, "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")

@@ -1,0 +1,211 @@
+"""Fused elementwise kernels: one pass over memory where numpy makes several.
+
+On the CPU most of a step that is not GEMM is elementwise work (SwiGLU, RMSNorm, RoPE, AdamW,
+casts), and numpy runs each operator as a separate pass over arrays far larger than the
+caches, with a temporary for each intermediate. The kernels here compute the same formulas, in
+the same operator order, in one loop each, compiled by numba (an optional dependency: the
+`fast` extra). `kernels.py` and `optim.py` stay the plain reference: they call these when
+`usable(...)` and fall back to their numpy code otherwise (no numba, `RATRAIN_FUSED=0`, cupy,
+float64, float16), and the tests check each fused kernel against the reference.
+
+Numerics: operator for operator the same fp32 arithmetic (no fast-math, no contraction into
+fused multiply-adds), so AdamW, RoPE and the elementwise parts are bitwise those of the
+reference, exponentials included (they are numpy's own); only RMSNorm's row means are summed in
+row order where numpy sums pairwise: a few ulps, within the tests' tolerance. Every kernel is serial and deterministic; the caller's
+threads split the work as they split the numpy path.
+
+    if fused.usable(np, x):
+        fused.swiglu_forward(gate, up, out)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+
+try:  # the `fast` extra
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    numba = None
+
+_state = {"on": numba is not None and os.environ.get("RATRAIN_FUSED", "1") not in ("0", "off")}
+F32 = np.dtype(np.float32)
+
+
+def enabled() -> bool:
+    """Whether the fused path is on (numba importable, not turned off by RATRAIN_FUSED=0)."""
+    return _state["on"]
+
+
+def usable(xp, *arrays) -> bool:
+    """The fused path applies: on, numpy arrays, all float32."""
+    return _state["on"] and xp is np and all(a.dtype == F32 for a in arrays)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the block on the numpy reference (tests compare the two)."""
+    before = _state["on"]
+    _state["on"] = False
+    try:
+        yield
+    finally:
+        _state["on"] = before
+
+
+def _jit(fn):
+    return numba.njit(nogil=True, cache=True)(fn) if numba is not None else fn
+
+
+# -- SwiGLU: act = silu(g) * u ---------------------------------------------------------------
+# numpy's exp is vectorised (SIMD) where numba's is the C library's, one element at a time: the
+# exponentials come from numpy (into a scratch array), the rest of the formula is fused.
+
+
+@_jit
+def _swiglu_fwd(gate, up, e, out):  # (N, F) each, any strides; e = exp(-gate)
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            out[i, j] = gate[i, j] / (one + e[i, j]) * up[i, j]
+
+
+@_jit
+def _swiglu_bwd(dact, gate, up, e, dgate, dup, act, with_act):  # e = exp(-gate)
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g, u, da = gate[i, j], up[i, j], dact[i, j]
+            s = one / (one + e[i, j])  # sigmoid(g)
+            silu = g * s
+            if with_act:
+                act[i, j] = silu * u
+            dup[i, j] = da * silu
+            t = silu * s
+            t = silu - t
+            t = t + s  # d silu / dg
+            dgate[i, j] = (da * u) * t
+
+
+def _exp_neg(gate):
+    e = np.negative(gate)  # (N, F) scratch
+    return np.exp(e, out=e)
+
+
+def swiglu_forward(gate, up, out):
+    _swiglu_fwd(gate, up, _exp_neg(gate), out)
+    return out
+
+
+def swiglu_backward(dact, gate, up, dgate, dup, act=None):
+    e = _exp_neg(gate)
+    _swiglu_bwd(dact, gate, up, e, dgate, dup, act if act is not None else dgate,
+                act is not None)
+
+
+# -- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ----------------------------------------------
+
+
+@_jit
+def _rmsnorm_fwd(x, w, eps, y, rstd):  # x, y (R, C); w (C,); rstd (R,)
+    for r in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for c in range(x.shape[1]):
+            acc += x[r, c] * x[r, c]
+        s = np.float32(1.0) / np.sqrt(acc / np.float32(x.shape[1]) + eps)
+        rstd[r] = s
+        for c in range(x.shape[1]):
+            y[r, c] = x[r, c] * s * w[c]
+
+
+@_jit
+def _rmsnorm_bwd(dy, x, rstd, w, dx, dw):  # dy, x, dx (R, C); rstd (R,); w, dw (C,)
+    n = np.float32(x.shape[1])
+    for r in range(x.shape[0]):
+        s = rstd[r]
+        acc = np.float32(0.0)
+        for c in range(x.shape[1]):
+            xhat = x[r, c] * s
+            dw[c] += dy[r, c] * xhat
+            acc += dy[r, c] * w[c] * xhat
+        m = acc / n
+        for c in range(x.shape[1]):
+            xhat = x[r, c] * s
+            dx[r, c] = (dy[r, c] * w[c] - xhat * m) * s
+
+
+def rmsnorm_forward(x2, w, eps, y2):
+    """x2, y2 (R, C) views; returns rstd (R, 1)."""
+    rstd = np.empty((x2.shape[0], 1), F32)
+    _rmsnorm_fwd(x2, w, np.float32(eps), y2, rstd[:, 0])
+    return rstd
+
+
+def rmsnorm_backward(dy2, x2, rstd, w):
+    """-> (dx (R, C), dw (C,))."""
+    dx = np.empty(x2.shape, F32)
+    dw = np.zeros(x2.shape[1], F32)
+    _rmsnorm_bwd(dy2, x2, rstd.reshape(-1), w, dx, dw)
+    return dx, dw
+
+
+# -- RoPE: y = x * cos + rotate_half(x) * sin ------------------------------------------------
+
+
+@_jit
+def _rope(x, cos, sin, out, sign):  # x, out (B, T, H, D); cos, sin (T, D); sign -1: backward
+    d = x.shape[3] // 2
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for h in range(x.shape[2]):
+                for i in range(d):
+                    c, s = cos[t, i], sin[t, i]
+                    x1, x2 = x[b, t, h, i], x[b, t, h, i + d]
+                    if sign > 0:
+                        out[b, t, h, i] = x1 * c - x2 * s
+                        out[b, t, h, i + d] = x2 * c + x1 * s
+                    else:
+                        out[b, t, h, i] = x1 * c + x2 * s
+                        out[b, t, h, i + d] = x2 * c - x1 * s
+
+
+def rope(x, cos, sin, out, backward=False):
+    """x, out (B, T, H, D) views; cos, sin (T, D) float32."""
+    _rope(x, cos, sin, out, -1 if backward else 1)
+    return out
+
+
+# -- AdamW ---------------------------------------------------------------------------------
+
+
+@_jit
+def _adamw(p, m, v, g, gscale, keep, b2, omb2, w, lerp_low, step, bc2, eps):
+    one = np.float32(1.0)
+    for i in range(p.shape[0]):
+        gi = g[i] * gscale if gscale != one else g[i]
+        pi = p[i] * keep if keep != one else p[i]
+        t = gi - m[i]  # m = lerp(m, g, w), torch's two formulas
+        if lerp_low:
+            mi = m[i] + t * w
+        else:
+            mi = gi - t * (one - w)
+        vi = v[i] * b2 + gi * omb2 * gi
+        denom = np.sqrt(vi) / bc2 + eps
+        p[i] = pi + (mi * (-step)) / denom
+        m[i] = mi
+        v[i] = vi
+
+
+def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
+    """One AdamW update of flat fp32 ranges in place, `optim._adam_core`'s arithmetic with the
+    gradient scaling and the decay factor (`keep`, 1 for no decay) folded in."""
+    f = np.float32
+    w = f(1 - b1)
+    _adamw(p, m, v, g, f(grad_scale), f(keep), f(b2), f(1 - b2), w, bool(w < 0.5),
+           f(step_size), f(bc2_sqrt), f(eps))
+
+
+__all__ = ["adamw", "disabled", "enabled", "rmsnorm_backward", "rmsnorm_forward", "rope",
+           "swiglu_backward", "swiglu_forward", "usable"]

@@ -1,0 +1,94 @@
+"""The fused fast path (numba, the `fast` extra) against the numpy reference it replaces."""
+
+import numpy as np
+import pytest
+
+from ratrain.config import ModelConfig, OptimConfig
+from ratrain.exec import fused, kernels
+from ratrain.exec.optim import AdamW
+from ratrain.exec.params import StageState
+from ratrain.exec.spec import stage_blocks
+from ratrain.shim.ledger import Ledger
+
+pytestmark = pytest.mark.skipif(not fused.enabled(), reason="numba not installed (the fast extra)")
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape, dtype=np.float32)
+
+
+def both(fn):
+    """(fused result, reference result) of fn()."""
+    a = fn()
+    with fused.disabled():
+        b = fn()
+    return a, b
+
+
+def test_swiglu_forward_and_backward_on_strided_halves():
+    gu, dact = rand(33, 2 * 40), rand(33, 40)
+    gate, up = gu[:, :40], gu[:, 40:]  # the layer's views: strided
+    (a, _), (ra, _) = both(lambda: kernels.swiglu_forward(gate, up, np))
+    np.testing.assert_array_equal(a, ra)
+    f, r = both(lambda: kernels.swiglu_backward(dact, (gate, up), np, with_act=True))
+    for x, y in zip(f, r):
+        np.testing.assert_array_equal(x, y)
+    out = (np.empty((33, 40), np.float32), np.empty((33, 40), np.float32))
+    got = kernels.swiglu_backward(dact, (gate, up), np, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+
+
+def test_rmsnorm_forward_and_backward():
+    x, w, dy = rand(2, 7, 48), rand(48), rand(2, 7, 48)
+    (y, c), (ry, rc) = both(lambda: kernels.rmsnorm_forward(x, w, 1e-5, np))
+    np.testing.assert_allclose(y, ry, rtol=3e-6, atol=1e-6)
+    np.testing.assert_allclose(c[1], rc[1], rtol=3e-6)
+    (dx, dw), (rdx, rdw) = both(lambda: kernels.rmsnorm_backward(dy, rc, np))
+    np.testing.assert_allclose(dx, rdx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(dw, rdw)  # summed over rows in the same order
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_rope_bitwise_on_the_layers_layout(backward):
+    b, T, H, D = 2, 9, 3, 8
+    cos, sin = kernels.rope_tables(T, D, 10000.0)
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]
+    qkv = rand(b * T, 5 * H * D)
+    x = qkv[:, H * D : 2 * H * D].reshape(b, T, H, D)  # a strided view, as in the layer
+    dst = np.empty((b, H, T, D), np.float32).transpose(0, 2, 1, 3)
+
+    def run():
+        out = dst.copy()
+        if backward:
+            kernels.rope_backward(x, (cos3, sin3), np, out=out)
+        else:
+            kernels.rope_forward(x, cos3, sin3, np, out=out)
+        return out
+
+    f, r = both(run)
+    np.testing.assert_array_equal(f, r)
+
+
+@pytest.mark.parametrize("lr,wd,grad_scale", [(1e-2, 0.1, 0.37), (3e-4, 0.0, 1.0)])
+def test_adamw_bitwise(lr, wd, grad_scale):
+    model = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64,
+                        seq_len=8)
+    cfg = OptimConfig(weight_decay=wd, no_decay=("*norm*",))
+    states = []
+    for use in (True, False):
+        st = StageState(stage_blocks(model, 1, 0), "fp32", Ledger(), np, 3)
+        opt = AdamW(cfg)
+        for t in (1, 2, 3):
+            for b in st.block_names:
+                st.alloc_grad(b)
+                st.grad_flat(b)[:] = np.random.default_rng(t).standard_normal(st.grad_flat(b).size)
+                if use:
+                    opt.update_block(st, b, t, lr, grad_scale)
+                else:
+                    with fused.disabled():
+                        opt.update_block(st, b, t, lr, grad_scale)
+                st.free_grad(b)
+        states.append(st)
+    for buf in ("master", "m", "v"):
+        np.testing.assert_array_equal(states[0].buffer(buf), states[1].buffer(buf), err_msg=buf)
