@@ -209,3 +209,86 @@ def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
 
 __all__ = ["adamw", "disabled", "enabled", "rmsnorm_backward", "rmsnorm_forward", "rope",
            "swiglu_backward", "swiglu_forward", "usable"]
+
+
+# --------------------------------------------------------------------------------------------
+# float32 <-> float16 conversions (numpy's own run at ~0.6 G elements/s one way, ~1 G the other
+# here, well below memory speed). Bitwise numpy's: round to nearest even, subnormals, overflow
+# to inf, NaN payloads kept (checked against numpy's cast for all 2**32 float32 bit patterns).
+# --------------------------------------------------------------------------------------------
+
+_F16 = np.dtype(np.float16)
+_U32 = np.uint32
+
+
+@_jit
+def _f32_to_f16(src, dst):  # src (n,) uint32 bits of float32; dst (n,) uint16 bits of float16
+    for i in range(src.size):
+        f = src[i]
+        sign = (f >> _U32(16)) & _U32(0x8000)
+        a = f & _U32(0x7FFFFFFF)
+        if a >= _U32(0x47800000):  # |x| >= 65536, inf or NaN
+            h = _U32(0x7C00)
+            if a > _U32(0x7F800000):  # NaN: the top mantissa bits, never 0 (which would be inf)
+                h |= (a >> _U32(13)) & _U32(0x3FF)
+                if (h & _U32(0x3FF)) == 0:
+                    h += _U32(1)
+        elif a >= _U32(0x38800000):  # a normal half after rounding (or 65504 -> inf by carry)
+            m = a + _U32(0xC8000000)  # exponent rebiased: -(127 - 15) << 23
+            h = (m + _U32(0xFFF) + ((m >> _U32(13)) & _U32(1))) >> _U32(13)  # nearest even
+        else:  # a subnormal half, or zero
+            e = a >> _U32(23)
+            if e < _U32(102):  # below half the smallest subnormal: zero
+                h = _U32(0)
+            else:
+                mant = (a & _U32(0x7FFFFF)) | _U32(0x800000)
+                sh = _U32(126) - e
+                h = mant >> sh
+                rem = mant & ((_U32(1) << sh) - _U32(1))
+                mid = _U32(1) << (sh - _U32(1))
+                if rem > mid or (rem == mid and (h & _U32(1)) != 0):
+                    h += _U32(1)
+        dst[i] = h | sign
+
+
+@_jit
+def _f16_to_f32(src, dst, table):  # src (n,) uint16 bits; dst (n,) float32; table (65536,)
+    for i in range(src.size):
+        dst[i] = table[src[i]]
+
+
+_TABLE = []  # every float16's float32 value (numpy's conversion), made on first use
+
+
+def _table():
+    if not _TABLE:
+        _TABLE.append(np.arange(65536, dtype=np.uint32).astype(np.uint16).view(_F16)
+                      .astype(np.float32))
+    return _TABLE[0]
+
+
+def cast_into(dst, src) -> bool:
+    """dst[...] = src for a float32 <-> float16 pair of C-contiguous numpy arrays of one shape,
+    bitwise as numpy; False (nothing done) when it does not apply: the caller casts."""
+    if not (_state["on"] and isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
+            and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous):
+        return False
+    if src.dtype == F32 and dst.dtype == _F16:
+        _f32_to_f16(src.reshape(-1).view(np.uint32), dst.reshape(-1).view(np.uint16))
+    elif src.dtype == _F16 and dst.dtype == F32:
+        _f16_to_f32(src.reshape(-1).view(np.uint16), dst.reshape(-1), _table())
+    else:
+        return False
+    return True
+
+
+def cast(a, dtype):
+    """`a.astype(dtype)` (a copy, or `a` itself when it has the dtype), through `cast_into`
+    when it applies."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    out = np.empty(a.shape, dtype) if isinstance(a, np.ndarray) else None
+    if out is not None and cast_into(out, a):
+        return out
+    return a.astype(dtype)

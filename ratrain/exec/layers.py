@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ratrain.exec import kernels
+from ratrain.exec import fused, kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
 from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
@@ -71,7 +71,18 @@ def cache_nbytes(cache: BlockCache) -> int:
 
 
 def _c(ct, a):
-    return a if a.dtype == ct else a.astype(ct)
+    return a if a.dtype == ct else fused.cast(a, ct)
+
+
+def _add_into(a, b, out, xp):
+    """out[...] = a + b, summed in the compute type and rounded once into out's dtype (as
+    numpy's add into a float16 out does); `b` is overwritten when out's dtype differs."""
+    if out.dtype == b.dtype:
+        xp.add(a, b, out=out)
+        return
+    xp.add(a, b, out=b)
+    if not fused.cast_into(out, b):
+        out[...] = b
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,8 +93,7 @@ def _c(ct, a):
 def embed_forward(ids, p, ctx):
     """ids (B, T) -> x (B, T, C) in ctx.dtype."""
     x, _ = kernels.embedding_forward(ids, p["weight"], ctx.xp)  # (B, T, C)
-    if x.dtype != ctx.dtype:
-        x = x.astype(ctx.dtype)
+    x = fused.cast(x, ctx.dtype)
     return x, BlockCache("embed", "none", ids, [], None, {})
 
 
@@ -162,7 +172,8 @@ def _gemm_weights(p, ctx):
         def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
             for dst, src in copies:
                 r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
-                dst[r0:r1] = src[r0:r1]
+                if not fused.cast_into(dst[r0:r1], src[r0:r1]):
+                    dst[r0:r1] = src[r0:r1]
 
         ctx.map(fill, range(n))
     return out
@@ -205,10 +216,10 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
     del qkv
     if half:  # keep fp16, attend on the rounded values
-        q16, k16, v16 = q.astype(ctx.dtype), k.astype(ctx.dtype), v.astype(ctx.dtype)
-        xp.copyto(q, q16)
-        xp.copyto(k, k16)
-        xp.copyto(v, v16)
+        q16, k16, v16 = (fused.cast(a, ctx.dtype) for a in (q, k, v))
+        for a, a16 in ((q, q16), (k, k16), (v, v16)):
+            if not fused.cast_into(a, a16):
+                xp.copyto(a, a16)
     o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
     _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
@@ -221,13 +232,13 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
         act, _ = kernels.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
         mlp = matmul(act, w["wd"].T, xp=xp)  # (N, C)
         del act
-        xp.add(h, mlp.reshape(b, T, C), out=y_out)
+        _add_into(h, mlp.reshape(b, T, C), y_out, xp)
         del mlp
     kept = {"rstd1": rstd1, "rstd2": rstd2}
     if half:
-        kept.update(q=q16, k=k16, v=v16, h=h.astype(ctx.dtype), gu=gu.astype(ctx.dtype))
+        kept.update(q=q16, k=k16, v=v16, h=fused.cast(h, ctx.dtype), gu=fused.cast(gu, ctx.dtype))
         if recompute == "none":
-            kept.update(o=o.astype(ctx.dtype), lse=lse)
+            kept.update(o=fused.cast(o, ctx.dtype), lse=lse)
     else:
         kept.update(q=q, k=k, v=v, h=h, gu=gu)
         if recompute == "none":
@@ -291,7 +302,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
         _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
             q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
         if ctx.dtype == HALF:
-            o = _c(ct, o.astype(ctx.dtype))
+            o = _c(ct, fused.cast(o, ctx.dtype))
     dh2 = dh.reshape(N, C)
     parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp)  # (C, HD)
     do = matmul(dh2, w["wo"], xp=xp)  # (N, HD)
@@ -315,7 +326,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     dxn1 = matmul(dqkv, w["wqkv"], xp=xp)  # (N, C)
     del dqkv
     dx1, parts["attn_norm"] = kernels.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
-    xp.add(dh, dx1, out=dx_out)
+    _add_into(dh, dx1, dx_out, xp)
 
 
 def layer_forward(x, p, ctx, recompute="none"):
@@ -433,14 +444,15 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
         dw += matmul(d.T, xn[r0:r1], xp=xp)
         matmul(d, w, out=dxn[r0:r1], xp=xp)
     dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
-    dx_out[...] = dx
+    if not fused.cast_into(dx_out, dx):
+        dx_out[...] = dx
     return {"weight": dw, "norm": dnorm}
 
 
 def _head_weight(p, ctx):
     w = p["weight"]
     if ctx.on_cpu and w.dtype != ctx.compute:
-        return w.astype(ctx.compute)
+        return fused.cast(w, ctx.compute)
     return w
 
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ratrain.exec import fused
 from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 
 BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
@@ -380,7 +381,8 @@ class StageState:
             )
             self._views[block] = view
         lo, hi = self._seg[block]
-        view[lo:hi] = master  # fp32 -> fp16 cast (or copy)
+        if not fused.cast_into(view[lo:hi], master):  # fp32 -> fp16 cast (or copy)
+            view[lo:hi] = master
         return view
 
     def drop_view(self, block: str) -> None:
