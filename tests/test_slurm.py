@@ -57,4 +57,7 @@ def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path):
     for row in rows[1:-1]:
         if "signal" in row:
             assert row["restarts"] >= 1 and row["rerun_steps"] == 0 and row["curve_equal"]
-            assert row["stopped_at"] - row["signalled_after_step"] <= 2
+            # at the step boundary the ranks agreed on once the signal reached them: a step or
+            # two on a quiet host; the forwarding (scancel -> slurmd -> launcher -> ranks) takes
+            # longer on a loaded one, and a tiny step is ~50 ms
+            assert 0 <= row["stopped_at"] - row["signalled_after_step"] <= 10
