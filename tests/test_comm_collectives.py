@@ -4,6 +4,7 @@ Single-process tests check the documented orders, the model and the helpers; the
 under `mpirun -n K python -m pytest --with-mpi tests/test_comm_*.py` for any K >= 2.
 """
 
+import time
 import zlib
 
 import numpy as np
@@ -202,3 +203,46 @@ def test_pipelined_ring_matches_the_reference_on_awkward_sizes(comm):
         x = xs[r].copy()
         C.allreduce(x, comm, "ring", link=link)
         assert x.tobytes() == C.reference_allreduce(xs, "ring").tobytes(), (n, dtype)
+
+
+def _throttled_ring(mpi_group, runs=3):
+    """Throttled float32 ring all-reduces of two chunks per segment on every rank of the world:
+    ([seconds from a barrier to the end of each run], the link, elements); checks the bits."""
+    comm = mpi_group(MPI.COMM_WORLD.Get_size())
+    p, r = comm.Get_size(), comm.Get_rank()
+    c = 1 << 16
+    link = Link(1e8, 1e-3, chunk_bytes=c)  # 0.66 ms per chunk, 1 ms latency: far slower than the host
+    n = 2 * c // 4 * p
+    xs = inputs(p, n, np.float32, seed=5)
+    took = []
+    for _ in range(runs):
+        x = xs[r].copy()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        C.allreduce(x, comm, "ring", link=link)
+        took.append(time.perf_counter() - t0)
+        comm.Barrier()
+        assert x.tobytes() == C.reference_allreduce(xs, "ring").tobytes()
+    return took, link, n
+
+
+@pytest.mark.mpi(min_size=2)
+def test_throttled_ring_ends_no_sooner_than_its_link_allows(mpi_group):
+    """The pipelined ring hands its last chunk to MPI when that chunk's slot starts (the copy
+    overlaps the slot) and ends on a zero-byte marker when the slot ends: no rank finishes
+    before its link has carried its 2(p-1) messages back to back after one latency."""
+    took, link, n = _throttled_ring(mpi_group)
+    p = MPI.COMM_WORLD.Get_size()
+    floor = link.latency + 2 * (p - 1) * link.transfer_time(n * 4 // p)
+    assert min(took) >= floor, (took, floor)
+
+
+@pytest.mark.timing
+@pytest.mark.mpi(min_size=2)
+def test_throttled_ring_keeps_to_its_link(mpi_group):
+    """... and not much later (the best of 4 runs after a first): the reduction overlaps the
+    next chunk's slot and the end needs no copy after the last slot."""
+    took, link, n = _throttled_ring(mpi_group, runs=5)
+    p = MPI.COMM_WORLD.Get_size()
+    floor = link.latency + 2 * (p - 1) * link.transfer_time(n * 4 // p)
+    assert min(took[1:]) <= 1.1 * floor + 2e-3, (took, floor)

@@ -50,6 +50,24 @@ def test_streaming_pays_latency_once_and_time_scale_multiplies():
     assert link.messages == window and link.bytes_sent == window * n
 
 
+def test_a_late_wakeup_delays_no_later_chunk():
+    """Slots are deadlines on the link's own timeline: a sender that wakes 70 us late after every
+    chunk still has each chunk released at latency + (i + 1) chunks / bandwidth, so sleep
+    overshoot never accumulates."""
+    clk = FakeClock()
+    c = 1 << 20
+    link = Link(1e9, 20e-6, chunk_bytes=c, clock=clk)
+    end, ends = None, []
+    for lo, hi in link.chunks(16 * c):
+        end = link.reserve(hi - lo, after=end)
+        clk.t = end + 70e-6  # the sender wakes late and hands the chunk to MPI then
+        ends.append(end)
+    assert ends == pytest.approx([20e-6 + (i + 1) * c / 1e9 for i in range(16)])
+    # a message posted at t0 pays its latency from t0, even if the first reserve comes later
+    clk.t = 1.0
+    assert link.reserve(c, t0=0.9995) == pytest.approx(0.9995 + 20e-6 + c / 1e9)
+
+
 def test_concurrent_messages_share_the_bandwidth_fairly():
     clk = FakeClock()
     c = 1 << 16

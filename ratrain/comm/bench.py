@@ -2,7 +2,9 @@
 
 Under `mpirun -n P`. Prints one JSON object per line (rank 0) per (op, algo, size):
 
-    op, algo, ranks, bytes, dtype, iters, time_s (median over iterations of the slowest rank),
+    op, algo, ranks, bytes, dtype, iters, time_s (median over iterations of the slowest rank;
+    each rank times from a barrier to the end of its op, and the ranks meet again before the
+    next iteration's untimed set-up),
     time_min_s, algbw_GBps, busbw_GBps (from time_s), busbw_best_GBps (from time_min_s), ok,
     max_abs_err, identical (same bytes on every rank), model_s (with --link)
 
@@ -296,6 +298,10 @@ def _measure(runner, a, comm):
             t0 = time.perf_counter()
             runner.once(algo)
             dt = time.perf_counter() - t0
+            # a rank that is done waits for the others before its untimed work (the next
+            # reset, a copy of the whole buffer), which would otherwise take a core from a
+            # rank still in its timed op where ranks outnumber cores
+            comm.Barrier()
             if it >= a.warmup:
                 times[algo].append(dt)
             if it == a.warmup + a.iters - 1:

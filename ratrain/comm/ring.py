@@ -2,7 +2,9 @@
 the two (bandwidth-optimal: 2(p-1) messages of n/p bytes). Segment q = [q*n//p, (q+1)*n//p) is
 reduced as a left fold over the ranks q+1, q+2, ..., p-1, 0, ..., q and ends on rank q (see
 `collectives` for the documented order). Under the link throttle the all-reduce pipelines its
-2(p-1) steps by chunks (`_ring_pipelined_op`)."""
+2(p-1) steps by chunks (`_ring_pipelined_op`), its latency runs from when the operation was
+posted, and it ends as a throttled message does (`wire`): its last chunk goes out when its slot
+starts and a zero-byte end marker when the slot ends."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .arrays import as_ufunc, flat, scratch, segments, work_dtype
-from .wire import LOG_MESSAGES, exchange_op
+from .progress import SPIN_S, Deadline
+from .wire import END_MARKER, LOG_MESSAGES, exchange_op
 
 COLL_TAG = 30000  # tag of blocking collectives; the engine gives each op its own tag
+MARKER_POLL_S = 5e-5  # between its last chunk and the end marker, land chunks this often
 
 
 def ring_reduce_scatter_op(w, comm, ufunc, tag, link=None, ledger=None):
@@ -47,7 +51,7 @@ def ring_allgather_op(x, comm, tag, link=None):
                                tag, comm, link, verb="ring.ag")
 
 
-def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
+def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps, t_posted):
     """The throttled ring all-reduce with its 2(p-1) steps pipelined by chunks.
 
     Same messages, values and reduction order as reduce-scatter + all-gather step by step
@@ -58,6 +62,12 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
     last chunk's copy and add, a neighbour a little behind) no longer add up step after step.
     Receives are posted in message order (MPI matches them in posting order) once the chunk they
     overwrite is consumed; reduce-scatter steps alternate between the two scratch arrays `tmps`.
+
+    Host time is kept off the emulated wire: the first message's latency runs from `t_posted`
+    (when the operation was posted; the scratch and the plan are made meanwhile), a chunk is
+    reduced while the next one crosses, and the last chunk of the last step goes to MPI when its
+    slot starts, so the receiver's copy overlaps the slot; a zero-byte end marker at the slot's
+    end (a `Deadline`) completes the operation, never before the model's time.
 
     One function on purpose: it is one generator whose yield points (waits on the link clock
     and on requests) must live in one frame, and its closures share the send / receive cursors
@@ -93,12 +103,14 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
     # per step, as its chunks land: the watermark and when it was seen (both ascending)
     landed_hi: list[list[int]] = [[] for _ in range(K)]
     landed_t: list[list[float]] = [[] for _ in range(K)]
-    t_start = link.clock()
+    t_start = t_posted  # step 0's data is ready when the operation was posted
     end = None  # release time of the last chunk handed to the link
     started = -1  # the step whose first chunk was handed last
+    marker_at = None  # when the end marker is due (the last chunk's slot end), once it is out
+    end_req = None  # the receive of the previous rank's end marker
 
     def post():
-        nonlocal ri
+        nonlocal ri, end_req
         while ri < len(recvs):
             k, lo, hi = recvs[ri]
             # post once the chunk it may overwrite is consumed: step k reuses step k-2's
@@ -113,6 +125,8 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
             view = arr[base + lo : base + hi]
             posted.append((comm.Irecv([view.view(np.uint8), MPI.BYTE], prv, tag), k, lo, hi))
             ri += 1
+        if recvs and ri == len(recvs) and end_req is None:  # after every chunk (MPI's order)
+            end_req = comm.Irecv([END_MARKER, MPI.BYTE], prv, tag)
 
     def land():  # process the receives that have completed, in order
         while posted and posted[0][0].Test():
@@ -135,7 +149,7 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
         return landed_t[k - 1][bisect.bisect_left(landed_hi[k - 1], hi)]
 
     post()
-    while si < len(sends) or posted:
+    while si < len(sends) or posted or marker_at is not None:
         land()
         if si < len(sends):
             k, lo, hi = sends[si]
@@ -150,14 +164,26 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps):
                     started = k
                 else:
                     end = link.reserve(nbytes, after=max(end, t_ready))
-                yield end
+                si += 1
+                # the last chunk of the last step crosses during its slot (nobody forwards it);
+                # any other chunk is handed when its slot ends, and may be forwarded on landing
+                early = si == len(sends) and k == K - 1
+                yield end - link.transfer_time(nbytes) if early else end
                 view = arr[b[seg] + lo : b[seg] + hi]
                 send_reqs.append(comm.Isend([view.view(np.uint8), MPI.BYTE], nxt, tag))
-                si += 1
+                if si == len(sends):
+                    marker_at = end
                 continue
-        if posted:
+        if marker_at is not None:  # land what still comes, but send the marker on time
+            if posted and link.clock() < marker_at - SPIN_S:
+                yield min(marker_at - SPIN_S, link.clock() + MARKER_POLL_S)
+                continue
+            yield Deadline(marker_at)
+            send_reqs.append(comm.Isend([END_MARKER, MPI.BYTE], nxt, tag))
+            marker_at = None
+        elif posted:
             yield [posted[0][0]]
-    yield send_reqs
+    yield send_reqs + ([end_req] if end_req is not None else [])
 
 
 def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None):
@@ -169,16 +195,18 @@ def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     if link is not None and hasattr(link, "resolve"):  # two tiers: the one to the next rank
         link = link.resolve(comm, (comm.Get_rank() + 1) % p)
     if link is not None and not LOG_MESSAGES:
+        posted = link.clock()  # the latency runs from here, while the scratch is made
         seg = x.size // p + (x.size % p > 0)
         # two scratch segments, allocated apart (two smaller blocks are reused by the allocator
         # where one block of twice the size would be mapped afresh each time)
         with scratch(ledger, "comm.ring", seg, wd) as t0, scratch(ledger, "comm.ring", seg, wd) as t1:
             if wd == x.dtype:
-                yield from _ring_pipelined_op(x, x, comm, ufunc, tag, link, (t0, t1))
+                yield from _ring_pipelined_op(x, x, comm, ufunc, tag, link, (t0, t1), posted)
             else:
                 with scratch(ledger, "comm.ring.fp32", x.size, wd) as w:
-                    np.copyto(w, x)
-                    yield from _ring_pipelined_op(x, w, comm, ufunc, tag, link, (t0, t1))
+                    np.copyto(w, x)  # the data to send is ready only now
+                    yield from _ring_pipelined_op(x, w, comm, ufunc, tag, link, (t0, t1),
+                                                  link.clock())
         return buf
     if wd == x.dtype:
         yield from ring_reduce_scatter_op(x, comm, ufunc, tag, link, ledger)

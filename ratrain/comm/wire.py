@@ -36,7 +36,7 @@ from .progress import Deadline
 LOG_MESSAGES = os.environ.get("RATRAIN_LOG_MESSAGES", "0") not in ("", "0")
 
 _send_fifo: dict[tuple, deque] = {}
-_END = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes: one buffer serves all)
+END_MARKER = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes: one buffer serves all)
 
 
 def as_bytes(arr: np.ndarray) -> np.ndarray:
@@ -113,7 +113,7 @@ def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, slink, rlink, on_ch
     if rbuf is not None:
         for lo, hi in rlink.chunks(rbuf.size):
             pending.append((comm.Irecv([rbuf[lo:hi], MPI.BYTE], source, tag), lo // item, hi // item))
-        pending.append((comm.Irecv([_END, MPI.BYTE], source, tag), 0, 0))
+        pending.append((comm.Irecv([END_MARKER, MPI.BYTE], source, tag), 0, 0))
 
     def drain(block: bool):
         while pending and (block or pending[0][0].Test()):
@@ -145,7 +145,7 @@ def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, slink, rlink, on_ch
                     yield end - link.transfer_time(hi - lo)
                     sends.append(comm.Isend([sbuf[lo:hi], MPI.BYTE], dest, tag))
                     yield Deadline(end)
-                    sends.append(comm.Isend([_END, MPI.BYTE], dest, tag))
+                    sends.append(comm.Isend([END_MARKER, MPI.BYTE], dest, tag))
                 yield from drain(block=False)
         finally:
             fifo.remove(token)
@@ -155,4 +155,4 @@ def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, slink, rlink, on_ch
     yield sends
 
 
-__all__ = ["LOG_MESSAGES", "as_bytes", "exchange_op", "recv_op", "send_op"]
+__all__ = ["END_MARKER", "LOG_MESSAGES", "as_bytes", "exchange_op", "recv_op", "send_op"]
