@@ -21,6 +21,7 @@ threads split the work as they split the numpy path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import numpy as np
@@ -207,10 +208,6 @@ def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
            f(step_size), f(bc2_sqrt), f(eps))
 
 
-__all__ = ["adamw", "disabled", "enabled", "rmsnorm_backward", "rmsnorm_forward", "rope",
-           "swiglu_backward", "swiglu_forward", "usable"]
-
-
 # --------------------------------------------------------------------------------------------
 # float32 <-> float16 conversions (numpy's own run at ~0.6 G elements/s one way, ~1 G the other
 # here, well below memory speed). Bitwise numpy's: round to nearest even, subnormals, overflow
@@ -257,19 +254,15 @@ def _f16_to_f32(src, dst, table):  # src (n,) uint16 bits; dst (n,) float32; tab
         dst[i] = table[src[i]]
 
 
-_TABLE = []  # every float16's float32 value (numpy's conversion), made on first use
-
-
+@functools.cache
 def _table():
-    if not _TABLE:
-        _TABLE.append(np.arange(65536, dtype=np.uint32).astype(np.uint16).view(_F16)
-                      .astype(np.float32))
-    return _TABLE[0]
+    """Every float16's float32 value (numpy's conversion), made on first use."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(_F16).astype(np.float32)
 
 
 def cast_into(dst, src) -> bool:
     """dst[...] = src for a float32 <-> float16 pair of C-contiguous numpy arrays of one shape,
-    bitwise as numpy; False (nothing done) when it does not apply: the caller casts."""
+    bitwise as numpy; False (nothing done) when it does not apply (`assign` then casts)."""
     if not (_state["on"] and isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
             and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous):
         return False
@@ -288,7 +281,18 @@ def cast(a, dtype):
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a
-    out = np.empty(a.shape, dtype) if isinstance(a, np.ndarray) else None
-    if out is not None and cast_into(out, a):
-        return out
+    if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+        out = np.empty(a.shape, dtype)
+        if cast_into(out, a):
+            return out
     return a.astype(dtype)
+
+
+def assign(dst, src) -> None:
+    """dst[...] = src (any array module), through `cast_into` when it applies."""
+    if not cast_into(dst, src):
+        dst[...] = src
+
+
+__all__ = ["adamw", "assign", "cast", "cast_into", "disabled", "enabled", "rmsnorm_backward",
+           "rmsnorm_forward", "rope", "swiglu_backward", "swiglu_forward", "usable"]

@@ -81,8 +81,7 @@ def _add_into(a, b, out, xp):
         xp.add(a, b, out=out)
         return
     xp.add(a, b, out=b)
-    if not fused.cast_into(out, b):
-        out[...] = b
+    fused.assign(out, b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,8 +171,7 @@ def _gemm_weights(p, ctx):
         def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
             for dst, src in copies:
                 r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
-                if not fused.cast_into(dst[r0:r1], src[r0:r1]):
-                    dst[r0:r1] = src[r0:r1]
+                fused.assign(dst[r0:r1], src[r0:r1])
 
         ctx.map(fill, range(n))
     return out
@@ -218,8 +216,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     if half:  # keep fp16, attend on the rounded values
         q16, k16, v16 = (fused.cast(a, ctx.dtype) for a in (q, k, v))
         for a, a16 in ((q, q16), (k, k16), (v, v16)):
-            if not fused.cast_into(a, a16):
-                xp.copyto(a, a16)
+            fused.assign(a, a16)
     o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
     _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
@@ -444,8 +441,7 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
         dw += matmul(d.T, xn[r0:r1], xp=xp)
         matmul(d, w, out=dxn[r0:r1], xp=xp)
     dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
-    if not fused.cast_into(dx_out, dx):
-        dx_out[...] = dx
+    fused.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
 
 

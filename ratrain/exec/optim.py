@@ -260,11 +260,11 @@ class AdamW:
         cuts = [0, n // 2, n] if n >= _PARALLEL_MIN else [0, n]
         consts = (b1, b2, lr / (1 - b1**step), (1 - b2**step) ** 0.5, self.cfg.eps)
 
+        decays = self.decay_ranges(state, block)
+
         def run(part):
             lo, hi = part
-            edges = sorted({lo, hi, *(x for r in self.decay_ranges(state, block) for x in r
-                                      if lo < x < hi)})
-            decays = self.decay_ranges(state, block)
+            edges = sorted({lo, hi, *(x for r in decays for x in r if lo < x < hi)})
             for a, b in zip(edges[:-1], edges[1:]):
                 k = keep if any(s <= a and b <= e for s, e in decays) else 1.0
                 fused.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts)

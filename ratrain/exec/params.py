@@ -381,8 +381,7 @@ class StageState:
             )
             self._views[block] = view
         lo, hi = self._seg[block]
-        if not fused.cast_into(view[lo:hi], master):  # fp32 -> fp16 cast (or copy)
-            view[lo:hi] = master
+        fused.assign(view[lo:hi], master)  # fp32 -> fp16 cast (or copy)
         return view
 
     def drop_view(self, block: str) -> None:

@@ -247,14 +247,14 @@ def cmd_job(args) -> None:
         if val is not None:
             sets.append(f"{key}={val}")
     policies = args.policies.split(",")
-    for pol in policies:  # every variant checked before any work
-        load_config(args.config, [*sets, *variant_sets(pol)]).check_world(comm.Get_size())
+    cfgs = {pol: load_config(args.config, [*sets, *variant_sets(pol)]) for pol in policies}
+    for cfg in cfgs.values():  # every variant checked before any work
+        cfg.check_world(comm.Get_size())
     runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     for r in range(args.rounds):
         order = policies[r % len(policies):] + policies[:r % len(policies)]
         for pol in order:
-            cfg = load_config(args.config, [*sets, *variant_sets(pol)])
-            cfg.check_world(comm.Get_size())
+            cfg = cfgs[pol]
             runs[pol].append(_job_run(cfg, comm, cfg.run.steps, args.skip))
     if comm.Get_rank() != 0:
         return

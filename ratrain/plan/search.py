@@ -140,12 +140,12 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
                    placement=layout.placement)
     blocks = stage_block_names(m, layout.pp)
-    shards = plan_shards(cfg, policy, layout.dp)
+    pol = plan_policy(cfg, policy)  # the preset with the config's component keys
+    shards = plan_shards(cfg, pol, layout.dp)
     low = _static_lower_bound(cfg, blocks, shards)
     if cap is not None and low > cap:
         return [Plan(layout, policy, None, (low,), cap)]
-    lists = policy_steps(plan_policy(cfg, policy), blocks, layout.num_micro_batches, cfg.precision, m, steps,
-                         shards)
+    lists = policy_steps(pol, blocks, layout.num_micro_batches, cfg.precision, m, steps, shards)
     tokens = layout.global_batch * m.seq_len
 
     def run(lay: Layout, recompute, peaks) -> Plan:
@@ -161,7 +161,7 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
         if mode == "auto":
             counts, peaks, fits = fit_recompute(
                 lists, blocks, m, layout.micro_batch, cfg.precision, cap, shards,
-                per_layer_recovery(plan_policy(cfg, policy)))
+                per_layer_recovery(pol))
             choice = recompute_for(blocks, "auto", counts)
             peaks = tuple(peaks)
             lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
@@ -214,6 +214,7 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
     replica, dp = clusters // pp. Efficiency = (tokens/s per cluster) / that of the smallest."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
+    pol = plan_policy(cfg, policy)
     rows: list[ScalingRow] = []
     for n in clusters:
         dp = n // layout.pp
@@ -221,8 +222,8 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
             continue
         lay = replace(layout, dp=dp)
         blocks = stage_block_names(cfg.model, lay.pp)
-        shards = plan_shards(cfg, policy, dp)
-        lists = policy_steps(plan_policy(cfg, policy), blocks, lay.num_micro_batches, cfg.precision, cfg.model,
+        shards = plan_shards(cfg, pol, dp)
+        lists = policy_steps(pol, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
                              steps, shards)
         choice = recompute_for(blocks, lay.recompute, list(lay.recompute_layers)
                                if lay.recompute_layers is not None else None)
@@ -257,13 +258,14 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
     `ratrain` shards its optimizer state over it (as the runtime does); else dp = 1."""
     cap = cap_bytes(cfg) if cap == -1 else cap
     m = cfg.model
+    pol = plan_policy(cfg, policy)
     rows = []
     for pp in pps:
         if pp > m.layers:
             continue
         blocks = stage_block_names(m, pp)
-        shards = plan_shards(cfg, policy, max(1, clusters // pp) if clusters else 1)
-        lists = policy_steps(plan_policy(cfg, policy), blocks, max(pp, 1), cfg.precision, m, steps, shards)
+        shards = plan_shards(cfg, pol, max(1, clusters // pp) if clusters else 1)
+        lists = policy_steps(pol, blocks, max(pp, 1), cfg.precision, m, steps, shards)
         peaks = {}
         for mode in ("none", "selective", "full"):
             peaks[mode] = max(stage_peaks(lists, blocks, m, micro_batch, cfg.precision,
@@ -272,7 +274,7 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
             rec = None
         else:
             counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap,
-                                            shards, per_layer_recovery(plan_policy(cfg, policy)))
+                                            shards, per_layer_recovery(pol))
             rec = sum(counts) if fits else None
         rows.append(MemoryRow(pp, peaks["none"], peaks["selective"], peaks["full"], rec))
     return rows
