@@ -2,12 +2,20 @@
 the latency-optimal path for small messages) and the binomial-tree broadcast. With m the
 largest power of two <= p, rank i < p - m first adds rank i + m's data, the m ranks then sum
 pairwise over rank order, and ranks >= m receive the result from rank i - m (see `collectives`
-for the documented order)."""
+for the documented order).
+
+On one node, without a link throttle or message logging, arrays of up to `board.BOARD_BYTES`
+go through the communicator's shared-memory board instead (`board`: one compiled call per rank,
+the same order, the same bits): the blocking call makes the board on first use, an operation
+uses one made before (`board.attach`, which `Topology` does for its world and data-parallel
+communicators).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import board
 from .arrays import as_ufunc, flat, scratch, work_dtype
 from .ring import COLL_TAG
 from .wire import LOG_MESSAGES, exchange_op, recv_op, send_op
@@ -19,6 +27,12 @@ def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
+    if link is None and not LOG_MESSAGES:
+        code = board.fits(x, ufunc)
+        b = board.board_of(comm) if code is not None else None
+        if b is not None:
+            yield from b.allreduce_op(x, code)
+            return buf
     m = 1 << (p.bit_length() - 1)  # largest power of two <= p
     extra = p - m
     with scratch(ledger, "comm.tree", x.size, wd) as tmp, \
@@ -65,12 +79,19 @@ def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
 
 def tree_allreduce_blocking(buf, comm, op="sum", tag=COLL_TAG):
     """The tree all-reduce without a link, blocking: same messages and order as
-    `tree_allreduce_op`, with one Sendrecv per step (the latency path for small messages)."""
+    `tree_allreduce_op`, with one Sendrecv per step (the latency path for small messages), or
+    on one node the board (made here on first use: every rank is in this call)."""
     x = flat(buf)
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
+    code = board.fits(x, ufunc)
+    if code is not None:
+        b = board.attach(comm)
+        if b is not None:
+            b.allreduce(x, code)
+            return buf
     w = x if wd == x.dtype else x.astype(wd)
     tmp = np.empty_like(w)
     m = 1 << (p.bit_length() - 1)

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import numpy as np
+
+from ratrain import fast_requested
 
 try:  # the `fast` extra
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
-_state = {"on": numba is not None and os.environ.get("RATRAIN_FUSED", "1") not in ("0", "off")}
+_state = {"on": numba is not None and fast_requested()}
 F32 = np.dtype(np.float32)
 
 

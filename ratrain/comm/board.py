@@ -1,0 +1,277 @@
+"""The reduce board: small all-reduces of a one-node communicator through shared memory.
+
+A message-passing all-reduce of a few bytes costs log2(p) exchanges, each a round trip through
+MPI and, from Python, a few microseconds of interpreter work per rank; on a node with fewer
+cores than ranks every rank's work is on the critical path (4 ranks on 2 cores: 23 us against
+MPI_Allreduce's 6). The board does it in one compiled call per rank:
+
+    post   write x into this rank's slot of round t, then its counter (a release store)
+    wait   until every rank's counter is >= t (acquire loads), yielding the core between checks
+    fold   read every rank's slot and reduce them in the tree's order (`collectives`: y[i] =
+           x[i] + x[i+m] for i < p - m, then pairwise over rank order), every rank itself, so
+           every rank holds the same bits, the message tree's bits.
+
+Layout, in one window held by the communicator's rank 0: p round counters, one per 64-byte
+line, then per rank two slots of `BOARD_BYTES`. Round t uses slot t mod 2: a rank posts round
+t + 2 only after it finished round t + 1, which needed every rank's post of round t + 1, which
+each made after it finished reading round t. Rounds are numbered on every rank alike because
+collectives on one communicator run in the same order on every rank.
+
+The kernels are compiled by numba (the `fast` extra; `RATRAIN_FUSED=0` turns the path off like
+the fused kernels); without it the tree's messages carry every all-reduce. Only the work dtypes
+whose payload is its own work dtype (float32, float64, int32, int64) and arrays of up to
+`BOARD_BYTES` take the board; `attach(comm)` (collective) makes a communicator's board, kept
+as an MPI attribute of the communicator and freed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+from mpi4py import MPI
+
+from ratrain import fast_requested
+
+from .progress import wait_for
+
+try:  # the `fast` extra
+    import numba
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    numba = None
+
+BOARD_BYTES = 64 << 10  # the largest payload (bytes) an all-reduce takes through the board
+LINE = 64  # one counter per cache line
+SPINS = 2000  # yields a blocking call spends in the kernel before it polls from Python
+DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2, "sum": 0, "max": 1, "min": 2}
+
+
+_state = {"on": numba is not None and fast_requested()}
+
+
+def enabled() -> bool:
+    """Whether this process may use boards (numba importable, not turned off)."""
+    return _state["on"]
+
+
+@contextlib.contextmanager
+def disabled():
+    """All-reduces in the block take the messages (tests compare the two; every rank alike)."""
+    before = _state["on"]
+    _state["on"] = False
+    try:
+        yield
+    finally:
+        _state["on"] = before
+
+
+if numba is not None:
+    @intrinsic
+    def _load_acquire(typingctx, arr, i):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+            return builder.load_atomic(ptr, "acquire", 8)
+        return types.int64(arr, types.intp), codegen
+
+    @intrinsic
+    def _store_release(typingctx, arr, i, v):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+            builder.store_atomic(args[2], ptr, "release", 8)
+            return context.get_dummy_value()
+        return types.void(arr, types.intp, types.int64), codegen
+
+    _sched_yield = types.ExternalFunction("sched_yield", types.intc())
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _op(a, b, opcode):  # pragma: no cover - compiled
+        """np.add, np.maximum or np.minimum of two elements, bit for bit: a NaN operand wins
+        (the first), and of two equal values (0.0 and -0.0) the second."""
+        if opcode == 0:
+            return a + b
+        if a != a or b != b:
+            return a if a != a else b
+        if opcode == 1:
+            return a if a > b else b
+        return a if a < b else b
+
+    @numba.njit(nogil=True, cache=True)
+    def _round(counters, slots, r, t, x, opcode, post, spins):  # pragma: no cover - compiled
+        """Post round t (when `post`), wait for every rank's post (at most `spins` yields:
+        False when they ran out), then fold every rank's slot into x in the tree's order."""
+        p = counters.shape[0]
+        par = t & 1
+        n = x.shape[0]
+        if post:
+            for j in range(n):
+                slots[r, par, j] = x[j]
+            _store_release(counters, r, t)
+        k = 0
+        while True:
+            ready = True
+            for q in range(p):
+                if _load_acquire(counters, q) < t:
+                    ready = False
+                    break
+            if ready:
+                break
+            if k >= spins:
+                return False
+            k += 1
+            _sched_yield()
+        m = 1
+        while 2 * m <= p:
+            m *= 2
+        acc = np.empty(m, x.dtype)
+        for j in range(n):
+            for i in range(m):
+                a = slots[i, par, j]
+                if i < p - m:
+                    a = _op(a, slots[i + m, par, j], opcode)
+                acc[i] = a
+            w = m
+            while w > 1:
+                for i in range(0, w, 2):
+                    acc[i // 2] = _op(acc[i], acc[i + 1], opcode)
+                w //= 2
+            x[j] = acc[0]
+        return True
+
+
+def _on_one_node(comm) -> bool:
+    """Whether this rank shares memory with every rank of `comm` (collective)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    one = node.Get_size() == comm.Get_size()
+    node.Free()
+    return one
+
+
+class Board:
+    """The board of a one-node communicator (collective to make and to `free`)."""
+
+    def __init__(self, comm):
+        p, self.rank = comm.Get_size(), comm.Get_rank()
+        head = p * LINE
+        self.nbytes = head + 2 * p * BOARD_BYTES
+        self.win = MPI.Win.Allocate_shared(self.nbytes if self.rank == 0 else 0, LINE, comm=comm)
+        mem = np.frombuffer(self.win.Shared_query(0)[0], np.uint8)[: self.nbytes]
+        if self.rank == 0:
+            mem[:] = 0
+        self.counters = mem[:head].view(np.int64)[:: LINE // 8]
+        self._slots = mem[head:]
+        self._views: dict = {}
+        self.p = p
+        self.taken = self.done = 0  # rounds begun / finished on this rank
+        self.owner = None  # id() of the communicator it belongs to
+        comm.Barrier()
+
+    def slots(self, dtype) -> np.ndarray:
+        """Every rank's two slots as (p, 2, BOARD_BYTES // itemsize) of `dtype`."""
+        v = self._views.get(dtype)
+        if v is None:
+            v = self._views[dtype] = self._slots.view(dtype).reshape(self.p, 2, -1)
+        return v
+
+    def allreduce(self, x: np.ndarray, opcode: int) -> None:
+        """All-reduce x (1-D, contiguous, a DTYPES dtype, <= BOARD_BYTES) in place, blocking."""
+        if self.done != self.taken:  # rounds of the engine in flight: this one comes after
+            wait_for(lambda: self.done == self.taken)
+        t = self.taken = self.taken + 1
+        s = self.slots(x.dtype)
+        if not _round(self.counters, s, self.rank, t, x, opcode, True, SPINS):
+            wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0))
+        self.done = t
+
+    def allreduce_op(self, x: np.ndarray, opcode: int):
+        """`allreduce` as an operation (`progress`): rounds in the order they are begun."""
+        t = self.taken = self.taken + 1
+        if self.done != t - 1:
+            yield lambda: self.done == t - 1
+        s = self.slots(x.dtype)
+        if not _round(self.counters, s, self.rank, t, x, opcode, True, 0):
+            yield lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0)
+        self.done = t
+
+    def free(self) -> None:
+        self.win.Free()
+
+
+_KEY: list = []  # the MPI attribute key under which a communicator keeps its board
+
+
+_BOARDS: dict = {}  # id(comm) -> (comm, its board): the blocking calls' lookup (`allreduce`)
+
+
+def _free(_comm, _key, board) -> None:
+    if isinstance(board, Board):
+        _BOARDS.pop(board.owner, None)
+        board.free()
+
+
+def _key() -> int:
+    if not _KEY:
+        _KEY.append(MPI.Comm.Create_keyval(delete_fn=_free))
+    return _KEY[0]
+
+
+def attach(comm):
+    """The board of `comm`, made now if it has none (collective: every rank calls it at the
+    same point), or None where boards do not apply: a rank of its own, ranks on several nodes,
+    or boards off on some rank."""
+    b = comm.Get_attr(_key())
+    if b is None:
+        ok = comm.Get_size() > 1 and enabled() and _on_one_node(comm)
+        ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
+        b = Board(comm) if ok else False
+        comm.Set_attr(_key(), b)
+        if b:
+            b.owner = id(comm)
+            _BOARDS[b.owner] = (comm, b)
+    return b or None
+
+
+def allreduce(buf: np.ndarray, comm, op) -> bool:
+    """All-reduce `buf` in place through the board `attach` made for `comm`, blocking, with
+    the least work per call (where ranks outnumber cores every rank's interpreter time is on
+    the critical path): True when done, False when `buf` must go another way (no board, or
+    it does not fit). For callers without a link or message logging."""
+    e = _BOARDS.get(id(comm))
+    if e is None or e[0] is not comm:
+        return False
+    code = OPCODES.get(op) if isinstance(op, str) else None
+    if code is None or buf.nbytes > BOARD_BYTES or buf.dtype not in DTYPES or \
+            not buf.flags.c_contiguous or not _state["on"]:
+        return False
+    b, x = e[1], (buf if buf.ndim == 1 else buf.reshape(-1))
+    if b.done != b.taken:  # `Board.allreduce`, inlined
+        wait_for(lambda: b.done == b.taken)
+    t = b.taken = b.taken + 1
+    s = b._views.get(x.dtype)
+    if s is None:
+        s = b.slots(x.dtype)
+    if not _round(b.counters, s, b.rank, t, x, code, True, SPINS):
+        wait_for(lambda: _round(b.counters, s, b.rank, t, x, code, False, 0))
+    b.done = t
+    return True
+
+
+def board_of(comm):
+    """The board `attach` made for `comm`, else None (never collective)."""
+    return comm.Get_attr(_key()) or None
+
+
+def fits(x: np.ndarray, op) -> int | None:
+    """The board's opcode for all-reducing x with ufunc `op`, or None when x does not fit (the
+    same on every rank for the same call)."""
+    if not _state["on"] or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or not x.flags.c_contiguous:
+        return None
+    return OPCODES.get(op)
+
+
+__all__ = ["BOARD_BYTES", "Board", "allreduce", "attach", "board_of", "disabled", "enabled", "fits"]
