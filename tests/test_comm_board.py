@@ -79,7 +79,7 @@ def test_the_round_folds_in_the_tree_order(dtype, op):
                 x = xs[p - 1].copy()
                 slots[p - 1, t & 1, :n] = 0  # the round writes it
                 with np.errstate(all="ignore"):
-                    assert board._round(counters, slots, p - 1, t, x, board.OPCODES[op], True, 0)
+                    assert board._round(counters, slots, p - 1, t, x, board.OPCODES[OPS[op]], True, 0)
                     ref = C.reference_allreduce(xs, "tree", op=op)
                 assert x.tobytes() == ref.tobytes(), (p, n, t)
                 assert counters[p - 1] == t  # posted

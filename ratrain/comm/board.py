@@ -47,7 +47,8 @@ BOARD_BYTES = 64 << 10  # the largest payload (bytes) an all-reduce takes throug
 LINE = 64  # one counter per cache line
 SPINS = 2000  # yields a blocking call spends in the kernel before it polls from Python
 DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
-OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2, "sum": 0, "max": 1, "min": 2}
+OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc ...
+_CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
 _state = {"on": numba is not None and fast_requested()}
@@ -164,26 +165,19 @@ class Board:
         if self.rank == 0:
             mem[:] = 0
         self.counters = mem[:head].view(np.int64)[:: LINE // 8]
-        self._slots = mem[head:]
-        self._views: dict = {}
+        slots = mem[head:]
+        self.typed = {d: slots.view(d).reshape(p, 2, -1) for d in DTYPES}  # every rank's 2 slots
         self.p = p
         self.taken = self.done = 0  # rounds begun / finished on this rank
         self.owner = None  # id() of the communicator it belongs to
         comm.Barrier()
-
-    def slots(self, dtype) -> np.ndarray:
-        """Every rank's two slots as (p, 2, BOARD_BYTES // itemsize) of `dtype`."""
-        v = self._views.get(dtype)
-        if v is None:
-            v = self._views[dtype] = self._slots.view(dtype).reshape(self.p, 2, -1)
-        return v
 
     def allreduce(self, x: np.ndarray, opcode: int) -> None:
         """All-reduce x (1-D, contiguous, a DTYPES dtype, <= BOARD_BYTES) in place, blocking."""
         if self.done != self.taken:  # rounds of the engine in flight: this one comes after
             wait_for(lambda: self.done == self.taken)
         t = self.taken = self.taken + 1
-        s = self.slots(x.dtype)
+        s = self.typed[x.dtype]
         if not _round(self.counters, s, self.rank, t, x, opcode, True, SPINS):
             wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0))
         self.done = t
@@ -193,7 +187,7 @@ class Board:
         t = self.taken = self.taken + 1
         if self.done != t - 1:
             yield lambda: self.done == t - 1
-        s = self.slots(x.dtype)
+        s = self.typed[x.dtype]
         if not _round(self.counters, s, self.rank, t, x, opcode, True, 0):
             yield lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0)
         self.done = t
@@ -203,8 +197,6 @@ class Board:
 
 
 _KEY: list = []  # the MPI attribute key under which a communicator keeps its board
-
-
 _BOARDS: dict = {}  # id(comm) -> (comm, its board): the blocking calls' lookup (`allreduce`)
 
 
@@ -242,19 +234,17 @@ def allreduce(buf: np.ndarray, comm, op) -> bool:
     the critical path): True when done, False when `buf` must go another way (no board, or
     it does not fit). For callers without a link or message logging."""
     e = _BOARDS.get(id(comm))
-    if e is None or e[0] is not comm:
+    if e is None or e[0] is not comm or not _state["on"]:
         return False
-    code = OPCODES.get(op) if isinstance(op, str) else None
-    if code is None or buf.nbytes > BOARD_BYTES or buf.dtype not in DTYPES or \
-            not buf.flags.c_contiguous or not _state["on"]:
+    b = e[1]
+    s = b.typed.get(buf.dtype)  # the slots, for the dtypes that fit
+    code = _CODES.get(op) if type(op) is str else None
+    if s is None or code is None or buf.nbytes > BOARD_BYTES or not buf.flags.c_contiguous:
         return False
-    b, x = e[1], (buf if buf.ndim == 1 else buf.reshape(-1))
-    if b.done != b.taken:  # `Board.allreduce`, inlined
+    x = buf if buf.ndim == 1 else buf.reshape(-1)
+    if b.done != b.taken:  # `Board.allreduce` from here on, inlined
         wait_for(lambda: b.done == b.taken)
     t = b.taken = b.taken + 1
-    s = b._views.get(x.dtype)
-    if s is None:
-        s = b.slots(x.dtype)
     if not _round(b.counters, s, b.rank, t, x, code, True, SPINS):
         wait_for(lambda: _round(b.counters, s, b.rank, t, x, code, False, 0))
     b.done = t
@@ -269,7 +259,8 @@ def board_of(comm):
 def fits(x: np.ndarray, op) -> int | None:
     """The board's opcode for all-reducing x with ufunc `op`, or None when x does not fit (the
     same on every rank for the same call)."""
-    if not _state["on"] or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or not x.flags.c_contiguous:
+    if not _state["on"] or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or \
+            not x.flags.c_contiguous:
         return None
     return OPCODES.get(op)
 
