@@ -186,3 +186,24 @@ def test_the_board_lives_and_dies_with_its_communicator():
     key = id(c)
     c.Free()
     assert key not in board._BOARDS
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_is_waited_for_past_the_spins(comm):
+    import time
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(p, 5, np.float64, seed=77)
+    for late in range(p):
+        x = xs[r].copy()
+        if r == late:
+            time.sleep(0.05)  # far past the kernel's spins: the others poll from Python
+        C.allreduce(x, comm, "tree")
+        assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
+    with CommEngine(comm, watchdog_s=60) as eng:
+        board.attach(comm)
+        x = xs[r].copy()
+        if r == 0:
+            time.sleep(0.05)
+        eng.allreduce(x, comm, "tree").result()
+        assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
