@@ -26,12 +26,11 @@ as an MPI attribute of the communicator and freed with it.
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 from mpi4py import MPI
 
-from ratrain import fast_requested
+from ratrain import FastPath
 
 from .progress import wait_for
 
@@ -51,23 +50,17 @@ OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc 
 _CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
-_state = {"on": numba is not None and fast_requested()}
+_state = FastPath(numba is not None)
 
 
 def enabled() -> bool:
     """Whether this process may use boards (numba importable, not turned off)."""
-    return _state["on"]
+    return _state.on
 
 
-@contextlib.contextmanager
 def disabled():
     """All-reduces in the block take the messages (tests compare the two; every rank alike)."""
-    before = _state["on"]
-    _state["on"] = False
-    try:
-        yield
-    finally:
-        _state["on"] = before
+    return _state.disabled()
 
 
 if numba is not None:
@@ -234,7 +227,7 @@ def allreduce(buf: np.ndarray, comm, op) -> bool:
     the critical path): True when done, False when `buf` must go another way (no board, or
     it does not fit). For callers without a link or message logging."""
     e = _BOARDS.get(id(comm))
-    if e is None or e[0] is not comm or not _state["on"]:
+    if e is None or e[0] is not comm or not _state.on:
         return False
     b = e[1]
     s = b.typed.get(buf.dtype)  # the slots, for the dtypes that fit
@@ -259,7 +252,7 @@ def board_of(comm):
 def fits(x: np.ndarray, op) -> int | None:
     """The board's opcode for all-reducing x with ufunc `op`, or None when x does not fit (the
     same on every rank for the same call)."""
-    if not _state["on"] or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or \
+    if not _state.on or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or \
             not x.flags.c_contiguous:
         return None
     return OPCODES.get(op)

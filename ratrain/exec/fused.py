@@ -20,41 +20,34 @@ threads split the work as they split the numpy path.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
 
-from ratrain import fast_requested
+from ratrain import FastPath
 
 try:  # the `fast` extra
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
-_state = {"on": numba is not None and fast_requested()}
+_state = FastPath(numba is not None)
 F32 = np.dtype(np.float32)
 
 
 def enabled() -> bool:
     """Whether the fused path is on (numba importable, not turned off by RATRAIN_FUSED=0)."""
-    return _state["on"]
+    return _state.on
 
 
 def usable(xp, *arrays) -> bool:
     """The fused path applies: on, numpy arrays, all float32."""
-    return _state["on"] and xp is np and all(a.dtype == F32 for a in arrays)
+    return _state.on and xp is np and all(a.dtype == F32 for a in arrays)
 
 
-@contextlib.contextmanager
 def disabled():
     """Run the block on the numpy reference (tests compare the two)."""
-    before = _state["on"]
-    _state["on"] = False
-    try:
-        yield
-    finally:
-        _state["on"] = before
+    return _state.disabled()
 
 
 def _jit(fn):
@@ -264,7 +257,7 @@ def _table():
 def cast_into(dst, src) -> bool:
     """dst[...] = src for a float32 <-> float16 pair of C-contiguous numpy arrays of one shape,
     bitwise as numpy; False (nothing done) when it does not apply (`assign` then casts)."""
-    if not (_state["on"] and isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
+    if not (_state.on and isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
             and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous):
         return False
     if src.dtype == F32 and dst.dtype == _F16:
