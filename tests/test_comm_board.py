@@ -105,9 +105,10 @@ def test_what_fits():
     assert board.fits(np.zeros(x.size + 1, np.float32), np.add) is None  # too large
     assert board.fits(np.zeros(4, np.float16), np.add) is None  # partials in float32: messages
     assert board.fits(np.zeros((4, 4), np.float32)[:, 0], np.add) is None  # not contiguous
-    with board.disabled():
-        assert board.fits(x, np.add) is None and not board.enabled()
-    assert board.enabled()
+    with board.disabled():  # what fits never depends on this rank's switch ...
+        assert board.fits(x, np.add) == 0 and not board.enabled()
+        assert not board.usable(object())  # ... whether a board takes the call does
+    assert board.enabled() and board.usable(object()) and not board.usable(None)
 
 
 def test_a_rank_of_its_own_has_no_board():
@@ -207,3 +208,19 @@ def test_a_late_rank_is_waited_for_past_the_spins(comm):
             time.sleep(0.05)
         eng.allreduce(x, comm, "tree").result()
         assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_with_the_path_off_leaves_every_rank_on_the_messages():
+    c = MPI.COMM_WORLD.Dup()
+    p, r = c.Get_size(), c.Get_rank()
+    xs = inputs(p, 7, np.float32, seed=5)
+    x = xs[r].copy()
+    if r == p - 1:
+        with board.disabled():  # as RATRAIN_FUSED=0 or no numba on one rank would
+            C.allreduce(x, c, "tree")
+    else:
+        C.allreduce(x, c, "tree")
+    assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
+    assert board.board_of(c) is None  # agreed on every rank: no board
+    c.Free()

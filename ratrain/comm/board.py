@@ -214,8 +214,9 @@ def attach(comm):
     or boards off on some rank."""
     b = comm.Get_attr(_key())
     if b is None:
-        ok = comm.Get_size() > 1 and enabled() and _on_one_node(comm)
-        ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
+        # every rank makes the same collective calls, whatever its own switch says
+        ok = comm.Get_size() > 1 and _on_one_node(comm) and enabled()
+        ok = comm.Get_size() > 1 and comm.allreduce(int(ok), op=MPI.MIN) == 1
         b = Board(comm) if ok else False
         comm.Set_attr(_key(), b)
         if b:
@@ -254,11 +255,18 @@ def board_of(comm):
 
 def fits(x: np.ndarray, op) -> int | None:
     """The board's opcode for all-reducing x with ufunc `op`, or None when x does not fit (the
-    same on every rank for the same call)."""
-    if not _state.on or x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or \
-            not x.flags.c_contiguous:
+    same on every rank for the same call: it never asks this rank's switch, which `attach`
+    agrees on and `usable` reads)."""
+    if x.dtype not in DTYPES or x.nbytes > BOARD_BYTES or not x.flags.c_contiguous:
         return None
     return OPCODES.get(op)
 
 
-__all__ = ["BOARD_BYTES", "Board", "allreduce", "attach", "board_of", "disabled", "enabled", "fits"]
+def usable(b) -> bool:
+    """Whether board `b` (or None) takes the call: there is one and the path is on (off on
+    every rank alike: `disabled()` in tests; a switch off on some rank gave no board)."""
+    return b is not None and _state.on
+
+
+__all__ = ["BOARD_BYTES", "Board", "allreduce", "attach", "board_of", "disabled", "enabled", "fits",
+           "usable"]

@@ -30,7 +30,7 @@ def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     if link is None and not LOG_MESSAGES:
         code = board.fits(x, ufunc)
         b = board.board_of(comm) if code is not None else None
-        if b is not None:
+        if board.usable(b):
             yield from b.allreduce_op(x, code)
             return buf
     m = 1 << (p.bit_length() - 1)  # largest power of two <= p
@@ -89,7 +89,7 @@ def tree_allreduce_blocking(buf, comm, op="sum", tag=COLL_TAG):
     code = board.fits(x, ufunc)
     if code is not None:
         b = board.attach(comm)
-        if b is not None:
+        if board.usable(b):
             b.allreduce(x, code)
             return buf
     w = x if wd == x.dtype else x.astype(wd)
