@@ -1,6 +1,6 @@
 """Small all-reduce latency back to back (issue 15): MPI_Allreduce against ratrain's tree, with
-the shared-memory board (`comm.board`) and with messages (the board off), interleaved in the
-same processes. `comm.bench` times each operation alone between barriers (its figure includes
+the shared-memory board (`comm.board`), through the default `algo="auto"`, and with messages
+(the board off), interleaved in the same processes. `comm.bench` times each operation alone between barriers (its figure includes
 how unevenly the ranks leave the barrier); this loop times calls that follow each other, where
 every rank's own work per call counts.
 
@@ -34,11 +34,14 @@ def main() -> None:
     def tree():
         C.allreduce(x, comm, "tree")
 
+    def auto():  # the default algo: the model picks tree for small arrays
+        C.allreduce(x, comm)
+
     def messages():
         with board.disabled():
             C.allreduce(x, comm, "tree")
 
-    runs = {"mpi": mpi, "tree (board)": tree, "tree (messages)": messages}
+    runs = {"mpi": mpi, "tree (board)": tree, "auto (board)": auto, "tree (messages)": messages}
     times: dict = {k: [] for k in runs}
     for _ in range(a.rounds):
         for name, f in runs.items():

@@ -224,3 +224,21 @@ def test_a_rank_with_the_path_off_leaves_every_rank_on_the_messages():
     assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
     assert board.board_of(c) is None  # agreed on every rank: no board
     c.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@np.errstate(all="ignore")  # the inputs hold infinities of both signs
+def test_the_default_algo_takes_the_board_where_the_model_picks_the_tree(comm):
+    p, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(p, 3, np.float32, seed=11)
+    assert C.choose_algo(xs[0].nbytes, p) == "tree"
+    b = board.attach(comm)
+    x = xs[r].copy()
+    before = b.done
+    C.allreduce(x, comm)  # algo="auto"
+    assert b.done == before + 1 and x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
+    big = inputs(p, 1 << 20, np.float32, seed=12)  # the model picks the ring: no board round
+    x = big[r].copy()
+    C.allreduce(x, comm)
+    assert b.done == before + 1
+    assert x.tobytes() == C.reference_allreduce(big, C.choose_algo(x.nbytes, p)).tobytes()

@@ -37,6 +37,8 @@ versions against it bitwise.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import board, model
@@ -59,6 +61,13 @@ def run(op, link=None):
     return _run(op, LINK_POLL_S if link is not None else None)
 
 
+@functools.lru_cache(maxsize=4096)
+def _host_choice(nbytes: int, p: int) -> str:
+    """`model.cheapest` on the host's MPI, once per (size, ranks): `auto`'s small all-reduces
+    ask it on every call."""
+    return model.cheapest(nbytes, p)
+
+
 def choose_algo(nbytes: int, p: int, link=None, group=None) -> str:
     """`hier` for a communicator with a NodeGroup, else `ring` or `tree`, whichever all-reduce
     the latency-bandwidth model (`comm.model`) says is faster on `link` (or on the host's MPI
@@ -66,7 +75,7 @@ def choose_algo(nbytes: int, p: int, link=None, group=None) -> str:
     if group is not None:
         return "hier"
     if link is None:
-        return model.cheapest(nbytes, p)
+        return _host_choice(int(nbytes), p)
     return model.cheapest(nbytes, p, link.latency * link.time_scale,
                           link.bandwidth / link.time_scale)
 
@@ -100,8 +109,9 @@ def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledg
 def allreduce(buf, comm, algo="auto", op="sum", *, link=None, ledger=None, tag=COLL_TAG,
               group=None):
     """All-reduce `buf` in place over `comm`; returns `buf`."""
-    if algo == "tree" and link is None and ledger is None and not LOG_MESSAGES and \
-            board.allreduce(buf, comm, op):
+    if (algo == "tree" or algo == "auto" and group is None and
+            _host_choice(buf.nbytes, comm.Get_size()) == "tree") and \
+            link is None and ledger is None and not LOG_MESSAGES and board.allreduce(buf, comm, op):
         return buf  # a small array of a one-node communicator: its board, the least work
     as_ufunc(op)
     if algo == "auto":
