@@ -242,3 +242,26 @@ def test_the_default_algo_takes_the_board_where_the_model_picks_the_tree(comm):
     C.allreduce(x, comm)
     assert b.done == before + 1
     assert x.tobytes() == C.reference_allreduce(big, C.choose_algo(x.nbytes, p)).tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_fast_path_refuses_what_its_kernel_was_not_built_for_and_forgets_freed_boards():
+    for _ in range(2):  # a second communicator may get the first one's id: never its plans
+        c = MPI.COMM_WORLD.Dup()
+        p, r = c.Get_size(), c.Get_rank()
+        xs = inputs(p, 4, np.float32, seed=21)
+        x = xs[r].copy()
+        C.allreduce(x, c, "tree")  # makes the board
+        want = C.reference_allreduce(xs, "tree").tobytes()
+        assert x.tobytes() == want
+        raw = bytearray(4 * 4 + 1)
+        odd = np.frombuffer(raw, np.float32, count=4, offset=1)  # unaligned
+        assert not odd.flags.aligned
+        odd[:] = xs[r]
+        assert not board.allreduce(odd, c, "sum")  # not the compiled kernel's kind of array
+        C.allreduce(odd, c, "tree")  # the other way: the board, through numba's dispatcher
+        assert odd.tobytes() == want
+        y = xs[r].copy()
+        assert board.allreduce(y, c, "sum") and y.tobytes() == want
+        c.Free()
+        assert not [k for k in board._PLANS if k[0] == id(c)]

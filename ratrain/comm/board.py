@@ -199,6 +199,8 @@ _BOARDS: dict = {}  # id(comm) -> (comm, its board): the blocking calls' lookup 
 def _free(_comm, _key, board) -> None:
     if isinstance(board, Board):
         _BOARDS.pop(board.owner, None)
+        for k in [k for k in _PLANS if k[0] == board.owner]:
+            del _PLANS[k]
         board.free()
 
 
@@ -225,25 +227,68 @@ def attach(comm):
     return b or None
 
 
+_PLANS: dict = {}  # (id(comm), dtype, nbytes, op) -> (comm, its board, slots, opcode, kernel)
+PLANS_MAX = 256  # a few kinds of small buffer in practice: the cache is cleared past this
+
+
+def _entry(counters, slots, dtype):
+    """The compiled round for these arrays and 1-D buffers of `dtype`, called without numba's
+    type dispatch (a fifth of a blocking call's CPU time), or the dispatcher itself where
+    numba's compile results are not reachable that way. Its callers pass exactly these types:
+    C-contiguous, aligned, writeable 1-D buffers of `dtype`, Python ints and bools."""
+    try:
+        t = types
+        sig = (numba.typeof(counters), numba.typeof(slots), t.int64, t.int64,
+               t.Array(numba.from_dtype(dtype), 1, "C"), t.int64, t.boolean, t.int64)
+        if sig not in _round.overloads:
+            _round.compile(sig)
+        return _round.overloads[sig].entry_point
+    except Exception:  # noqa: BLE001 - numba's internals moved: the dispatcher is always right
+        return _round
+
+
+def _plan(buf, comm, op: str):
+    """What a blocking all-reduce of arrays like `buf` with `op` on `comm` needs, made once:
+    (comm, board, slots, opcode, kernel); (comm, None, ...) when such arrays do not fit; None
+    while `comm` has no board (then nothing is kept: `attach` may make one later)."""
+    e = _BOARDS.get(id(comm))
+    if e is None or e[0] is not comm:
+        return None
+    b = e[1]
+    s = b.typed.get(buf.dtype)
+    code = _CODES.get(op)
+    if s is None or code is None or buf.nbytes > BOARD_BYTES:
+        plan = (comm, None, None, None, None)
+    else:
+        plan = (comm, b, s, code, _entry(b.counters, s, buf.dtype))
+    if len(_PLANS) >= PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[(id(comm), buf.dtype, buf.nbytes, op)] = plan
+    return plan
+
+
 def allreduce(buf: np.ndarray, comm, op) -> bool:
     """All-reduce `buf` in place through the board `attach` made for `comm`, blocking, with
     the least work per call (where ranks outnumber cores every rank's interpreter time is on
     the critical path): True when done, False when `buf` must go another way (no board, or
     it does not fit). For callers without a link or message logging."""
-    e = _BOARDS.get(id(comm))
-    if e is None or e[0] is not comm or not _state.on:
+    if type(op) is not str:  # MPI.SUM or a ufunc: the other path
         return False
-    b = e[1]
-    s = b.typed.get(buf.dtype)  # the slots, for the dtypes that fit
-    code = _CODES.get(op) if type(op) is str else None
-    if s is None or code is None or buf.nbytes > BOARD_BYTES or not buf.flags.c_contiguous:
+    plan = _PLANS.get((id(comm), buf.dtype, buf.nbytes, op))
+    if plan is None or plan[0] is not comm:  # new, or an earlier communicator's id
+        plan = _plan(buf, comm, op)
+        if plan is None:
+            return False
+    b = plan[1]
+    f = buf.flags
+    if b is None or not (f.c_contiguous and f.aligned and f.writeable and _state.on):
         return False
     x = buf if buf.ndim == 1 else buf.reshape(-1)
     if b.done != b.taken:  # `Board.allreduce` from here on, inlined
         wait_for(lambda: b.done == b.taken)
     t = b.taken = b.taken + 1
-    if not _round(b.counters, s, b.rank, t, x, code, True, SPINS):
-        wait_for(lambda: _round(b.counters, s, b.rank, t, x, code, False, 0))
+    if not plan[4](b.counters, plan[2], b.rank, t, x, plan[3], True, SPINS):
+        wait_for(lambda: _round(b.counters, plan[2], b.rank, t, x, plan[3], False, 0))
     b.done = t
     return True
 
