@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from ratrain import FastPath
 
+from . import model
 from .progress import wait_for
 
 try:  # the `fast` extra
@@ -227,7 +228,7 @@ def attach(comm):
     return b or None
 
 
-_PLANS: dict = {}  # (id(comm), dtype, nbytes, op) -> (comm, its board, slots, opcode, kernel)
+_PLANS: dict = {}  # (id(comm), dtype, nbytes, op, auto) -> (comm, board, slots, opcode, kernel)
 PLANS_MAX = 256  # a few kinds of small buffer in practice: the cache is cleared past this
 
 
@@ -247,36 +248,40 @@ def _entry(counters, slots, dtype):
         return _round
 
 
-def _plan(buf, comm, op: str):
+def _plan(buf, comm, op: str, auto: bool):
     """What a blocking all-reduce of arrays like `buf` with `op` on `comm` needs, made once:
-    (comm, board, slots, opcode, kernel); (comm, None, ...) when such arrays do not fit; None
-    while `comm` has no board (then nothing is kept: `attach` may make one later)."""
+    (comm, board, slots, opcode, kernel); (comm, None, ...) when such arrays do not fit, or
+    when `auto` and the model picks the ring for them (`model.cheapest`, as `collectives`'
+    `auto` does without a link); None while `comm` has no board (then nothing is kept:
+    `attach` may make one later)."""
     e = _BOARDS.get(id(comm))
     if e is None or e[0] is not comm:
         return None
     b = e[1]
     s = b.typed.get(buf.dtype)
     code = _CODES.get(op)
-    if s is None or code is None or buf.nbytes > BOARD_BYTES:
+    if s is None or code is None or buf.nbytes > BOARD_BYTES or \
+            auto and model.cheapest(buf.nbytes, b.p) != "tree":
         plan = (comm, None, None, None, None)
     else:
         plan = (comm, b, s, code, _entry(b.counters, s, buf.dtype))
     if len(_PLANS) >= PLANS_MAX:
         _PLANS.clear()
-    _PLANS[(id(comm), buf.dtype, buf.nbytes, op)] = plan
+    _PLANS[(id(comm), buf.dtype, buf.nbytes, op, auto)] = plan
     return plan
 
 
-def allreduce(buf: np.ndarray, comm, op) -> bool:
+def allreduce(buf: np.ndarray, comm, op, auto: bool = False) -> bool:
     """All-reduce `buf` in place through the board `attach` made for `comm`, blocking, with
     the least work per call (where ranks outnumber cores every rank's interpreter time is on
-    the critical path): True when done, False when `buf` must go another way (no board, or
-    it does not fit). For callers without a link or message logging."""
+    the critical path): True when done, False when `buf` must go another way (no board, it
+    does not fit, or `auto` and the model picks the ring). For callers without a link, a
+    node group or message logging."""
     if type(op) is not str:  # MPI.SUM or a ufunc: the other path
         return False
-    plan = _PLANS.get((id(comm), buf.dtype, buf.nbytes, op))
+    plan = _PLANS.get((id(comm), buf.dtype, buf.nbytes, op, auto))
     if plan is None or plan[0] is not comm:  # new, or an earlier communicator's id
-        plan = _plan(buf, comm, op)
+        plan = _plan(buf, comm, op, auto)
         if plan is None:
             return False
     b = plan[1]

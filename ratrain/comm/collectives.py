@@ -109,9 +109,8 @@ def allreduce_op(buf, comm, algo="auto", op="sum", tag=COLL_TAG, link=None, ledg
 def allreduce(buf, comm, algo="auto", op="sum", *, link=None, ledger=None, tag=COLL_TAG,
               group=None):
     """All-reduce `buf` in place over `comm`; returns `buf`."""
-    if (algo == "tree" or algo == "auto" and group is None and
-            _host_choice(buf.nbytes, comm.Get_size()) == "tree") and \
-            link is None and ledger is None and not LOG_MESSAGES and board.allreduce(buf, comm, op):
+    if (algo == "tree" or algo == "auto" and group is None) and link is None and \
+            ledger is None and not LOG_MESSAGES and board.allreduce(buf, comm, op, algo == "auto"):
         return buf  # a small array of a one-node communicator: its board, the least work
     as_ufunc(op)
     if algo == "auto":
