@@ -164,17 +164,19 @@ class Board:
         self.typed = {d: slots.view(d).reshape(p, 2, -1) for d in DTYPES}  # every rank's 2 slots
         self.p = p
         self.taken = self.done = 0  # rounds begun / finished on this rank
-        self.owner = None  # id() of the communicator it belongs to
+        self.owner = id(comm)  # the communicator it belongs to (its key in `_BOARDS`)
         comm.Barrier()
         self.win.Sync()  # the rounds' own ordering: the kernel's release stores, acquire loads
 
-    def allreduce(self, x: np.ndarray, opcode: int) -> None:
-        """All-reduce x (1-D, contiguous, a DTYPES dtype, <= BOARD_BYTES) in place, blocking."""
+    def allreduce(self, x: np.ndarray, opcode: int, slots=None, kernel=None) -> None:
+        """All-reduce x (1-D, contiguous, a DTYPES dtype, <= BOARD_BYTES) in place, blocking.
+        `slots` (`typed[x.dtype]`) and `kernel` (the compiled round, `_entry`'s or the
+        dispatcher) as a plan of the fast path has them."""
         if self.done != self.taken:  # rounds of the engine in flight: this one comes after
             wait_for(lambda: self.done == self.taken)
         t = self.taken = self.taken + 1
-        s = self.typed[x.dtype]
-        if not _round(self.counters, s, self.rank, t, x, opcode, True, SPINS):
+        s = self.typed[x.dtype] if slots is None else slots
+        if not (kernel or _round)(self.counters, s, self.rank, t, x, opcode, True, SPINS):
             wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0))
         self.done = t
 
@@ -218,12 +220,11 @@ def attach(comm):
     b = comm.Get_attr(_key())
     if b is None:
         # every rank makes the same collective calls, whatever its own switch says
-        ok = comm.Get_size() > 1 and _on_one_node(comm) and enabled()
-        ok = comm.Get_size() > 1 and comm.allreduce(int(ok), op=MPI.MIN) == 1
+        ok = comm.Get_size() > 1 and \
+            comm.allreduce(int(_on_one_node(comm) and enabled()), op=MPI.MIN) == 1
         b = Board(comm) if ok else False
         comm.Set_attr(_key(), b)
         if b:
-            b.owner = id(comm)
             _BOARDS[b.owner] = (comm, b)
     return b or None
 
@@ -288,13 +289,7 @@ def allreduce(buf: np.ndarray, comm, op, auto: bool = False) -> bool:
     f = buf.flags
     if b is None or not (f.c_contiguous and f.aligned and f.writeable and _state.on):
         return False
-    x = buf if buf.ndim == 1 else buf.reshape(-1)
-    if b.done != b.taken:  # `Board.allreduce` from here on, inlined
-        wait_for(lambda: b.done == b.taken)
-    t = b.taken = b.taken + 1
-    if not plan[4](b.counters, plan[2], b.rank, t, x, plan[3], True, SPINS):
-        wait_for(lambda: _round(b.counters, plan[2], b.rank, t, x, plan[3], False, 0))
-    b.done = t
+    b.allreduce(buf if buf.ndim == 1 else buf.reshape(-1), plan[3], plan[2], plan[4])
     return True
 
 

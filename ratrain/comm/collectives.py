@@ -37,8 +37,6 @@ versions against it bitwise.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import board, model
@@ -61,13 +59,6 @@ def run(op, link=None):
     return _run(op, LINK_POLL_S if link is not None else None)
 
 
-@functools.lru_cache(maxsize=4096)
-def _host_choice(nbytes: int, p: int) -> str:
-    """`model.cheapest` on the host's MPI, once per (size, ranks): `auto`'s small all-reduces
-    ask it on every call."""
-    return model.cheapest(nbytes, p)
-
-
 def choose_algo(nbytes: int, p: int, link=None, group=None) -> str:
     """`hier` for a communicator with a NodeGroup, else `ring` or `tree`, whichever all-reduce
     the latency-bandwidth model (`comm.model`) says is faster on `link` (or on the host's MPI
@@ -75,7 +66,7 @@ def choose_algo(nbytes: int, p: int, link=None, group=None) -> str:
     if group is not None:
         return "hier"
     if link is None:
-        return _host_choice(int(nbytes), p)
+        return model.cheapest(nbytes, p)
     return model.cheapest(nbytes, p, link.latency * link.time_scale,
                           link.bandwidth / link.time_scale)
 
