@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ratrain.config import load_config
-from ratrain.runctl import (
+from ratrain.job.runctl import (
     EXIT_INTERRUPTED,
     LOCK_NAME,
     RunLock,
@@ -22,7 +22,7 @@ from ratrain.runctl import (
 
 HOLD = """
 import sys, time
-from ratrain.runctl import RunLock
+from ratrain.job.runctl import RunLock
 lock = RunLock.acquire(sys.argv[1])
 print("HELD", flush=True)
 time.sleep(60)

@@ -16,8 +16,8 @@ SCRIPT = r'''
 import os, signal, sys, time
 import numpy as np
 from mpi4py import MPI
-from ratrain.comm.abort import abort_on_error
-from ratrain.comm.control import Control
+from ratrain.job.abort import abort_on_error
+from ratrain.job.control import Control
 from ratrain.comm.engine import CommEngine
 from ratrain.shim.ledger import Ledger
 

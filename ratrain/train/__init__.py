@@ -6,11 +6,11 @@ the node's memory, checkpoint, room for checkpoints, the run directory's lock) r
 work, on every rank, and the ranks agree on the verdict: a bad input stops every rank with the
 same message (printed once, by rank 0) and exit code 2. After start-up, an exception on any
 rank aborts the whole job (MPI_Abort; every rank prints why) instead of leaving the others
-hanging, and the job's watchdog (`comm.timeout`, `ratrain.comm.watchdog`) ends it when a rank
+hanging, and the job's watchdog (`comm.timeout`, `ratrain.job.watchdog`) ends it when a rank
 stops answering. A run stops early and cleanly on a signal or `run.time_limit` (a checkpoint
 at the step reached, exit 75), on `optim.max_nonfinite_steps` non-finite steps (exit 4) and on
 a checkpoint that cannot be written (exit 5, unless `checkpoint.on_error: continue`); the exit
-codes are `ratrain.runctl`'s.
+codes are `ratrain.job.runctl`'s.
 
 The package: `startup` (the checks, agreed across ranks), `trainer` (the loop, and how a run
 ends), and here the command itself (arguments, --print-config, --dry-run, MPI and the job's
@@ -26,11 +26,11 @@ import argparse
 import faulthandler
 import sys
 
-from ratrain.comm.abort import abort_on_error
+from ratrain.job.abort import abort_on_error
 from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
 from ratrain.plan.check import run_plan
-from ratrain.runctl import EXIT_OK, EXIT_USAGE
+from ratrain.job.runctl import EXIT_OK, EXIT_USAGE
 from ratrain.shim import allocator
 from ratrain.train.startup import (
     Setup,
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         faulthandler.dump_traceback_later(timeout + 30, exit=True)
     from mpi4py import MPI  # after the arguments: --help needs no MPI
 
-    from ratrain.comm.control import Control  # loads MPI, after the backstop is armed
+    from ratrain.job.control import Control  # loads MPI, after the backstop is armed
 
     allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
     comm = MPI.COMM_WORLD

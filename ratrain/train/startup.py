@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from ratrain import tblog
+from ratrain.job import tblog
 from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
 from ratrain.checkpoint.space import room_problem
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.hf import check_hf, import_model_section
 from ratrain.plan.check import available_memory, run_plan
-from ratrain.runctl import lock_dirs
+from ratrain.job.runctl import lock_dirs
 
 
 class StartupError(RuntimeError):

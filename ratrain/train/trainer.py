@@ -4,7 +4,7 @@
 imports its weights, and loops over steps; after each step every rank agrees whether to stop (a
 signal or `run.time_limit` on any rank: `runctl.StopRequests`, one tiny all-reduce through the
 engine), and the loop ends early on `optim.max_nonfinite_steps` non-finite steps or a checkpoint
-that cannot be written. It returns the exit code (`ratrain.runctl`). The schedule and its
+that cannot be written. It returns the exit code (`ratrain.job.runctl`). The schedule and its
 numerics live in `ratrain.lifecycle`.
 """
 
@@ -25,14 +25,14 @@ from ratrain.checkpoint import (
     save_checkpoint,
 )
 from ratrain.checkpoint.space import checkpoint_bytes
-from ratrain.comm.abort import abort
+from ratrain.job.abort import abort
 from ratrain.data import eval_batches, open_datasets
 from ratrain.exec.params import BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
-from ratrain.metrics import MetricsWriter
-from ratrain.runctl import (
+from ratrain.job.metrics import MetricsWriter
+from ratrain.job.runctl import (
     EXIT_CHECKPOINT,
     EXIT_DIVERGED,
     EXIT_OK,
@@ -40,7 +40,7 @@ from ratrain.runctl import (
     StopRequests,
     write_status,
 )
-from ratrain.tblog import TensorBoard
+from ratrain.job.tblog import TensorBoard
 from ratrain.train.startup import Setup
 
 
@@ -100,7 +100,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train from the resumed step to run.steps; the exit code (`ratrain.runctl`)."""
+        """Train from the resumed step to run.steps; the exit code (`ratrain.job.runctl`)."""
         cfg = self.cfg
         if self.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)

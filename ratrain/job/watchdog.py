@@ -41,7 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ratrain.comm import abort as _abort
+from ratrain.job import abort as _abort
 
 TAG_BEAT, TAG_FAIL, TAG_ACK = 11, 12, 13
 BEAT_BYTES = 1024  # a heartbeat: JSON padded with zeros

@@ -25,7 +25,7 @@ import time
 
 from mpi4py import MPI
 
-from ratrain.comm.watchdog import Watchdog
+from ratrain.job.watchdog import Watchdog
 
 TAG_COLL = 31  # gather / bcast (point-to-point tags of callers are their own)
 
