@@ -23,6 +23,8 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from ratrain.job.runctl import EXIT_ERROR
+
 _notify: Callable[[str], None] | None = None  # the watchdog's failure notice, when one runs
 
 
@@ -41,7 +43,7 @@ def _world_rank() -> int:
         return -1
 
 
-def abort(exc: BaseException | None = None, code: int = 1) -> None:
+def abort(exc: BaseException | None = None, code: int = EXIT_ERROR) -> None:
     """Print `exc` (if any) tagged with the rank, then stop every rank of the job."""
     rank = _world_rank()
     if exc is not None:
@@ -63,7 +65,7 @@ def abort(exc: BaseException | None = None, code: int = 1) -> None:
 
 
 @contextmanager
-def abort_on_error(code: int = 1):
+def abort_on_error(code: int = EXIT_ERROR):
     """Run the body; on any exception (not a clean SystemExit) abort the whole job."""
     try:
         yield
@@ -75,7 +77,7 @@ def abort_on_error(code: int = 1):
         abort(e, code)
 
 
-def install_excepthook(code: int = 1) -> None:
+def install_excepthook(code: int = EXIT_ERROR) -> None:
     """Abort the job on an uncaught exception in any thread."""
     sys.excepthook = lambda t, e, tb: abort(e.with_traceback(tb), code)
     threading.excepthook = lambda args: abort(args.exc_value, code)

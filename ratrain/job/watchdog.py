@@ -42,11 +42,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ratrain.job import abort as _abort
+from ratrain.job.runctl import EXIT_SILENT
 
 TAG_BEAT, TAG_FAIL, TAG_ACK = 11, 12, 13
 BEAT_BYTES = 1024  # a heartbeat: JSON padded with zeros
 FAIL_BYTES = 8192  # a failure notice
-EXIT_SILENT = 3  # exit code when a rank stopped answering (README: exit codes)
 
 
 def _encode(obj, size: int) -> np.ndarray:
@@ -247,4 +247,4 @@ class Watchdog:
         threading.Timer(10.0, _abort.abort, (None, EXIT_SILENT)).start()
 
 
-__all__ = ["EXIT_SILENT", "Watchdog"]
+__all__ = ["Watchdog"]
