@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -87,16 +88,23 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[st
     os.close(fd)
     try:
         yield tmp
-        if os.path.islink(tmp):  # the writer replaced our file with a link: refuse
-            raise OSError(f"{tmp}: became a symbolic link while being written")
-        if os.stat(tmp).st_mode & 0o7777 != mode:  # a writer that made its own file (0600)
-            os.chmod(tmp, mode)
-        if durable:
+        # one descriptor, opened without following a link, for the check and every use after it
+        try:
             fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-            try:
+        except OSError as e:
+            if os.path.islink(tmp):  # the writer replaced our file with a link: refuse
+                raise OSError(f"{tmp}: became a symbolic link while being written") from e
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{tmp}: became something other than a file while being written")
+            if st.st_mode & 0o7777 != mode:  # a writer that made its own file (0600)
+                os.fchmod(fd, mode)
+            if durable:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
