@@ -49,9 +49,17 @@ import threading
 import time
 
 from ratrain.fileio import atomic_write, open_no_follow
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_SILENT = 0, 1, 2, 3
-EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_STOPPED, EXIT_INTERRUPTED = 4, 5, 75, 76
+from ratrain.job.codes import (
+    EXIT_CHECKPOINT,
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SILENT,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+)
+from ratrain.job.early import signum
 STATES = {None: "running", EXIT_OK: "finished", EXIT_DIVERGED: "diverged",
           EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped"}
 
@@ -214,7 +222,7 @@ class StopRequests:
         self._grace: threading.Timer | None = None
         if install:
             for name in run_cfg.stop_signals:
-                sig = getattr(signal, "SIG" + name.upper().removeprefix("SIG"))
+                sig = signum(name)
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

@@ -22,6 +22,10 @@ other command).
 
 from __future__ import annotations
 
+from ratrain.job import early
+
+early.catch()  # the first instruction: a stop signal from here on exits 75 (ratrain.job.early)
+
 import argparse
 import faulthandler
 import sys
@@ -104,17 +108,23 @@ def dry_run(setup: Setup, comm) -> int:
 
 def _comm_timeout(args) -> float:
     """comm.timeout of the job as this process reads it alone (before MPI starts; the default
-    when the config is bad: start-up will say why on every rank)."""
+    when the config is bad: start-up will say why on every rank); its run.stop_signals are
+    caught from here on."""
     try:
-        return load_config(args.config, args.overrides).comm.timeout
+        cfg = load_config(args.config, args.overrides)
     except ConfigError:
         return CommConfig.timeout
+    early.catch(cfg.run.stop_signals)
+    return cfg.comm.timeout
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.print_config:
+        early.phase("--print-config")
         return print_config(args)
+    if args.dry_run:
+        early.phase("--dry-run")
     timeout = _comm_timeout(args)
     # MPI's start-up and the watchdog's own set-up are collectives that no watchdog covers yet:
     # should a rank stop meanwhile, dump the stacks and exit instead of waiting for ever.
@@ -146,6 +156,7 @@ def _main(args, comm, ctl) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if setup.finished:
+        early.phase("nothing to do (the run is finished)")
         if comm.Get_rank() == 0:
             print(f"ratrain: {setup.finished}", flush=True)
         return EXIT_OK

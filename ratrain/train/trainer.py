@@ -32,9 +32,11 @@ from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
 from ratrain.job.metrics import MetricsWriter
+from ratrain.job import early
 from ratrain.job.runctl import (
     EXIT_CHECKPOINT,
     EXIT_DIVERGED,
+    EXIT_ERROR,
     EXIT_OK,
     EXIT_STOPPED,
     StopRequests,
@@ -102,6 +104,8 @@ class Trainer:
     def run(self) -> int:
         """Train from the resumed step to run.steps; the exit code (`ratrain.job.runctl`)."""
         cfg = self.cfg
+        # from here a stop signal is graceful (before: `job.early` exits 75 at once)
+        self.stop = StopRequests(cfg.run, self._hard_exit)
         if self.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
         self.ctl.barrier()  # the run directory exists before any rank writes into it
@@ -114,11 +118,12 @@ class Trainer:
             self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
             self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
             self.tb = TensorBoard(cfg.run.dir) if cfg.run.tensorboard else None
-        self.stop = StopRequests(cfg.run, self._hard_exit)
         self.step_reached = self.start_step
+        code = EXIT_ERROR
         try:
             code = self._loop()
         finally:
+            early.ended(code)  # a signal from now on: this code at once
             self.stop.close()
         if cfg.run.trace and code in (EXIT_OK, EXIT_STOPPED):
             self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
