@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_early_signals_are_run_stop_signals_default():
-    assert early.DEFAULT_SIGNALS == RunConfig().stop_signals
+    assert RunConfig().stop_signals == early.DEFAULT_SIGNALS
 
 
 def caught(pid: int, sig: int) -> bool:
