@@ -80,3 +80,14 @@ def test_only_rank_0_prints_under_a_launcher(monkeypatch):
                         "time.sleep(30)\n"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, OMPI_COMM_WORLD_RANK="1"))
     assert r.returncode == 75 and r.stderr == ""
+
+
+def test_after_the_last_instruction_the_stop_signals_are_ignored():
+    """Python puts back a signal's default action (a kill) while it finalises, except for an
+    ignored one: after the last instruction the stop signals are ignored, so a run that has
+    finished is not turned into a kill by a late signal (seen: exit -10 after "finished")."""
+    code = ("import signal\nfrom ratrain.job import early\nearly.catch()\nearly.ended(0)\n"
+            "early.ignore()\nprint(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr

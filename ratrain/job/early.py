@@ -10,6 +10,7 @@ of a requeued job, a `scancel`. Python's default action for TERM and USR1 kills 
     early.phase("nothing to do")                    # what the run is doing, for the message
     ... the trainer's StopRequests take the signals over, and hand them back when it returns
     early.ended(code)                               # a signal after the end: that exit code
+    early.ignore()                                  # the last instruction: exiting with it
 
 A stop asked before training starts ends the process at once with exit 75 and one line (from
 rank 0, or from the process when no launcher gives ranks) saying that nothing was trained:
@@ -85,4 +86,12 @@ def ended(code: int) -> None:
     _state["ended"] = code
 
 
-__all__ = ["DEFAULT_SIGNALS", "catch", "ended", "phase", "signum"]
+def ignore() -> None:
+    """The process is about to exit with its code (MPI's finalisation, the interpreter's):
+    signals from now on are ignored. Python puts back the default action of a signal it has a
+    handler for while it finalises, which would kill a process that has finished."""
+    for num in _state["caught"]:
+        signal.signal(num, signal.SIG_IGN)
+
+
+__all__ = ["DEFAULT_SIGNALS", "catch", "ended", "ignore", "phase", "signum"]

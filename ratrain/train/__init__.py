@@ -119,6 +119,13 @@ def _comm_timeout(args) -> float:
 
 
 def main(argv=None) -> int:
+    code = _command(argv)
+    early.ended(code)
+    early.ignore()  # exiting with `code`: a signal now would only turn it into a kill
+    return code
+
+
+def _command(argv) -> int:
     args = parse_args(argv)
     if args.print_config:
         early.phase("--print-config")
