@@ -39,7 +39,9 @@ def signum(name: str) -> int:
     return getattr(signal, "SIG" + name.upper().removeprefix("SIG"))
 
 
-def _rank0() -> bool:
+def is_rank0() -> bool:
+    """Rank 0 of the launcher's job, or a process no launcher started (from the environment:
+    MPI need not be running)."""
     for var in RANK_VARS:
         if os.environ.get(var, "").isdigit():
             return os.environ[var] == "0"
@@ -55,7 +57,7 @@ def _on_signal(num, frame) -> None:
                 f"nothing was trained; run the same command again to continue (exit {code})\n")
     else:
         line = f"ratrain: {name} after the run ended (exit {code})\n"
-    if _rank0():
+    if is_rank0():
         try:
             sys.stderr.write(line)
             sys.stderr.flush()
@@ -94,4 +96,4 @@ def ignore() -> None:
         signal.signal(num, signal.SIG_IGN)
 
 
-__all__ = ["DEFAULT_SIGNALS", "catch", "ended", "ignore", "phase", "signum"]
+__all__ = ["DEFAULT_SIGNALS", "catch", "ended", "ignore", "is_rank0", "phase", "signum"]

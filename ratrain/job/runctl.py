@@ -45,6 +45,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -101,9 +102,12 @@ class RunLock:
     def acquire(cls, directory: str, what: str = "run.dir") -> RunLock:
         """Lock `directory` (created if absent); RunLocked naming the holder if it is taken.
         `note` says when a dead holder's lock was taken over."""
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
-        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # never through a link
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # never through a link
+        except OSError as e:
+            raise OSError(unwritable(what, directory, e)) from None
         try:
             old = cls._read(fd)
             if not cls._flock(fd):
@@ -177,6 +181,29 @@ class RunLock:
         self._no_flock.discard(self._fd)
         os.close(self._fd)  # the flock goes with the last descriptor
         self._fd = None
+
+
+def unwritable(key: str, path: str, e: OSError) -> str:
+    """One line: what could not be written, where, why, and the key that moves it."""
+    why = e.strerror or str(e)
+    return (f"cannot write {key}={path} ({why}{': ' + e.filename if e.filename and e.filename != path else ''}): "
+            f"free space or fix the permissions there, or set {key} to a writable directory")
+
+
+def check_writable(directory: str, key: str) -> None:
+    """Whether `directory` (config key `key`) can be made and written, leaving nothing behind:
+    it or its nearest existing parent is a directory where an entry can be made (OSError
+    naming `key` otherwise)."""
+    path = os.path.abspath(directory)
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OSError(unwritable(key, directory, OSError(errno.ENOTDIR, "not a directory", probe)))
+    try:  # the one sure test: make (and remove) an entry there
+        os.rmdir(tempfile.mkdtemp(prefix=".ratrain-probe-", dir=probe))
+    except OSError as e:
+        raise OSError(unwritable(key, directory, OSError(e.errno, e.strerror, probe))) from None
 
 
 def lock_dirs(run_dir: str, ckpt_dir: str, log) -> list[RunLock]:
@@ -272,6 +299,6 @@ class StopRequests:
 
 __all__ = [
     "EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_SILENT",
-    "EXIT_STOPPED", "EXIT_USAGE", "LOCK_NAME", "RunLock", "RunLocked", "StopRequests", "lock_dirs",
-    "write_status",
+    "EXIT_STOPPED", "EXIT_USAGE", "LOCK_NAME", "RunLock", "RunLocked", "StopRequests",
+    "check_writable", "lock_dirs", "unwritable", "write_status",
 ]

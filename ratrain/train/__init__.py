@@ -73,13 +73,17 @@ def parse_args(argv=None):
 
 
 def print_config(args) -> int:
-    """--print-config: the resolved config as YAML (no MPI, no data read)."""
+    """--print-config: the resolved config as YAML (no MPI, no data read), printed by rank 0
+    of a launcher's job only."""
     try:
-        print(resolve_config(args).to_yaml(), end="", flush=True)
+        text = resolve_config(args).to_yaml()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        if early.is_rank0():
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if early.is_rank0():
+        print(text, end="", flush=True)
+    return EXIT_OK
 
 
 def dry_run(setup: Setup, comm) -> int:

@@ -20,7 +20,7 @@ from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.hf import check_hf, import_model_section
 from ratrain.plan.check import available_memory, run_plan
-from ratrain.job.runctl import lock_dirs
+from ratrain.job.runctl import check_writable, lock_dirs
 
 
 class StartupError(RuntimeError):
@@ -97,10 +97,11 @@ def startup(args, comm) -> Setup:
         agree(comm, check_hf, cfg.init.from_hf, cfg.model)
     if cfg.run.tensorboard:
         agree(comm, tblog.check)
+    agree(comm, lambda: comm.Get_rank() == 0 and check_writable(cfg.run.dir, "run.dir"))
+    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     if getattr(args, "dry_run", False):  # the plan is the dry run's own report
         return Setup(cfg, data_paths, None)
     agree(comm, check_memory, cfg, comm.Get_rank())
-    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     done = agree(comm, finished_message, cfg, resume)
     if done:
         return Setup(cfg, data_paths, resume, finished=done)
