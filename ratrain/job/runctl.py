@@ -61,8 +61,11 @@ from ratrain.job.codes import (
     EXIT_USAGE,
 )
 from ratrain.job.early import signum
-STATES = {None: "running", EXIT_OK: "finished", EXIT_DIVERGED: "diverged",
-          EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped"}
+STATES = {None: "running", EXIT_OK: "finished", EXIT_ERROR: "failed", EXIT_USAGE: "refused",
+          EXIT_SILENT: "a rank stopped answering", EXIT_DIVERGED: "diverged",
+          EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped",
+          EXIT_INTERRUPTED: "interrupted"}
+STATUS_BYTES = 1024  # status.json's fixed size: updated in place, so a full disk cannot stop it
 
 LOCK_NAME = ".ratrain.lock"
 REPEAT_S = 2.0  # a second signal sooner than this after the first is a duplicate
@@ -222,14 +225,38 @@ def lock_dirs(run_dir: str, ckpt_dir: str, log) -> list[RunLock]:
     return locks
 
 
-def write_status(run_dir: str, step: int, code: int | None = None) -> None:
-    """`<run_dir>/status.json`, one line: {"state", "exit", "step", "time"} (rank 0 writes it
-    when the run starts and when it ends its own way), so that a batch script whose launcher
-    reports the ranks' exit badly (srun kills the ranks still exiting once one has exited
-    non-zero) still knows how the run ended."""
-    info = {"state": STATES.get(code, "failed"), "exit": code, "step": step,
+def write_status(run_dir: str, step: int, code: int | None = None, why: str = "",
+                 state: str | None = None) -> None:
+    """`<run_dir>/status.json`, one line: {"state", "exit", "step", "time"} and, when the run
+    did not end its own way, "why" (rank 0 writes it when the run starts and when it ends, the
+    rank that fails or notices a failure when it is alive to), so that a batch script whose
+    launcher reports the ranks' exit badly (srun kills the ranks still exiting once one has
+    exited non-zero) still knows how the run ended.
+
+    The file has a fixed size (`STATUS_BYTES`, padded with spaces): written whole at the start
+    (`atomic_write`), then overwritten in place, which takes no new room, so that it still says
+    why when the disk is full."""
+    info = {"state": state or STATES.get(code, "failed"), "exit": code, "step": step,
             "time": round(time.time(), 3)}
-    atomic_write(os.path.join(run_dir, "status.json"), json.dumps(info) + "\n")
+    if why:
+        info["why"] = why[: STATUS_BYTES // 2]
+    raw = json.dumps(info).encode()
+    raw = raw + b" " * max(0, STATUS_BYTES - 1 - len(raw)) + b"\n"
+    path = os.path.join(run_dir, "status.json")
+    try:
+        fd = open_no_follow(path, os.O_WRONLY)
+    except FileNotFoundError:
+        atomic_write(path, raw)
+        return
+    try:
+        if os.fstat(fd).st_size != len(raw):
+            raise OSError(errno.EINVAL, "not this run's status file", path)
+        os.pwrite(fd, raw, 0)
+        os.fsync(fd)
+    except OSError:
+        atomic_write(path, raw)  # an older layout, or in-place writes refused: the usual way
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ratrain.job import abort as _abort
-from ratrain.job.runctl import EXIT_SILENT
+from ratrain.job.runctl import EXIT_ERROR, EXIT_SILENT
 
 TAG_BEAT, TAG_FAIL, TAG_ACK = 11, 12, 13
 BEAT_BYTES = 1024  # a heartbeat: JSON padded with zeros
@@ -124,13 +124,13 @@ class Watchdog:
         if not self._thread.is_alive():
             self.comm.Free()
 
-    def notify_failure(self, message: str) -> None:
+    def notify_failure(self, message: str, code: int = EXIT_ERROR) -> None:
         """Tell every other rank why the job is about to end; wait briefly for them to say they
         printed it (called by `comm.abort.abort` before MPI_Abort)."""
         if not self._failing.acquire(blocking=False):
             return  # already notifying (the watchdog thread and an error at once)
         targets = [r for r in range(self.size) if r != self.rank and r not in self.suspects]
-        buf = _encode({"from": self.world_rank, "msg": message}, FAIL_BYTES)
+        buf = _encode({"from": self.world_rank, "msg": message, "code": code}, FAIL_BYTES)
         reqs = [self.comm.Isend([buf, MPI.BYTE], r, TAG_FAIL) for r in targets]
         acks = [self.comm.Irecv([np.zeros(1, np.uint8), MPI.BYTE], r, TAG_ACK) for r in targets]
         deadline = time.monotonic() + 2.0
@@ -236,15 +236,18 @@ class Watchdog:
         self.out.write(f"[rank {self.world_rank}] error: {message}; ending the job on every rank "
                        "(MPI_Abort)\n")
         self.out.flush()
-        self.notify_failure(message + f" (noticed by rank {self.world_rank})")
-        _abort.abort(None, EXIT_SILENT)
+        message += f" (noticed by rank {self.world_rank})"
+        self.notify_failure(message, EXIT_SILENT)
+        _abort.abort(None, EXIT_SILENT, message)
 
     def _on_failure(self, msg: dict, source: int) -> None:
         self.out.write(f"[rank {self.world_rank}] error: the job ends: {msg.get('msg', '?')}\n")
         self.out.flush()
+        code = int(msg.get("code", EXIT_ERROR))
+        _abort.record_end(code, msg.get("msg", "?"))  # a surviving rank says how the job ended
         self.comm.Isend([np.zeros(1, np.uint8), MPI.BYTE], source, TAG_ACK).Wait()
         # The sender calls MPI_Abort next; should it not, end this rank ourselves.
-        threading.Timer(10.0, _abort.abort, (None, EXIT_SILENT)).start()
+        threading.Timer(10.0, _abort.abort, (None, code)).start()
 
 
 __all__ = ["Watchdog"]
