@@ -251,9 +251,14 @@ class CommEngine:
 
     def _watch(self) -> None:
         period = min(1.0, self.watchdog_s / 4)
+        last = time.perf_counter()
         while self._thread.is_alive():
             time.sleep(period)
             now = time.perf_counter()
+            if now - last > period + max(1.0, period):  # this process was frozen (SIGSTOP)
+                for task in list(self._inflight.values()):
+                    task.t_start = max(task.t_start, now)  # not the peers' fault: time anew
+            last = now
             for seq, task in list(self._inflight.items()):
                 age = now - task.t_start
                 if age > self.watchdog_s and not task.dead:

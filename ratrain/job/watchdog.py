@@ -78,6 +78,7 @@ class Watchdog:
         self.period = period_s or min(5.0, max(0.2, self.timeout / 10))
         self.out = out or sys.stderr
         self.activity = "start-up"
+        self.frozen_until = 0.0  # when this process last woke from being frozen (monotonic)
         self.suspects: dict[int, float] = {}  # rank -> seconds silent (as the monitor sees it)
         now = time.monotonic()
         self._heard = {r: now for r in self._watched()}  # rank -> when last heard from
@@ -95,15 +96,25 @@ class Watchdog:
     # -- what the rest of the runtime calls --------------------------------------------------------
 
     def doing(self, activity: str) -> None:
-        """Set what this rank is doing (sent with its next heartbeat, at most a tick from now;
-        printed by the others if it goes silent)."""
+        """Set what this rank is doing (sent at once: the heartbeat thread wakes; printed by
+        the others if it goes silent)."""
         self.activity = activity
         self._changed.set()
+
+    def silent(self, ranks) -> bool:
+        """Whether any of `ranks` (of the watched communicator) may have stopped answering: a
+        suspect, or, seen from a rank other than the monitor, the monitor itself gone quiet."""
+        ranks = set(ranks)
+        return bool(ranks & set(self.suspects)) or (self.rank != 0 and 0 in self.suspects)
 
     def hold(self, what: str = "", age: float = 0.0) -> bool:
         """Whether an operation that timed out should wait on: True while some rank is a
         suspect (the monitor will end the job naming it), for at most another timeout."""
         return bool(self.suspects) and age < 2 * self.timeout
+
+    def was_frozen(self, since: float) -> bool:
+        """Whether this process itself was frozen (stopped) after monotonic time `since`."""
+        return self.frozen_until > since
 
     def explain(self) -> str:
         """What the watchdog knows, for an operation's timeout error."""
@@ -161,8 +172,13 @@ class Watchdog:
         status = MPI.Status()
         next_beat = 0.0
         tick = min(0.25, self.period / 4)
+        last = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
+            if now - last > max(1.0, self.period):  # this process was frozen (SIGSTOP), not them
+                self._heard = {r: now for r in self._heard}
+                self.frozen_until = now
+            last = now
             if fail is not None and fail.Test(status):
                 self._on_failure(_decode(fail_buf), status.Get_source())
                 fail = None
@@ -182,7 +198,7 @@ class Watchdog:
             if self._closing and self._said_bye and (self.rank != 0 or not recv) and \
                     (self.rank == 0 or 0 in self._bye):
                 break
-            time.sleep(tick)  # so a changed activity goes out at most a tick late, once per tick
+            self._changed.wait(tick)  # a changed activity goes out at once (the thread wakes)
         for q in [*recv.values(), *([fail] if fail is not None else [])]:
             q.Cancel()
             q.Wait()
