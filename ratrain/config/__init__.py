@@ -118,9 +118,11 @@ def job_path(path: str | os.PathLike) -> str:
     return str(shipped) if shipped.is_file() else p
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (), *,
+                allow_empty: bool = True) -> Config:
     """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
-    validate; raise ConfigError. An empty file is refused unless overrides give the keys."""
+    validate; raise ConfigError. `allow_empty=False` (the commands) refuses a file with no keys
+    (an empty job would train a default model without a word)."""
     path = job_path(path) if path is not None else None
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}
@@ -132,9 +134,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError(_yaml_error(source, e)) from None
         except ConfigError as e:
             raise ConfigError(f"{source}:{e}") from None
-        if data is None and not overrides:  # with --set, those are the config
+        if data is None and not allow_empty:
             raise ConfigError(f"config file {source!r} is empty: give at least the model section "
-                              "(see jobs/tiny.yaml), --set the keys, or --config tiny")
+                              "(see jobs/tiny.yaml), or --config tiny")
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")

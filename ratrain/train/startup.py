@@ -47,7 +47,7 @@ def agree(comm, fn, *args):
 
 
 def resolve_config(args) -> Config:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, allow_empty=False)
     if cfg.init.from_hf:
         # The model section comes from the checkpoint's config.json (seq_len stays ours).
         cfg = import_model_section(cfg, cfg.init.from_hf, args.overrides)
