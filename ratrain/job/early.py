@@ -78,6 +78,13 @@ def catch(names=DEFAULT_SIGNALS) -> None:
     _state["caught"] = tuple(nums)
 
 
+def begin(names=DEFAULT_SIGNALS) -> None:
+    """A run begins in this process (again, when a test calls the command's `main` twice):
+    start-up, not ended, `names` caught."""
+    _state.update(phase="start-up", ended=None)
+    catch(names)
+
+
 def phase(what: str) -> None:
     """What the run is doing before training, for the line a stop prints."""
     _state["phase"] = what
@@ -96,4 +103,4 @@ def ignore() -> None:
         signal.signal(num, signal.SIG_IGN)
 
 
-__all__ = ["DEFAULT_SIGNALS", "catch", "ended", "ignore", "is_rank0", "phase", "signum"]
+__all__ = ["DEFAULT_SIGNALS", "begin", "catch", "ended", "ignore", "is_rank0", "phase", "signum"]

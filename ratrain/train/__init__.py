@@ -123,6 +123,7 @@ def _comm_timeout(args) -> float:
 
 
 def main(argv=None) -> int:
+    early.begin()  # caught since the import already; again for a second main() in one process
     code = _command(argv)
     early.ended(code)
     early.ignore()  # exiting with `code`: a signal now would only turn it into a kill
