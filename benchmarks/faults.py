@@ -116,7 +116,7 @@ def wait_until(pred, limit: float, step: float = 0.002) -> bool:
 
 def curve(run_dir):
     sys.path.insert(0, str(ROOT))
-    from ratrain.metrics import read_curve
+    from ratrain.job.metrics import read_curve
 
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_curve(str(run_dir))]
 

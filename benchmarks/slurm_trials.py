@@ -121,7 +121,7 @@ def records(run_dir):
 
 def curve(run_dir):
     sys.path.insert(0, str(ROOT))
-    from ratrain.metrics import read_curve
+    from ratrain.job.metrics import read_curve
 
     if not (Path(run_dir) / "metrics.jsonl").exists():
         return []

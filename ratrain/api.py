@@ -194,7 +194,7 @@ class Model:
         if self._tok is None:
             d = self.cfg.data
             tok = (load_tokenizer(self._tok_spec) if self._tok_spec else
-                   load_tokenizer(d.tokenizer or "byte", d.tokenizer_sha256))
+                   load_tokenizer(d.tokenizer or "byte", d.tokenizer_sha256, stored=True))
             if tok.vocab_size > self.vocab_size:
                 raise DataError(f"tokenizer {tok.spec} has {tok.vocab_size} tokens, more than the "
                                 f"model's vocabulary of {self.vocab_size}: give the model's own")

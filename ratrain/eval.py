@@ -29,7 +29,7 @@ from ratrain.api import (
     evaluate,
     on_every_rank,
 )
-from ratrain.comm.abort import abort_on_error
+from ratrain.job.abort import abort_on_error
 from ratrain.config import with_overrides
 
 

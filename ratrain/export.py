@@ -160,8 +160,7 @@ def _prepare_out(out_dir: str, force: bool) -> None:
 def _write_tokenizer(out_dir: str, tok, max_pos: int) -> dict:
     """Copy a Hugging Face tokenizer into OUT_DIR with the files AutoTokenizer reads; return
     its special token ids ({bos_token_id, eos_token_id})."""
-    with open(tok.path, "rb") as f:
-        atomic_write(os.path.join(out_dir, TOKENIZER_FILES[0]), f.read())
+    atomic_write(os.path.join(out_dir, TOKENIZER_FILES[0]), tok.raw)  # the bytes that were checked
     bos = next((t for t in BOS_TOKENS if tok.token_id(t) is not None), None)
     special = {k: v for k, v in (("bos_token", bos), ("eos_token", tok.eot_token)) if v}
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_pos,
@@ -254,7 +253,7 @@ def run_tokenizer(cfg: Config, override: str | None = None):
             f"the run's tokenizer {spec} (data.tokenizer) is gone: pass --tokenizer PATH to ship "
             "that file from elsewhere, or --tokenizer none"
         )
-    return load_tokenizer(spec, cfg.data.tokenizer_sha256)
+    return load_tokenizer(spec, cfg.data.tokenizer_sha256, stored=True)
 
 
 def imported_special(cfg: Config) -> dict:

@@ -8,6 +8,7 @@ manifests, Hugging Face exports, plots) goes through here:
         h5py.File(tmp, "w") ...
     fsync_dir(directory)
     f = open_append(path)                      # a log appended to (metrics.jsonl): no link followed
+    append_whole(fd, line)                     # a record appended whole or not at all
     fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)   # a file updated in place (a lock)
 
 The temporary file lies beside its target (same file system, so the rename is atomic), is
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -68,6 +70,21 @@ def open_no_follow(path: str | os.PathLike, flags: int) -> int:
     return os.open(os.fspath(path), flags | _NOFOLLOW | _CLOEXEC, 0o666)
 
 
+def append_whole(fd: int, data: bytes) -> None:
+    """Append `data` (one record: a line) to the file open at `fd` (O_APPEND, one writer) whole
+    or not at all: a write cut short (a full disk, a quota) is cut back off before the error
+    is raised, so a log never ends in a torn record."""
+    start = os.fstat(fd).st_size
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+
+
 def open_append(path: str | os.PathLike):
     """A text file opened for appending (created if absent), never through a symbolic link:
     a link at `path` is an OSError (ELOOP), not a redirected write."""
@@ -87,16 +104,23 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[st
     os.close(fd)
     try:
         yield tmp
-        if os.path.islink(tmp):  # the writer replaced our file with a link: refuse
-            raise OSError(f"{tmp}: became a symbolic link while being written")
-        if os.stat(tmp).st_mode & 0o7777 != mode:  # a writer that made its own file (0600)
-            os.chmod(tmp, mode)
-        if durable:
+        # one descriptor, opened without following a link, for the check and every use after it
+        try:
             fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-            try:
+        except OSError as e:
+            if os.path.islink(tmp):  # the writer replaced our file with a link: refuse
+                raise OSError(f"{tmp}: became a symbolic link while being written") from e
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{tmp}: became something other than a file while being written")
+            if st.st_mode & 0o7777 != mode:  # a writer that made its own file (0600)
+                os.fchmod(fd, mode)
+            if durable:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -115,5 +139,5 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, durable: bool = 
             f.write(raw)
 
 
-__all__ = ["atomic_path", "atomic_write", "create_exclusive", "fsync_dir", "open_append", "open_no_follow",
+__all__ = ["append_whole", "atomic_path", "atomic_write", "create_exclusive", "fsync_dir", "open_append", "open_no_follow",
            "temp_name"]

@@ -26,7 +26,8 @@
 # MPI ranks that were on it and exits non-zero (Open MPI 5.0's mpirun may itself exit 0 then).
 # Everything `up` creates is removed again if `up` fails; `down` kills the nodes' processes and
 # removes the namespaces, the bridge and the state directory ($RATRAIN_CLUSTER_STATE, default
-# /run/ratrain-cluster/NAME). Needs root, `ip`, `tc` (for --rate), `unshare`, and a kernel with
+# /run/ratrain-cluster/NAME). Root runs the agent written there, so the directory
+# $RATRAIN_CLUSTER_STATE must be root's with mode 0700 (created so when absent; refused otherwise). Needs root, `ip`, `tc` (for --rate), `unshare`, and a kernel with
 # network namespaces, veth and bridges; refuses with a one-line reason otherwise.
 set -euo pipefail
 
@@ -56,7 +57,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ $NAME =~ ^[a-z0-9]{1,8}$ ]] || die "--name '$NAME': use 1-8 lowercase letters or digits"
-STATE=${RATRAIN_CLUSTER_STATE:-/run/ratrain-cluster}/$NAME
+STATE_ROOT=${RATRAIN_CLUSTER_STATE:-/run/ratrain-cluster}
+STATE=$STATE_ROOT/$NAME
 BR="${NAME}-br"
 # the third octet of the subnet, from the name (clusters of different names never share one)
 OCTET=$(( $(printf '%s' "$NAME" | cksum | cut -d' ' -f1) % 200 + 20 ))
@@ -68,6 +70,15 @@ need_root() {
   for tool in ip unshare; do
     command -v "$tool" >/dev/null || die "'$tool' not found (install iproute2 / util-linux)"
   done
+  private_dir "$STATE_ROOT"
+}
+
+private_dir() {  # $1: a directory only root can enter (root runs the agent written there), or die
+  [ -L "$1" ] && die "state directory '$1' is a symbolic link: remove it, or set RATRAIN_CLUSTER_STATE to a private directory"
+  [ -e "$1" ] || mkdir -m 700 "$1" 2>/dev/null || [ -d "$1" ] ||
+    die "cannot create the state directory '$1' (RATRAIN_CLUSTER_STATE)"
+  [ "$(stat -c '%u %a' "$1")" = "0 700" ] ||
+    die "state directory '$1' is owned by $(stat -c '%U with mode %a' "$1"), not by root with mode 0700: remove it, or set RATRAIN_CLUSTER_STATE to a directory of root's with mode 0700 (mktemp -d)"
 }
 
 nodes_up() {  # the node names of the cluster, from its state
@@ -121,7 +132,7 @@ cmd_up() {
   ip netns list 2>/dev/null | grep -qE "^${NAME}-n[0-9]+( |$)" &&
     die "namespaces ${NAME}-n* exist without state: remove them (scripts/cluster.sh down --name $NAME)"
   unshare --uts true 2>/dev/null || die "cannot create UTS namespaces here (unshare --uts failed)"
-  mkdir -p "$STATE"
+  mkdir -m 700 "$STATE"
   trap 'echo "cluster.sh: up failed; removing what it made" >&2; teardown' ERR
   ip netns add "${NAME}-probe" 2>/dev/null || { rmdir "$STATE" 2>/dev/null; trap - ERR;
     die "cannot create network namespaces here (ip netns add failed: no CAP_SYS_ADMIN or no kernel support)"; }

@@ -58,10 +58,24 @@ _ratrain_mpirun() {
 
 _ratrain_forward() {  # the ranks stop gracefully at the next step boundary (USR1)
   _got=1
+  if [ -z "${_pid:-}" ]; then  # before the launch: the run is not started (ratrain_launch)
+    echo "ratrain: $1 received before the ranks were launched"
+    return 0
+  fi
   echo "ratrain: $1 received: asking the ranks to stop at the next step boundary"
-  [ -n "${_pid:-}" ] && kill -USR1 "$_pid" 2>/dev/null
+  # a rank catches stop signals from its first instruction (ratrain.job.early), some 0.1-0.5 s
+  # after the launcher starts it: a signal forwarded sooner would kill it instead
+  local wait_s=$(( _launched + 2 - $(date +%s) ))
+  [ "$wait_s" -gt 0 ] && sleep "$wait_s"
+  kill -USR1 "$_pid" 2>/dev/null
   return 0
 }
+
+# Stop signals from the moment this file is sourced: one that arrives before the launch means
+# the run is not started (exit 75, requeued like any stop: nothing was trained).
+_pid= _got= _launched=0
+trap '_ratrain_forward USR1' USR1
+trap '_ratrain_forward TERM' TERM
 
 # ratrain_status RUN_DIR SINCE: the exit code the run wrote into RUN_DIR/status.json at or after
 # epoch SINCE (srun reports 143 for ranks it killed while they were exiting after the first one
@@ -76,9 +90,14 @@ ratrain_status() {
 # ratrain_launch CMD...: run CMD on every task of the allocation; returns its exit code.
 ratrain_launch() {
   local launcher=${RATRAIN_LAUNCHER:-srun} mpi watcher= rc
-  _pid= _got=
+  _pid=
   trap '_ratrain_forward USR1' USR1
   trap '_ratrain_forward TERM' TERM
+  if [ -n "$_got" ]; then
+    echo "ratrain: stopped before the launch: nothing was trained (exit 75)"
+    return 75
+  fi
+  _launched=$(date +%s)
   case "$launcher" in
     srun)
       mpi=$(_ratrain_srun_mpi)
@@ -120,7 +139,7 @@ ratrain_launch() {
   done
   # srun forwards USR2 to the watcher, which then ends its step quietly
   [ -n "$watcher" ] && { kill -USR2 "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; }
-  trap - USR1 TERM
+  _pid=
   return $rc
 }
 

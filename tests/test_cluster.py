@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,9 +52,13 @@ def why_not() -> str | None:
     return None
 
 
+_STATE = []  # a private state directory (mkdtemp: root's, mode 0700), made once per session
+
+
 def _env():
-    env = dict(os.environ, MPIRUN=str(MPIRUN), PYTHONPATH=str(ROOT),
-               RATRAIN_CLUSTER_STATE=os.environ.get("RATRAIN_CLUSTER_STATE", "/tmp/ratrain-cluster"))
+    if not _STATE:
+        _STATE.append(os.environ.get("RATRAIN_CLUSTER_STATE") or tempfile.mkdtemp(prefix="ratrain-cluster-"))
+    env = dict(os.environ, MPIRUN=str(MPIRUN), PYTHONPATH=str(ROOT), RATRAIN_CLUSTER_STATE=_STATE[0])
     env.pop("OMPI_COMM_WORLD_SIZE", None)
     return env
 
@@ -71,6 +76,8 @@ def cluster():
         yield name
     finally:
         subprocess.run([str(CLUSTER), "down", "--name", name], capture_output=True, env=_env())
+        if "RATRAIN_CLUSTER_STATE" not in os.environ:
+            shutil.rmtree(_STATE[0], ignore_errors=True)
 
 
 def _losses(run_dir: Path) -> list:

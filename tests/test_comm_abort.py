@@ -14,7 +14,7 @@ SCRIPT = r'''
 import sys, time
 import numpy as np
 from mpi4py import MPI
-from ratrain.comm.abort import abort_on_error
+from ratrain.job.abort import abort_on_error
 from ratrain.comm.engine import CommEngine
 from ratrain.shim.ledger import Ledger
 

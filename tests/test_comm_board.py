@@ -265,3 +265,25 @@ def test_the_fast_path_refuses_what_its_kernel_was_not_built_for_and_forgets_fre
         assert board.allreduce(y, c, "sum") and y.tobytes() == want
         c.Free()
         assert not [k for k in board._PLANS if k[0] == id(c)]
+
+
+def test_a_blocking_wait_is_bounded():
+    from ratrain.comm.progress import wait_for
+
+    with pytest.raises(TimeoutError, match="board round 7 did not finish within comm.timeout=0.05 s"):
+        wait_for(lambda: False, 0.05, "board round 7")
+    wait_for(lambda: True, 0.0)  # a condition already true never times out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_blocking_round_without_its_peers_fails_after_the_limit(comm, monkeypatch):
+    """A peer that never posts (stopped, or skipped the call) ends the wait with an error
+    naming the round, as the engine's operations do after comm.timeout, never a hang."""
+    assert board.attach(comm) is not None
+    monkeypatch.setattr(board, "WAIT_S", 0.3)
+    if comm.Get_rank() == 0:
+        with pytest.raises(TimeoutError, match="rank 0: board all-reduce round 1 did not finish"):
+            C.allreduce(np.ones(4), comm, "tree")
+    comm.Barrier()
+    CommEngine(comm, watchdog_s=7).close()
+    assert board.WAIT_S == 7  # the engine bounds blocking rounds by its comm.timeout

@@ -141,3 +141,31 @@ def test_watchdog_fires_when_a_peer_never_joins():
             eng.allreduce(np.ones(1000, np.float32), comm, "ring").result(timeout=10)
         eng.close(timeout=1)
     MPI.COMM_WORLD.Barrier()
+
+
+def test_a_process_frozen_and_resumed_does_not_blame_its_peers():
+    """SIGSTOP then SIGCONT (Open MPI resumes a stopped rank to kill it): the operations that
+    waited through the freeze are timed anew, not failed at once with a CommTimeout blaming
+    a slow peer; they still fail after comm.timeout of their own."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    def never():
+        yield lambda: False
+
+    eng = CommEngine(MPI.COMM_SELF, watchdog_s=3)
+    try:
+        fut = eng.submit(never, name="waits")
+        time.sleep(0.5)
+        # a helper resumes us in 4 s (longer than the timeout); then we stop ourselves
+        subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(4); "
+                          f"os.kill({os.getpid()}, signal.SIGCONT)"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(1.5)  # resumed: past comm.timeout in wall time, not in time awake
+        assert not fut.done()
+        with pytest.raises(CommTimeout, match="waits"):
+            fut.result(timeout=10)
+    finally:
+        eng.close(timeout=1)

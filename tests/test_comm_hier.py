@@ -20,7 +20,15 @@ from ratrain.comm import model
 from ratrain.comm.engine import CommEngine
 from ratrain.comm.hier import NodeGroup
 from ratrain.comm.shm import SharedSlots
-from ratrain.comm.topology import NodeLinks, Topology, coords, grid, pack_nodes
+from ratrain.comm.topology import (
+    NodeLinks,
+    Topology,
+    coords,
+    grid,
+    host_keys,
+    pack_nodes,
+    srun_node,
+)
 from ratrain.shim.link import Link, Slots, Tiers
 
 DTYPES = (np.float32, np.float16, np.float64)
@@ -72,6 +80,25 @@ def test_runs_placement_and_packing():
     hosts = ["a", "a", "a", "b", "b", "a"]
     assert pack_nodes(hosts) == [0, 0, 0, 1, 1, 0]
     assert pack_nodes(hosts, 2) == [0, 0, 1, 2, 2, 1]  # a host's ranks in nodes of 2
+
+
+def test_nodes_under_srun_are_the_allocations():
+    """`srun -N 2 --ntasks-per-node=2`: the allocation's two nodes, whatever MPI's
+    shared-memory split says (two slurmd on one host share memory and a name: seen there as
+    `3 nodes of 1+1+2`); on real nodes the split and srun agree; mpirun's ranks (their daemon's
+    Slurm variables) are grouped by the split."""
+    srun = [srun_node(r, 4, {"SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": "4",
+                             "SLURM_NODEID": str(r // 2)}) for r in range(4)]
+    assert srun == ["0", "0", "1", "1"]
+    one_host = [("vm", 0), ("vm", 1), ("vm", 2), ("vm", 2)]  # the split as it came out there
+    assert pack_nodes(host_keys(list(zip(one_host, srun)))) == [0, 0, 1, 1]
+    real = [("n1", 0), ("n1", 0), ("n2", 2), ("n2", 2)]  # two real nodes: the same either way
+    assert pack_nodes(host_keys(list(zip(real, srun)))) == [0, 0, 1, 1]
+    assert pack_nodes(host_keys([(h, None) for h in real])) == [0, 0, 1, 1]
+    # under mpirun every rank sees its daemon's SLURM_PROCID (0): not srun's placement
+    assert srun_node(1, 4, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                            "SLURM_NODEID": "0"}) is None
+    assert srun_node(0, 4, {}) is None
 
 
 def test_hier_cost_model():

@@ -417,3 +417,17 @@ def test_ensure_default_corpus_under_mpi(tmp_path_factory):
     path = D.ensure_default_corpus(root, comm=comm, max_bytes=20_000)
     sha = D.read_meta(path)["sha256"]
     assert comm.allgather(sha) == [sha] * comm.size  # the reference collective, in a test only
+
+
+def test_a_saved_configs_tokenizer_is_used_only_with_a_matching_sha256(tmp_path):
+    from tests._tokenizer_util import make_bpe
+
+    tj, _ = make_bpe(tmp_path)
+    sha = D.file_sha256(tj)
+    assert D.load_tokenizer(str(tj), sha, stored=True).sha256 == sha
+    with pytest.raises(D.DataError, match="without its SHA-256"):  # never skipped when empty
+        D.load_tokenizer(str(tj), "", stored=True)
+    tj.write_text("not json at all")  # swapped: refused by its hash, before it is parsed
+    with pytest.raises(D.DataError, match=f"not the {sha[:16]}"):
+        D.load_tokenizer(str(tj), sha, stored=True)
+    assert D.load_tokenizer("byte", "", stored=True).name == "byte"

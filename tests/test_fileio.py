@@ -64,3 +64,18 @@ def test_temp_names_are_fresh(tmp_path):
     p = tmp_path / "x"
     assert temp_name(p) != temp_name(p)
     assert os.path.dirname(temp_name(p)) == str(tmp_path)
+
+
+def test_a_temp_file_swapped_for_a_link_is_refused_and_its_target_untouched(tmp_path, monkeypatch):
+    """The writer (h5py, safetensors) reopens the temporary file by name: should it become a
+    link, nothing after the check follows it (no chmod, no fsync of what it points to), even
+    when the swap lands between a check by name and the use (`islink` made blind here)."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    victim.chmod(0o600)
+    monkeypatch.setattr(os.path, "islink", lambda p: False)
+    with pytest.raises(OSError), atomic_path(tmp_path / "out") as tmp:
+        os.unlink(tmp)
+        os.symlink(victim, tmp)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "keep"
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []

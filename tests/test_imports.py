@@ -4,7 +4,7 @@ a ratrain import inside a function says in a comment why it is not at the top.
 Layers (a package may import only packages of a lower layer, and its own modules):
 
     0  ratrain (the version), ratrain.fileio, ratrain.typedyaml
-    1  config, metrics, runctl, tblog
+    1  config, job (runctl, abort, watchdog, control, metrics, tblog: the life of a job)
     2  shim
     3  comm, exec, data
     4  lifecycle, checkpoint, hf          (checkpoint and hf know the model's parameters)
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ratrain"
 
 LAYERS = {
     "ratrain": 0, "ratrain.fileio": 0, "ratrain.typedyaml": 0,
-    "ratrain.config": 1, "ratrain.metrics": 1, "ratrain.runctl": 1, "ratrain.tblog": 1,
+    "ratrain.config": 1, "ratrain.job": 1,
     "ratrain.shim": 2,
     "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,
     "ratrain.lifecycle": 4, "ratrain.checkpoint": 4, "ratrain.hf": 4,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ratrain.metrics import MetricsWriter, read_curve
+from ratrain.job.metrics import MetricsWriter, read_curve
 
 
 def rec(step, loss):

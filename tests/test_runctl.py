@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ratrain.config import load_config
-from ratrain.runctl import (
+from ratrain.job.runctl import (
     EXIT_INTERRUPTED,
     LOCK_NAME,
     RunLock,
@@ -22,7 +22,7 @@ from ratrain.runctl import (
 
 HOLD = """
 import sys, time
-from ratrain.runctl import RunLock
+from ratrain.job.runctl import RunLock
 lock = RunLock.acquire(sys.argv[1])
 print("HELD", flush=True)
 time.sleep(60)
@@ -120,3 +120,38 @@ def test_time_limit_leaves_room_for_a_step_and_a_checkpoint():
     now[0] = 86.0
     assert "run.time_limit=100" in stop.local_reason(step_s=5.0, save_s=5.0)
     stop.close()
+
+
+def test_status_is_fixed_size_and_updated_in_place(tmp_path):
+    from ratrain.job.runctl import STATUS_BYTES, write_status
+
+    write_status(str(tmp_path), 0)
+    ino = (tmp_path / "status.json").stat().st_ino
+    write_status(str(tmp_path), 7, 5, "no space left on device", state="write failed")
+    st = (tmp_path / "status.json").stat()
+    assert st.st_ino == ino and st.st_size == STATUS_BYTES  # in place: no new room needed
+    got = json.loads((tmp_path / "status.json").read_text())
+    assert got["state"] == "write failed" and got["exit"] == 5 and got["step"] == 7
+    assert got["why"] == "no space left on device"
+
+
+@pytest.mark.parametrize("body, code, state", [
+    ("raise RuntimeError('boom')", 1, "failed"),
+    ("abort.abort(None, 76, 'a second signal')", 76, "interrupted"),
+    ("abort.abort(None, 3, 'rank 1 stopped answering')", 3, "a rank stopped answering"),
+])
+def test_a_run_that_dies_says_so_in_its_status(tmp_path, body, code, state):
+    """Every end that leaves a process alive to write it: the state, exit code, step and why
+    (the trainer's hook on rank 0, run by abort; a watchdog notice runs it on survivors)."""
+    import subprocess
+    import sys
+
+    script = (f"from ratrain.job import abort\nfrom ratrain.job.runctl import write_status\n"
+              f"write_status({str(tmp_path)!r}, 0)\n"
+              f"abort.on_end(lambda c, why: write_status({str(tmp_path)!r}, 12, c, why))\n"
+              f"with abort.abort_on_error():\n    {body}\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, p.stderr
+    got = json.loads((tmp_path / "status.json").read_text())
+    assert (got["state"], got["exit"], got["step"]) == (state, code, 12)
+    assert got["why"]

@@ -344,7 +344,7 @@ def test_threads_follow_the_launchers_cores(monkeypatch):
 def test_tensorboard_logs_through_tensorboardx(tmp_path, monkeypatch):
     import types
 
-    from ratrain import tblog
+    from ratrain.job import tblog
 
     logged = []
 

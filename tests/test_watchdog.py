@@ -16,8 +16,8 @@ SCRIPT = r'''
 import os, signal, sys, time
 import numpy as np
 from mpi4py import MPI
-from ratrain.comm.abort import abort_on_error
-from ratrain.comm.control import Control
+from ratrain.job.abort import abort_on_error
+from ratrain.job.control import Control
 from ratrain.comm.engine import CommEngine
 from ratrain.shim.ledger import Ledger
 
@@ -148,3 +148,28 @@ def test_a_stopped_rank_ends_a_training_job(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 3, err
     assert "rank 1 stopped answering" in err and f"pid {victim}" in err
+
+
+def test_the_control_plane_calls_busy_only_ranks_that_answer():
+    """A long wait says "busy, not stopped" only when the watchdog still hears the ranks waited
+    for; a silent one is the watchdog's to name (no warning contradicting its error)."""
+    import io
+
+    from ratrain.job.control import Control
+
+    class Dog:
+        timeout = 0.05
+
+        def __init__(self, silent):
+            self._silent = silent
+
+        def silent(self, ranks):
+            return self._silent
+
+    for silent, said in ((True, False), (False, True)):
+        out = io.StringIO()
+        ctl = Control(MPI.COMM_SELF, Dog(silent), out=out)
+        t0 = time.monotonic()
+        ctl._wait(lambda t0=t0: time.monotonic() - t0 > 0.3, "a gather", lambda: [1])
+        ctl.comm.Free()
+        assert ("busy, not stopped" in out.getvalue()) == said, out.getvalue()

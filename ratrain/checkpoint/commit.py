@@ -117,7 +117,7 @@ def _manifest(step: int, cfg: Config, gathered: list[dict], entries: list[dict])
         "format_version": FORMAT_VERSION,
         "ratrain_version": ratrain.__version__,
         "step": int(step),
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "topology": {
             "pp": cfg.parallel.pp,
             "dp": cfg.parallel.dp,

@@ -170,6 +170,11 @@ def _resume_named(comm, path: str, model: ModelConfig | None) -> str:
     """`checkpoint.resume: PATH`: that checkpoint, or an error saying what is wrong."""
     problems = verify_checkpoint(path, comm=comm)
     if problems:
+        if len(problems) == 1:  # one line, with the fix
+            raise CheckpointError(
+                f"cannot resume from {path} (checkpoint.resume): "
+                f"{problems[0].removeprefix(path + ': ')}; give a committed checkpoint directory "
+                "(ckpt-NNNNNN), or checkpoint.resume=auto or never")
         raise CheckpointError(
             f"cannot resume from {path} (checkpoint.resume):\n  " + "\n  ".join(problems)
         )

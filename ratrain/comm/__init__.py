@@ -9,10 +9,8 @@ windows inside a node and point-to-point chains across nodes (`hier`, its window
 the choice among them (`collectives`, buffers and reductions in `arrays`), MPI's own as the
 reference only (`mpiref`); what each algorithm costs, pure arithmetic shared with the planner
 (`model`); the engine thread that overlaps communication with compute, with its operation
-timeout (`engine`); one failing rank stopping the job, every rank saying why (`abort`); the
-job's watchdog: heartbeats, the rank that stopped answering named on every rank (`watchdog`);
-the control plane's small pickled exchanges that never block inside MPI (`control`); the
-benchmark `python -m ratrain.comm.bench`.
+timeout (`engine`); the benchmark `python -m ratrain.comm.bench`. The job's abort, watchdog
+and control plane live in `ratrain.job`.
 
 May import: `ratrain.shim` (the link model and throttle, the allocator) and `ratrain.config`;
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not

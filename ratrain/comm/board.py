@@ -22,6 +22,12 @@ the fused kernels); without it the tree's messages carry every all-reduce. Only 
 whose payload is its own work dtype (float32, float64, int32, int64) and arrays of up to
 `BOARD_BYTES` take the board; `attach(comm)` (collective) makes a communicator's board, kept
 as an MPI attribute of the communicator and freed with it.
+
+A blocking round waits at most `WAIT_S` for the other ranks' posts (`set_wait_limit`, which the
+communication engine calls with `comm.timeout`), then raises `TimeoutError` naming the round:
+like the engine's operations it never hangs on a stopped peer. With `comm.timeout: 0` (no
+watchdog) the limit stays at its default, the config's default timeout, since nothing else
+would watch a blocking round.
 """
 
 from __future__ import annotations
@@ -146,6 +152,16 @@ def _on_one_node(comm) -> bool:
     return one
 
 
+WAIT_S = 300.0  # the longest a blocking round waits for a peer (seconds; `set_wait_limit`)
+
+
+def set_wait_limit(seconds: float | None) -> None:
+    """Bound blocking rounds by `seconds` (`comm.timeout`); 0 or None keeps the default."""
+    global WAIT_S
+    if seconds:
+        WAIT_S = float(seconds)
+
+
 class Board:
     """The board of a one-node communicator (collective to make and to `free`)."""
 
@@ -173,11 +189,12 @@ class Board:
         `slots` (`typed[x.dtype]`) and `kernel` (the compiled round, `_entry`'s or the
         dispatcher) as a plan of the fast path has them."""
         if self.done != self.taken:  # rounds of the engine in flight: this one comes after
-            wait_for(lambda: self.done == self.taken)
+            wait_for(lambda: self.done == self.taken, WAIT_S, f"board round {self.taken}")
         t = self.taken = self.taken + 1
         s = self.typed[x.dtype] if slots is None else slots
         if not (kernel or _round)(self.counters, s, self.rank, t, x, opcode, True, SPINS):
-            wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0))
+            wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0), WAIT_S,
+                     f"rank {self.rank}: board all-reduce round {t}")
         self.done = t
 
     def allreduce_op(self, x: np.ndarray, opcode: int):

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 
 from mpi4py import MPI
 
+from . import board
 from . import collectives as coll
 from ratrain.shim.link import fine_sleep
 
@@ -74,6 +75,7 @@ class CommEngine:
         self.comm = obj.comm if self.topology is not None else obj
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.watchdog_s = watchdog_s
+        board.set_wait_limit(watchdog_s)  # blocking board rounds: the same bound
         self.link, self.ledger = link, ledger
         self.poll_s, self.max_poll_s = poll_s, max_poll_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -249,9 +251,14 @@ class CommEngine:
 
     def _watch(self) -> None:
         period = min(1.0, self.watchdog_s / 4)
+        last = time.perf_counter()
         while self._thread.is_alive():
             time.sleep(period)
             now = time.perf_counter()
+            if now - last > period + max(1.0, period):  # this process was frozen (SIGSTOP)
+                for task in list(self._inflight.values()):
+                    task.t_start = max(task.t_start, now)  # not the peers' fault: time anew
+            last = now
             for seq, task in list(self._inflight.items()):
                 age = now - task.t_start
                 if age > self.watchdog_s and not task.dead:

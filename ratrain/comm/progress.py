@@ -81,22 +81,29 @@ YIELD_S = 1e-4  # a condition is polled yielding the core this long before sleep
 MAX_SLEEP_S = 5e-4  # ... then in sleeps that double up to this
 
 
-def wait_for(cond: Callable[[], bool]) -> None:
-    """Return once `cond()` is true: polled yielding the core for `YIELD_S` (conditions are
+def wait_for(cond: Callable[[], bool], timeout_s: float | None = None, what: str = "") -> None:
+    """Return once `cond()` is true, or raise `TimeoutError` naming `what` after `timeout_s`
+    (None: no bound; the engine's operations are watched by the engine instead): polled yielding the core for `YIELD_S` (conditions are
     mostly another rank of the node writing shared memory, which a yield lets run), then in
     sleeps that double from 10 us to `MAX_SLEEP_S` (a condition that waits for the network,
     a round of a collective every few ms, is then not polled thousands of times a second:
     measured here, 8 ranks on 2 cores, a 64 MiB hierarchical all-reduce over 1 Gbit/s spent
     ~1.1 s of CPU polling at a fixed 10 us sleep). Yielding for 1 ms instead starved the
     ranks that had work (1.3 MB/s through the interface)."""
-    t_end = time.perf_counter() + YIELD_S
+    t0 = time.perf_counter()
+    t_end = t0 + YIELD_S
     nap = 1e-5
     while not cond():
-        if time.perf_counter() < t_end:
+        now = time.perf_counter()
+        if now < t_end:
             os.sched_yield()
-        else:
-            time.sleep(nap)
-            nap = min(2 * nap, MAX_SLEEP_S)
+            continue
+        if timeout_s is not None and now - t0 > timeout_s:
+            raise TimeoutError(f"{what or 'a wait'} did not finish within comm.timeout="
+                               f"{timeout_s:g} s: a peer is missing, stuck, or called "
+                               "collectives in a different order")
+        time.sleep(nap)
+        nap = min(2 * nap, MAX_SLEEP_S)
 
 
 def run(gen: Op, poll_s: float | None = None):

@@ -26,6 +26,8 @@ its data-parallel group), for the hierarchical collectives.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 PLACEMENTS = ("pp", "dp")
@@ -63,15 +65,35 @@ def pack_nodes(hosts, ranks_per_node: int | None = None) -> list[int]:
     return out
 
 
+def srun_node(rank: int, size: int, env=os.environ) -> str | None:
+    """The node of the allocation srun started this rank on (`SLURM_NODEID`), when srun
+    started the ranks themselves (`SLURM_PROCID` is the world rank and the step has the world's
+    tasks); None otherwise (mpirun's ranks inherit their daemon's Slurm variables)."""
+    if env.get("SLURM_PROCID") != str(rank) or env.get("SLURM_STEP_NUM_TASKS") != str(size):
+        return None
+    return env.get("SLURM_NODEID") or None
+
+
+def host_keys(found: list) -> list:
+    """The host of every rank from what each found (`find_hosts`): srun's node when srun placed
+    every rank (the allocation's nodes, as `srun -N` gave them: two slurmd on one host share
+    the memory and the processor name, and MPI's shared-memory split there follows the
+    launcher's locality, which need not match), else (processor name, lowest rank sharing
+    memory with it)."""
+    if all(slurm is not None for _, slurm in found):
+        return [("srun node", slurm) for _, slurm in found]
+    return [mine for mine, _ in found]
+
+
 def find_hosts(comm) -> list:
-    """The host of every rank of `comm`: (processor name, lowest rank sharing memory with it);
-    collective."""
+    """The host of every rank of `comm` (`host_keys`); collective."""
     from mpi4py import MPI  # comm is an MPI communicator: MPI is loaded already
 
     shm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     leader = shm.allreduce(comm.Get_rank(), op=MPI.MIN)
     shm.Free()
-    return comm.allgather((MPI.Get_processor_name(), leader))
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return host_keys(comm.allgather(((MPI.Get_processor_name(), leader), srun_node(rank, size))))
 
 
 class Topology:

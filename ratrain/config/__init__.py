@@ -118,30 +118,75 @@ def job_path(path: str | os.PathLike) -> str:
     return str(shipped) if shipped.is_file() else p
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (), *,
+                allow_empty: bool = True) -> Config:
     """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
-    validate; raise ConfigError."""
+    validate; raise ConfigError. `allow_empty=False` (the commands) refuses a file with no keys
+    (an empty job would train a default model without a word)."""
     path = job_path(path) if path is not None else None
     source = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}
     if path is not None:
+        text = _read_text(source)
         try:
-            with open(path) as f:
-                data = yaml.load(f, Loader=StrictLoader) or {}
-        except FileNotFoundError:
-            jobs = ", ".join(shipped_jobs())
-            raise ConfigError(
-                f"config file {source!r} does not exist (shipped jobs: {jobs})") from None
+            data = yaml.load(text, Loader=StrictLoader)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+            raise ConfigError(_yaml_error(source, e)) from None
         except ConfigError as e:
             raise ConfigError(f"{source}:{e}") from None
+        if data is None and not allow_empty:
+            raise ConfigError(f"config file {source!r} is empty: give at least the model section "
+                              "(see jobs/tiny.yaml), or --config tiny")
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
     data = deepcopy(data)
     for ov in overrides:
         _apply_override(data, ov)
     return config_from_dict(data, source)
+
+
+def _read_text(source: str) -> str:
+    """The config file's text, or ConfigError saying why it cannot be read."""
+    try:
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        jobs = ", ".join(shipped_jobs())
+        raise ConfigError(f"config file {source!r} does not exist (shipped jobs: {jobs})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {source!r} is a directory: give a YAML file (e.g. "
+                          f"{os.path.join(source, 'job.yaml')}) or a shipped job") from None
+    except UnicodeDecodeError as e:
+        with open(source, "rb") as f:
+            line = f.read()[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{source}: not UTF-8 text (byte {e.object[e.start]:#04x} on line "
+                          f"{line}): save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {source!r} cannot be read ({e.strerror}): check its "
+                          "permissions, or give another file") from None
+
+
+YAML_FIXES = {  # words of PyYAML's problem -> what to do
+    "'\\t'": "indent with spaces, not tabs",
+    "mapping values are not allowed": "a value holding ': ' must be quoted, and a key must "
+                                      "start its own line",
+    "expected ',' or '}'": "close the {...} mapping, or put a comma between its entries",
+    "expected ',' or ']'": "close the [...] list, or put a comma between its entries",
+    "could not find expected ':'": "write each entry as `key: value`",
+    "found duplicate anchor": "rename the anchor",
+    "found unexpected end of stream": "close the quote or bracket opened before",
+}
+
+
+def _yaml_error(source: str, e: yaml.YAMLError) -> str:
+    """One line: where the YAML is broken (line and column from 1), what, and the fix."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+    fix = next((f for k, f in YAML_FIXES.items() if k.strip("'") in problem
+                or k in problem), "check the indentation (spaces), the colons and the brackets there")
+    return f"{source}: not valid YAML at {where}: {problem}: {fix}"
 
 
 def with_overrides(cfg: Config, overrides, source: str = "<config>") -> Config:

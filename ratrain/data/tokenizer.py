@@ -11,13 +11,14 @@ as a special (added) token; the byte tokenizer has none (its 256 ids are all byt
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from ratrain.data.tokens import DataError, file_sha256
+from ratrain.data.tokens import DataError
 
 
 EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
@@ -46,7 +47,7 @@ class HFTokenizer:
     Documents are encoded without special tokens; the vocabulary size counts added tokens.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, sha256: str = ""):
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -63,13 +64,20 @@ class HFTokenizer:
                 "pip install tokenizers   (or pip install 'ratrain[tokenizers]'), or use "
                 "--tokenizer byte"
             ) from None
+        self.raw = path.read_bytes()  # read once: what is hashed is what is parsed and shipped
+        self.sha256 = hashlib.sha256(self.raw).hexdigest()
+        if sha256 and sha256 != self.sha256:
+            raise DataError(
+                f"tokenizer {path} has SHA-256 {self.sha256[:16]}..., not the {sha256[:16]}... the "
+                "data was prepared with (data.tokenizer_sha256): the file changed; give the "
+                "original file, or prepare the data again"
+            )
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            self._tok = tokenizers.Tokenizer.from_str(self.raw.decode())
         except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exceptions
             raise DataError(f"--tokenizer {str(path)!r}: not a tokenizer.json ({e})") from None
         self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.sha256 = file_sha256(path)
         self.spec = str(path.resolve())
         self.name = f"hf:{self.spec} sha256:{self.sha256[:16]}"
         special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()
@@ -88,17 +96,21 @@ class HFTokenizer:
         return self._tok.token_to_id(token)
 
 
-def load_tokenizer(spec: str = "byte", sha256: str = "") -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str = "byte", sha256: str = "", *,
+                   stored: bool = False) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (or a folder holding one);
-    with `sha256`, the file must hash to it (DataError otherwise)."""
-    tok = ByteTokenizer() if spec in ("", "byte") else HFTokenizer(spec)
-    if sha256 and tok.sha256 and tok.sha256 != sha256:
+    with `sha256`, the file must hash to it before it is parsed (DataError otherwise).
+    `stored`: the path comes from a saved config (a checkpoint's, a run's), not from the user,
+    so a Hugging Face file is used only with a SHA-256 to match: an empty one is refused."""
+    if spec in ("", "byte"):
+        return ByteTokenizer()
+    if stored and not sha256:
         raise DataError(
-            f"tokenizer {tok.spec} has SHA-256 {tok.sha256[:16]}..., not the {sha256[:16]}... the "
-            "data was prepared with (data.tokenizer_sha256): the file changed; give the original "
-            "file, or prepare the data again"
+            f"the saved config names the tokenizer {spec} (data.tokenizer) without its SHA-256 "
+            "(data.tokenizer_sha256 is empty), so it cannot be checked: give the tokenizer "
+            "yourself (--tokenizer PATH, or load(tokenizer=PATH))"
         )
-    return tok
+    return HFTokenizer(spec, sha256)
 
 
 def tokenizer_of_meta(meta: dict | None) -> tuple[str, str]:

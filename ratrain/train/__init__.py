@@ -6,11 +6,11 @@ the node's memory, checkpoint, room for checkpoints, the run directory's lock) r
 work, on every rank, and the ranks agree on the verdict: a bad input stops every rank with the
 same message (printed once, by rank 0) and exit code 2. After start-up, an exception on any
 rank aborts the whole job (MPI_Abort; every rank prints why) instead of leaving the others
-hanging, and the job's watchdog (`comm.timeout`, `ratrain.comm.watchdog`) ends it when a rank
+hanging, and the job's watchdog (`comm.timeout`, `ratrain.job.watchdog`) ends it when a rank
 stops answering. A run stops early and cleanly on a signal or `run.time_limit` (a checkpoint
 at the step reached, exit 75), on `optim.max_nonfinite_steps` non-finite steps (exit 4) and on
 a checkpoint that cannot be written (exit 5, unless `checkpoint.on_error: continue`); the exit
-codes are `ratrain.runctl`'s.
+codes are `ratrain.job.runctl`'s.
 
 The package: `startup` (the checks, agreed across ranks), `trainer` (the loop, and how a run
 ends), and here the command itself (arguments, --print-config, --dry-run, MPI and the job's
@@ -22,15 +22,19 @@ other command).
 
 from __future__ import annotations
 
+from ratrain.job import early
+
+early.catch()  # the first instruction: a stop signal from here on exits 75 (ratrain.job.early)
+
 import argparse
 import faulthandler
 import sys
 
-from ratrain.comm.abort import abort_on_error
+from ratrain.job.abort import abort_on_error
 from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
 from ratrain.plan.check import run_plan
-from ratrain.runctl import EXIT_OK, EXIT_USAGE
+from ratrain.job.runctl import EXIT_OK, EXIT_USAGE
 from ratrain.shim import allocator
 from ratrain.train.startup import (
     Setup,
@@ -69,13 +73,17 @@ def parse_args(argv=None):
 
 
 def print_config(args) -> int:
-    """--print-config: the resolved config as YAML (no MPI, no data read)."""
+    """--print-config: the resolved config as YAML (no MPI, no data read), printed by rank 0
+    of a launcher's job only."""
     try:
-        print(resolve_config(args).to_yaml(), end="", flush=True)
+        text = resolve_config(args).to_yaml()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        if early.is_rank0():
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if early.is_rank0():
+        print(text, end="", flush=True)
+    return EXIT_OK
 
 
 def dry_run(setup: Setup, comm) -> int:
@@ -104,17 +112,31 @@ def dry_run(setup: Setup, comm) -> int:
 
 def _comm_timeout(args) -> float:
     """comm.timeout of the job as this process reads it alone (before MPI starts; the default
-    when the config is bad: start-up will say why on every rank)."""
+    when the config is bad: start-up will say why on every rank); its run.stop_signals are
+    caught from here on."""
     try:
-        return load_config(args.config, args.overrides).comm.timeout
+        cfg = load_config(args.config, args.overrides)
     except ConfigError:
         return CommConfig.timeout
+    early.catch(cfg.run.stop_signals)
+    return cfg.comm.timeout
 
 
 def main(argv=None) -> int:
+    early.begin()  # caught since the import already; again for a second main() in one process
+    code = _command(argv)
+    early.ended(code)
+    early.ignore()  # exiting with `code`: a signal now would only turn it into a kill
+    return code
+
+
+def _command(argv) -> int:
     args = parse_args(argv)
     if args.print_config:
+        early.phase("--print-config")
         return print_config(args)
+    if args.dry_run:
+        early.phase("--dry-run")
     timeout = _comm_timeout(args)
     # MPI's start-up and the watchdog's own set-up are collectives that no watchdog covers yet:
     # should a rank stop meanwhile, dump the stacks and exit instead of waiting for ever.
@@ -123,7 +145,7 @@ def main(argv=None) -> int:
         faulthandler.dump_traceback_later(timeout + 30, exit=True)
     from mpi4py import MPI  # after the arguments: --help needs no MPI
 
-    from ratrain.comm.control import Control  # loads MPI, after the backstop is armed
+    from ratrain.job.control import Control  # loads MPI, after the backstop is armed
 
     allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
     comm = MPI.COMM_WORLD
@@ -146,6 +168,7 @@ def _main(args, comm, ctl) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if setup.finished:
+        early.phase("nothing to do (the run is finished)")
         if comm.Get_rank() == 0:
             print(f"ratrain: {setup.finished}", flush=True)
         return EXIT_OK

@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from ratrain import tblog
+from ratrain.job import tblog
 from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
 from ratrain.checkpoint.space import room_problem
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.hf import check_hf, import_model_section
 from ratrain.plan.check import available_memory, run_plan
-from ratrain.runctl import lock_dirs
+from ratrain.job.runctl import check_writable, lock_dirs
 
 
 class StartupError(RuntimeError):
@@ -47,7 +47,7 @@ def agree(comm, fn, *args):
 
 
 def resolve_config(args) -> Config:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, allow_empty=False)
     if cfg.init.from_hf:
         # The model section comes from the checkpoint's config.json (seq_len stays ours).
         cfg = import_model_section(cfg, cfg.init.from_hf, args.overrides)
@@ -97,10 +97,11 @@ def startup(args, comm) -> Setup:
         agree(comm, check_hf, cfg.init.from_hf, cfg.model)
     if cfg.run.tensorboard:
         agree(comm, tblog.check)
+    agree(comm, lambda: comm.Get_rank() == 0 and check_writable(cfg.run.dir, "run.dir"))
+    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     if getattr(args, "dry_run", False):  # the plan is the dry run's own report
         return Setup(cfg, data_paths, None)
     agree(comm, check_memory, cfg, comm.Get_rank())
-    resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     done = agree(comm, finished_message, cfg, resume)
     if done:
         return Setup(cfg, data_paths, resume, finished=done)

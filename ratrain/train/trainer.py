@@ -4,12 +4,13 @@
 imports its weights, and loops over steps; after each step every rank agrees whether to stop (a
 signal or `run.time_limit` on any rank: `runctl.StopRequests`, one tiny all-reduce through the
 engine), and the loop ends early on `optim.max_nonfinite_steps` non-finite steps or a checkpoint
-that cannot be written. It returns the exit code (`ratrain.runctl`). The schedule and its
+that cannot be written. It returns the exit code (`ratrain.job.runctl`). The schedule and its
 numerics live in `ratrain.lifecycle`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -25,23 +26,43 @@ from ratrain.checkpoint import (
     save_checkpoint,
 )
 from ratrain.checkpoint.space import checkpoint_bytes
-from ratrain.comm.abort import abort
+from ratrain.job.abort import abort
+from ratrain.job.abort import on_end as abort_on_end
 from ratrain.data import eval_batches, open_datasets
 from ratrain.exec.params import BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
-from ratrain.metrics import MetricsWriter
-from ratrain.runctl import (
+from ratrain.job.metrics import MetricsWriter
+from ratrain.job import early
+from ratrain.job.runctl import (
     EXIT_CHECKPOINT,
     EXIT_DIVERGED,
+    EXIT_ERROR,
     EXIT_OK,
     EXIT_STOPPED,
+    EXIT_USAGE,
     StopRequests,
+    unwritable,
     write_status,
 )
-from ratrain.tblog import TensorBoard
+from ratrain.job.tblog import TensorBoard
 from ratrain.train.startup import Setup
+
+
+class WriteFailed(RuntimeError):
+    """A file of the run could not be written; the message is the one line that says so."""
+
+
+@contextlib.contextmanager
+def writing(what: str, run_dir: str, key: str = "run.dir"):
+    """Writes of `what` under `run_dir`: an OSError (no space, read-only, permissions) becomes
+    WriteFailed naming the file, the directory and the key that moves it."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteFailed(unwritable(key, run_dir, OSError(
+            e.errno, e.strerror or str(e), os.path.join(run_dir, what)))) from None
 
 
 class Trainer:
@@ -71,6 +92,7 @@ class Trainer:
         self.nonfinite = 0  # consecutive non-finite steps
         self.save_s = 0.0  # the last checkpoint's duration (the time limit keeps room for one)
         self.stop: StopRequests | None = None
+        self.why = ""  # why the run ended other than its own way (status.json)
 
     @property
     def replica(self) -> int:
@@ -100,31 +122,70 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train from the resumed step to run.steps; the exit code (`ratrain.runctl`)."""
+        """Train from the resumed step to run.steps; the exit code (`ratrain.job.runctl`)."""
         cfg = self.cfg
-        if self.rank == 0:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-        self.ctl.barrier()  # the run directory exists before any rank writes into it
-        if self.rank == 0:
-            atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
-            write_status(cfg.run.dir, self.start_step)
-            self._banner()
-        self.t_start = time.perf_counter()
-        if self.writes_metrics:
-            self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
-            self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
-            self.tb = TensorBoard(cfg.run.dir) if cfg.run.tensorboard else None
+        # from here a stop signal is graceful (before: `job.early` exits 75 at once)
         self.stop = StopRequests(cfg.run, self._hard_exit)
         self.step_reached = self.start_step
         try:
+            return self._run()
+        except WriteFailed as e:
+            return self._write_failed(str(e))
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        if self.rank == 0:
+            with writing("the run directory", cfg.run.dir):
+                os.makedirs(cfg.run.dir, exist_ok=True)
+        self.ctl.barrier()  # the run directory exists before any rank writes into it
+        if self.rank == 0:
+            with writing("config.yaml", cfg.run.dir):
+                atomic_write(os.path.join(cfg.run.dir, "config.yaml"), cfg.to_yaml())
+            with writing("status.json", cfg.run.dir):
+                write_status(cfg.run.dir, self.start_step)
+            # how the job ends, should a rank fail or stop answering (the watchdog tells us)
+            abort_on_end(lambda code, why: write_status(cfg.run.dir, self.step_reached, code, why))
+            self._banner()
+        self.t_start = time.perf_counter()
+        if self.writes_metrics:
+            with writing("metrics.jsonl", cfg.run.dir):
+                self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
+            self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            if cfg.run.tensorboard:
+                with writing("tensorboard/", cfg.run.dir):
+                    self.tb = TensorBoard(cfg.run.dir)
+        code = EXIT_ERROR
+        try:
             code = self._loop()
         finally:
+            early.ended(code)  # a signal from now on: this code at once
             self.stop.close()
         if cfg.run.trace and code in (EXIT_OK, EXIT_STOPPED):
-            self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
+            with writing("trace.json", cfg.run.dir, "run.trace"):
+                self.executor.write_trace(os.path.join(cfg.run.dir, "trace.json"))
         if self.rank == 0:
-            write_status(cfg.run.dir, self.step_reached, code)
+            abort_on_end(None)
+            with writing("status.json", cfg.run.dir):
+                write_status(cfg.run.dir, self.step_reached, code, self.why)
         self.close()
+        return code
+
+    def _write_failed(self, why: str) -> int:
+        """A file of the run could not be written (a full or read-only disk): one line, the
+        status if it can still be written, exit 5 (2 when nothing was trained yet); every rank
+        ends (only this one knows)."""
+        code = EXIT_CHECKPOINT if self.step_reached > self.start_step else EXIT_USAGE
+        early.ended(code)
+        self.stop.close()
+        print(f"error: {why}; the last committed checkpoint is kept (exit {code})",
+              file=sys.stderr, flush=True)
+        abort_on_end(None)
+        with contextlib.suppress(OSError):  # in place: it still fits when the disk is full
+            write_status(self.cfg.run.dir, self.step_reached, code, why, state="write failed")
+        if self.comm.Get_size() > 1:
+            abort(None, code)
+        with contextlib.suppress(OSError):
+            self.close()
         return code
 
     def _loop(self) -> int:
@@ -172,9 +233,11 @@ class Trainer:
             "elapsed_s": time.perf_counter() - self.t_start,
         }
         log = n % cfg.run.log_interval == 0 or n == cfg.run.steps or n == self.start_step + 1
-        self.metrics.write(rec, cfg.model.flops_per_token(), log=log)
+        with writing("metrics.jsonl", cfg.run.dir):
+            self.metrics.write(rec, cfg.model.flops_per_token(), log=log)
         if self.tb is not None:
-            self.tb.log(rec, "train")
+            with writing("tensorboard/", cfg.run.dir):
+                self.tb.log(rec, "train")
 
     def _diverged(self, n: int, res) -> bool:
         """Whether `optim.max_nonfinite_steps` consecutive steps were not finite (every rank
@@ -237,9 +300,11 @@ class Trainer:
             rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
                    "eval_tokens": len(batches) * self.cfg.parallel.global_batch
                    * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
-            self.metrics.write_event(rec)
+            with writing("eval.jsonl", self.cfg.run.dir):
+                self.metrics.write_event(rec)
             if self.tb is not None:
-                self.tb.log(rec, "eval")
+                with writing("tensorboard/", self.cfg.run.dir):
+                    self.tb.log(rec, "eval")
             print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
                   flush=True)
 
@@ -252,6 +317,7 @@ class Trainer:
             path = self._write_checkpoint(n)
         except CheckpointError as e:
             go_on = self.cfg.checkpoint.on_error == "continue" and not stopping
+            self.why = "" if go_on else str(e).splitlines()[0]
             if self.rank == 0:
                 then = (f"training goes on (checkpoint.on_error=continue); next try at step "
                         f"{n + self.cfg.checkpoint.interval}" if go_on else

@@ -23,13 +23,33 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
-_notify: Callable[[str], None] | None = None  # the watchdog's failure notice, when one runs
+from ratrain.job.runctl import EXIT_ERROR
+
+_notify: Callable[[str, int], None] | None = None  # the watchdog's failure notice, when one runs
+_record: Callable[[int, str], None] | None = None  # writes how the job ended (status.json)
 
 
-def on_abort(hook: Callable[[str], None] | None) -> None:
-    """Call `hook(reason)` before MPI_Abort (the watchdog tells the other ranks); None: none."""
+def on_abort(hook: Callable[[str, int], None] | None) -> None:
+    """Call `hook(reason, code)` before MPI_Abort (the watchdog tells the other ranks); None:
+    none."""
     global _notify
     _notify = hook
+
+
+def on_end(hook: Callable[[int, str], None] | None) -> None:
+    """Call `hook(code, why)` when this rank ends the job, or learns that another rank does,
+    before MPI_Abort (the trainer writes status.json); None: none."""
+    global _record
+    _record = hook
+
+
+def record_end(code: int, why: str) -> None:
+    """Run the `on_end` hook once, if any; never raises (the end goes on whatever it does)."""
+    global _record
+    hook, _record = _record, None
+    if hook is not None:
+        with contextlib.suppress(Exception):
+            hook(code, why)
 
 
 def _world_rank() -> int:
@@ -41,8 +61,9 @@ def _world_rank() -> int:
         return -1
 
 
-def abort(exc: BaseException | None = None, code: int = 1) -> None:
-    """Print `exc` (if any) tagged with the rank, then stop every rank of the job."""
+def abort(exc: BaseException | None = None, code: int = EXIT_ERROR, why: str = "") -> None:
+    """Print `exc` (if any) tagged with the rank, record the end (`on_end`), then stop every
+    rank of the job."""
     rank = _world_rank()
     if exc is not None:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -51,10 +72,13 @@ def abort(exc: BaseException | None = None, code: int = 1) -> None:
         sys.stderr.write(f"[rank {rank}] aborting the job (MPI_Abort)\n")
     sys.stderr.flush()
     sys.stdout.flush()
-    if exc is not None and _notify is not None:
+    if exc is not None:
         first = (str(exc).splitlines() or [""])[0]
-        with contextlib.suppress(Exception):  # the abort happens whatever the notice does
-            _notify(f"rank {rank} failed: {type(exc).__name__}: {first}")
+        why = why or f"rank {rank} failed: {type(exc).__name__}: {first}"
+        if _notify is not None:
+            with contextlib.suppress(Exception):  # the abort happens whatever the notice does
+                _notify(why, code)
+    record_end(code, why)
     from mpi4py import MPI
 
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
@@ -63,7 +87,7 @@ def abort(exc: BaseException | None = None, code: int = 1) -> None:
 
 
 @contextmanager
-def abort_on_error(code: int = 1):
+def abort_on_error(code: int = EXIT_ERROR):
     """Run the body; on any exception (not a clean SystemExit) abort the whole job."""
     try:
         yield
@@ -75,10 +99,10 @@ def abort_on_error(code: int = 1):
         abort(e, code)
 
 
-def install_excepthook(code: int = 1) -> None:
+def install_excepthook(code: int = EXIT_ERROR) -> None:
     """Abort the job on an uncaught exception in any thread."""
     sys.excepthook = lambda t, e, tb: abort(e.with_traceback(tb), code)
     threading.excepthook = lambda args: abort(args.exc_value, code)
 
 
-__all__ = ["abort", "abort_on_error", "install_excepthook", "on_abort"]
+__all__ = ["abort", "abort_on_error", "install_excepthook", "on_abort", "on_end", "record_end"]

@@ -45,15 +45,27 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 
 from ratrain.fileio import atomic_write, open_no_follow
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_SILENT = 0, 1, 2, 3
-EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_STOPPED, EXIT_INTERRUPTED = 4, 5, 75, 76
-STATES = {None: "running", EXIT_OK: "finished", EXIT_DIVERGED: "diverged",
-          EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped"}
+from ratrain.job.codes import (
+    EXIT_CHECKPOINT,
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SILENT,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+)
+from ratrain.job.early import signum
+STATES = {None: "running", EXIT_OK: "finished", EXIT_ERROR: "failed", EXIT_USAGE: "refused",
+          EXIT_SILENT: "a rank stopped answering", EXIT_DIVERGED: "diverged",
+          EXIT_CHECKPOINT: "checkpoint failed", EXIT_STOPPED: "stopped",
+          EXIT_INTERRUPTED: "interrupted"}
+STATUS_BYTES = 1024  # status.json's fixed size: updated in place, so a full disk cannot stop it
 
 LOCK_NAME = ".ratrain.lock"
 REPEAT_S = 2.0  # a second signal sooner than this after the first is a duplicate
@@ -93,9 +105,12 @@ class RunLock:
     def acquire(cls, directory: str, what: str = "run.dir") -> RunLock:
         """Lock `directory` (created if absent); RunLocked naming the holder if it is taken.
         `note` says when a dead holder's lock was taken over."""
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
-        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # never through a link
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # never through a link
+        except OSError as e:
+            raise OSError(unwritable(what, directory, e)) from None
         try:
             old = cls._read(fd)
             if not cls._flock(fd):
@@ -171,6 +186,29 @@ class RunLock:
         self._fd = None
 
 
+def unwritable(key: str, path: str, e: OSError) -> str:
+    """One line: what could not be written, where, why, and the key that moves it."""
+    why = e.strerror or str(e)
+    return (f"cannot write {key}={path} ({why}{': ' + e.filename if e.filename and e.filename != path else ''}): "
+            f"free space or fix the permissions there, or set {key} to a writable directory")
+
+
+def check_writable(directory: str, key: str) -> None:
+    """Whether `directory` (config key `key`) can be made and written, leaving nothing behind:
+    it or its nearest existing parent is a directory where an entry can be made (OSError
+    naming `key` otherwise)."""
+    path = os.path.abspath(directory)
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OSError(unwritable(key, directory, OSError(errno.ENOTDIR, "not a directory", probe)))
+    try:  # the one sure test: make (and remove) an entry there
+        os.rmdir(tempfile.mkdtemp(prefix=".ratrain-probe-", dir=probe))
+    except OSError as e:
+        raise OSError(unwritable(key, directory, OSError(e.errno, e.strerror, probe))) from None
+
+
 def lock_dirs(run_dir: str, ckpt_dir: str, log) -> list[RunLock]:
     """Lock `run_dir`, and `ckpt_dir` when it lies outside it; `log` the takeover notes."""
     locks = [RunLock.acquire(run_dir)]
@@ -187,14 +225,38 @@ def lock_dirs(run_dir: str, ckpt_dir: str, log) -> list[RunLock]:
     return locks
 
 
-def write_status(run_dir: str, step: int, code: int | None = None) -> None:
-    """`<run_dir>/status.json`, one line: {"state", "exit", "step", "time"} (rank 0 writes it
-    when the run starts and when it ends its own way), so that a batch script whose launcher
-    reports the ranks' exit badly (srun kills the ranks still exiting once one has exited
-    non-zero) still knows how the run ended."""
-    info = {"state": STATES.get(code, "failed"), "exit": code, "step": step,
+def write_status(run_dir: str, step: int, code: int | None = None, why: str = "",
+                 state: str | None = None) -> None:
+    """`<run_dir>/status.json`, one line: {"state", "exit", "step", "time"} and, when the run
+    did not end its own way, "why" (rank 0 writes it when the run starts and when it ends, the
+    rank that fails or notices a failure when it is alive to), so that a batch script whose
+    launcher reports the ranks' exit badly (srun kills the ranks still exiting once one has
+    exited non-zero) still knows how the run ended.
+
+    The file has a fixed size (`STATUS_BYTES`, padded with spaces): written whole at the start
+    (`atomic_write`), then overwritten in place, which takes no new room, so that it still says
+    why when the disk is full."""
+    info = {"state": state or STATES.get(code, "failed"), "exit": code, "step": step,
             "time": round(time.time(), 3)}
-    atomic_write(os.path.join(run_dir, "status.json"), json.dumps(info) + "\n")
+    if why:
+        info["why"] = why[: STATUS_BYTES // 2]
+    raw = json.dumps(info).encode()
+    raw = raw + b" " * max(0, STATUS_BYTES - 1 - len(raw)) + b"\n"
+    path = os.path.join(run_dir, "status.json")
+    try:
+        fd = open_no_follow(path, os.O_WRONLY)
+    except FileNotFoundError:
+        atomic_write(path, raw)
+        return
+    try:
+        if os.fstat(fd).st_size != len(raw):
+            raise OSError(errno.EINVAL, "not this run's status file", path)
+        os.pwrite(fd, raw, 0)
+        os.fsync(fd)
+    except OSError:
+        atomic_write(path, raw)  # an older layout, or in-place writes refused: the usual way
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +276,7 @@ class StopRequests:
         self._grace: threading.Timer | None = None
         if install:
             for name in run_cfg.stop_signals:
-                sig = getattr(signal, "SIG" + name.upper().removeprefix("SIG"))
+                sig = signum(name)
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -264,6 +326,6 @@ class StopRequests:
 
 __all__ = [
     "EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_SILENT",
-    "EXIT_STOPPED", "EXIT_USAGE", "LOCK_NAME", "RunLock", "RunLocked", "StopRequests", "lock_dirs",
-    "write_status",
+    "EXIT_STOPPED", "EXIT_USAGE", "LOCK_NAME", "RunLock", "RunLocked", "StopRequests",
+    "check_writable", "lock_dirs", "unwritable", "write_status",
 ]

@@ -41,12 +41,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ratrain.comm import abort as _abort
+from ratrain.job import abort as _abort
+from ratrain.job.runctl import EXIT_ERROR, EXIT_SILENT
 
 TAG_BEAT, TAG_FAIL, TAG_ACK = 11, 12, 13
 BEAT_BYTES = 1024  # a heartbeat: JSON padded with zeros
 FAIL_BYTES = 8192  # a failure notice
-EXIT_SILENT = 3  # exit code when a rank stopped answering (README: exit codes)
 
 
 def _encode(obj, size: int) -> np.ndarray:
@@ -78,6 +78,7 @@ class Watchdog:
         self.period = period_s or min(5.0, max(0.2, self.timeout / 10))
         self.out = out or sys.stderr
         self.activity = "start-up"
+        self.frozen_until = 0.0  # when this process last woke from being frozen (monotonic)
         self.suspects: dict[int, float] = {}  # rank -> seconds silent (as the monitor sees it)
         now = time.monotonic()
         self._heard = {r: now for r in self._watched()}  # rank -> when last heard from
@@ -95,15 +96,25 @@ class Watchdog:
     # -- what the rest of the runtime calls --------------------------------------------------------
 
     def doing(self, activity: str) -> None:
-        """Set what this rank is doing (sent with its next heartbeat, at most a tick from now;
-        printed by the others if it goes silent)."""
+        """Set what this rank is doing (sent at once: the heartbeat thread wakes; printed by
+        the others if it goes silent)."""
         self.activity = activity
         self._changed.set()
+
+    def silent(self, ranks) -> bool:
+        """Whether any of `ranks` (of the watched communicator) may have stopped answering: a
+        suspect, or, seen from a rank other than the monitor, the monitor itself gone quiet."""
+        ranks = set(ranks)
+        return bool(ranks & set(self.suspects)) or (self.rank != 0 and 0 in self.suspects)
 
     def hold(self, what: str = "", age: float = 0.0) -> bool:
         """Whether an operation that timed out should wait on: True while some rank is a
         suspect (the monitor will end the job naming it), for at most another timeout."""
         return bool(self.suspects) and age < 2 * self.timeout
+
+    def was_frozen(self, since: float) -> bool:
+        """Whether this process itself was frozen (stopped) after monotonic time `since`."""
+        return self.frozen_until > since
 
     def explain(self) -> str:
         """What the watchdog knows, for an operation's timeout error."""
@@ -124,13 +135,13 @@ class Watchdog:
         if not self._thread.is_alive():
             self.comm.Free()
 
-    def notify_failure(self, message: str) -> None:
+    def notify_failure(self, message: str, code: int = EXIT_ERROR) -> None:
         """Tell every other rank why the job is about to end; wait briefly for them to say they
         printed it (called by `comm.abort.abort` before MPI_Abort)."""
         if not self._failing.acquire(blocking=False):
             return  # already notifying (the watchdog thread and an error at once)
         targets = [r for r in range(self.size) if r != self.rank and r not in self.suspects]
-        buf = _encode({"from": self.world_rank, "msg": message}, FAIL_BYTES)
+        buf = _encode({"from": self.world_rank, "msg": message, "code": code}, FAIL_BYTES)
         reqs = [self.comm.Isend([buf, MPI.BYTE], r, TAG_FAIL) for r in targets]
         acks = [self.comm.Irecv([np.zeros(1, np.uint8), MPI.BYTE], r, TAG_ACK) for r in targets]
         deadline = time.monotonic() + 2.0
@@ -161,8 +172,13 @@ class Watchdog:
         status = MPI.Status()
         next_beat = 0.0
         tick = min(0.25, self.period / 4)
+        last = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
+            if now - last > max(1.0, self.period):  # this process was frozen (SIGSTOP), not them
+                self._heard = {r: now for r in self._heard}
+                self.frozen_until = now
+            last = now
             if fail is not None and fail.Test(status):
                 self._on_failure(_decode(fail_buf), status.Get_source())
                 fail = None
@@ -182,7 +198,7 @@ class Watchdog:
             if self._closing and self._said_bye and (self.rank != 0 or not recv) and \
                     (self.rank == 0 or 0 in self._bye):
                 break
-            time.sleep(tick)  # so a changed activity goes out at most a tick late, once per tick
+            self._changed.wait(tick)  # a changed activity goes out at once (the thread wakes)
         for q in [*recv.values(), *([fail] if fail is not None else [])]:
             q.Cancel()
             q.Wait()
@@ -236,15 +252,18 @@ class Watchdog:
         self.out.write(f"[rank {self.world_rank}] error: {message}; ending the job on every rank "
                        "(MPI_Abort)\n")
         self.out.flush()
-        self.notify_failure(message + f" (noticed by rank {self.world_rank})")
-        _abort.abort(None, EXIT_SILENT)
+        message += f" (noticed by rank {self.world_rank})"
+        self.notify_failure(message, EXIT_SILENT)
+        _abort.abort(None, EXIT_SILENT, message)
 
     def _on_failure(self, msg: dict, source: int) -> None:
         self.out.write(f"[rank {self.world_rank}] error: the job ends: {msg.get('msg', '?')}\n")
         self.out.flush()
+        code = int(msg.get("code", EXIT_ERROR))
+        _abort.record_end(code, msg.get("msg", "?"))  # a surviving rank says how the job ended
         self.comm.Isend([np.zeros(1, np.uint8), MPI.BYTE], source, TAG_ACK).Wait()
         # The sender calls MPI_Abort next; should it not, end this rank ourselves.
-        threading.Timer(10.0, _abort.abort, (None, EXIT_SILENT)).start()
+        threading.Timer(10.0, _abort.abort, (None, code)).start()
 
 
-__all__ = ["EXIT_SILENT", "Watchdog"]
+__all__ = ["Watchdog"]

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from ratrain.fileio import open_append, open_no_follow
+from ratrain.fileio import append_whole, open_no_follow
 
 EVAL_FILE = "eval.jsonl"
 REQUIRED = (
@@ -70,7 +70,7 @@ class MetricsWriter:
         self._steps_timed = 0
         self._time_sum = 0.0
         self.recorded = self._cut_torn_line()  # the last step recorded so far (0: none)
-        self._f = open_append(self.path)
+        self._fd = _open_log(self.path)
         self._eval = None
 
     def _cut_torn_line(self) -> int:
@@ -99,8 +99,7 @@ class MetricsWriter:
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
         rec = {**rec, "rerun": rec["step"] <= self.recorded}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        append_whole(self._fd, (json.dumps(rec) + "\n").encode())  # whole or not at all
         if rec["step"] > 1 or self.total_steps == 1:  # the first step pays warm-up
             self._steps_timed += 1
             self._time_sum += rec["step_time_s"]
@@ -134,14 +133,18 @@ class MetricsWriter:
         """An eval record, to `eval.jsonl` (appended; its own file so that `metrics.jsonl`
         keeps one type per field)."""
         if self._eval is None:
-            self._eval = open_append(os.path.join(os.path.dirname(self.path), EVAL_FILE))
-        self._eval.write(json.dumps(rec) + "\n")
-        self._eval.flush()
+            self._eval = _open_log(os.path.join(os.path.dirname(self.path), EVAL_FILE))
+        append_whole(self._eval, (json.dumps(rec) + "\n").encode())
 
     def close(self) -> None:
-        self._f.close()
+        os.close(self._fd)
         if self._eval is not None:
-            self._eval.close()
+            os.close(self._eval)
+
+
+def _open_log(path: str) -> int:
+    """A log's descriptor for appending (created if absent), never through a symbolic link."""
+    return open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
 def read_curve(path: str) -> list[dict]:

@@ -25,7 +25,7 @@ import time
 
 from mpi4py import MPI
 
-from ratrain.comm.watchdog import Watchdog
+from ratrain.job.watchdog import Watchdog
 
 TAG_COLL = 31  # gather / bcast (point-to-point tags of callers are their own)
 
@@ -68,6 +68,8 @@ class Control:
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.02)
             if limit and not said and time.monotonic() - t0 > limit:
+                if self.watchdog.silent(peers()):
+                    continue  # a silent rank: the watchdog names it and ends the job
                 said = True
                 waiting = ", ".join(str(p) for p in peers()) or "?"
                 self.out.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] warning: waiting "
