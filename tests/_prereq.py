@@ -26,7 +26,7 @@ def missing(what: str):
     """Fail (strict) or skip, with `what` as the one line."""
     if strict():
         pytest.fail(f"missing prerequisite: {what}", pytrace=False)
-    pytest.skip(what)
+    raise pytest.skip.Exception(what, _use_item_location=True)  # the test's line in -rs
 
 
 def need(module: str, why: str = ""):
