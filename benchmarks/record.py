@@ -7,7 +7,8 @@ docs/BENCHMARKS.md and docs/FAULTS.md (benchmarks/tables.py).
 runs COMMAND N times (default 1; its output is echoed), takes the JSON it prints (its whole
 output as one JSON document, or every line that is a JSON object), flattens it into figures
 (nested keys joined by "."; an object in a list keyed by its identifying fields, e.g.
-`allreduce/tree/4/8.time_s`; numbers, strings and booleans kept), adds each `--ratio` (NUM over
+`allreduce/tree/4/8.time_s`; the last object line, a benchmark's summary, also under its own
+keys; numbers, strings and booleans kept), adds each `--ratio` (NUM over
 DEN, per round), takes the median of every number over the rounds and writes the record.
 A failing round ends the rounds; what it printed is recorded (with its `exit_status`) and the
 script exits with its status; a command that printed no JSON writes nothing. Records go to
@@ -183,7 +184,10 @@ def main(argv=None) -> int:
     for _ in range(a.rounds):
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         sys.stdout.write(p.stdout)
-        figures = flatten(parse_output(p.stdout))
+        doc = parse_output(p.stdout)
+        figures = flatten(doc)
+        if isinstance(doc, list) and doc and isinstance(doc[-1], dict):
+            figures.update(flatten(doc[-1]))  # the last line, a benchmark's summary: unprefixed
         if not figures:
             print(f"error: {shlex.join(cmd)} exited {p.returncode} and printed no JSON figures;"
                   " no record written", file=sys.stderr)

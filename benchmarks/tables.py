@@ -41,6 +41,8 @@ TABLES = {
          [("ratrain.speedup_vs_baseline", "ratrain vs baseline", ".3f"),
           ("ratrain.speedup_vs_megatron", "ratrain vs Megatron", ".3f"),
           ("ratrain.vs_ideal", "ratrain / 1F1B ideal", ".3f"),
+          ("ratrain.recomputed", "ratrain recomputed", ""),
+          ("baseline-1f1b.recomputed", "baseline recomputed", ""),
           ("ratrain.host_busy", "host busy", ".2f")]),
         ("checkpoint-save", "checkpoint save against plain h5py (fsync'd)",
          [("save_over_h5py", "save time / h5py's", ".2f")]),
