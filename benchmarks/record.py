@@ -17,6 +17,7 @@ $RATRAIN_RECORDS (default docs/records/; smoke runs point it elsewhere).
 Record fields: name, command (exactly what was run: this script's command line), commit (git
 rev-parse --short HEAD, "+dirty" when the tree has changes), cpu_model (/proc/cpuinfo), cores
 (os.cpu_count()), load_before, load_after (1-minute load average), date (ISO-8601 UTC), figures.
+"+dirty" leaves out docs/records/ itself (a re-measurement writes records one after another).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def commit() -> str:
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
     head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").strip()
-                   else "")
+    # records written earlier in the same re-measurement do not make the code dirty
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/records")
+    return head + ("+dirty" if changed.strip() else "")
 
 
 def cpu_model() -> str:

@@ -13,8 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-PY=${PY:-$PWD/.venv/bin/python}
-MPIRUN=${MPIRUN:-$PWD/.venv/bin/mpirun}
+PY=${PY:-.venv/bin/python}  # relative: the records' commands read as run from the repo root
+MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
@@ -75,8 +75,9 @@ for part in $PARTS; do
       --work "$WORK/faults" ;;
   slurm)  # ~3 min: a private Slurm (root; Debian's slurm-wlm, munge, libpmix-dev)
     "$PY" -c "import numpy as np; from ratrain.data import write_tokens; write_tokens('$WORK/slurm.bin', np.random.default_rng(0).integers(0, 256, 400_000), vocab_size=256)"
-    rec slurm-quick -- env RATRAIN_VENV="$(dirname "$(dirname "$PY")")" TMPDIR="$WORK" \
-      bash scripts/slurm-local.sh run "$WORK/slurm" "$PY" benchmarks/slurm_trials.py quick \
+    venv=$(cd "$(dirname "$PY")/.." && pwd)  # absolute: the jobs run elsewhere
+    rec slurm-quick -- env RATRAIN_VENV="$venv" TMPDIR="$WORK" \
+      bash scripts/slurm-local.sh run "$WORK/slurm" "$venv/bin/python" benchmarks/slurm_trials.py quick \
       --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work" ;;
   *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm)" >&2; exit 2 ;;
   esac
