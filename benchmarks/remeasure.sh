@@ -7,7 +7,8 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle checkpoint faults slurm. A step that fails
+# PARTS (default all): bench parity comm lifecycle checkpoint faults slurm timing (the
+# wall-clock tests, `pytest --timing -m timing`, which need the quiet host). A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
 # figures) holds its exit_status and the table says so.
 set -uo pipefail
@@ -18,7 +19,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle checkpoint faults slurm}
+PARTS=${*:-bench parity comm lifecycle checkpoint faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -79,7 +80,14 @@ for part in $PARTS; do
     rec slurm-quick -- env RATRAIN_VENV="$venv" TMPDIR="$WORK" \
       bash scripts/slurm-local.sh run "$WORK/slurm" "$venv/bin/python" benchmarks/slurm_trials.py quick \
       --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work" ;;
-  *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm)" >&2; exit 2 ;;
+  timing)  # ~2 min: the wall-clock upper bounds, which only a quiet host can check
+    echo "== timing tests (load $(cut -d' ' -f1 /proc/loadavg))"
+    if [ "$SMOKE" = 1 ]; then sel=(--collect-only); else sel=(); fi
+    "$PY" -m pytest -q -rs --timing -m timing -p no:cacheprovider "${sel[@]}" tests/ ||
+      failed+=(timing)
+    "${MPI[@]}" -n 4 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
+      -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
+  *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm timing)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then
