@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._prereq import need
+
 ROOT = Path(__file__).resolve().parents[1]
 RAISES = {
     "absent": 'raise ModuleNotFoundError("No module named \'numba\'", name="numba")',
@@ -58,7 +60,7 @@ def test_broken_numba_under_ci_is_an_error(tmp_path):
 
 
 def test_ratrain_fused_0_turns_an_importable_numba_off(tmp_path):
-    pytest.importorskip("numba")  # this case needs the real one
+    need("numba")  # this case needs the real one
     p = _py(_env(tmp_path, None, RATRAIN_FUSED="0"))
     assert p.stdout.strip() == "False False | turned off by RATRAIN_FUSED=0", p.stderr
 
