@@ -188,8 +188,9 @@ def main(argv=None):
 
             croot = os.path.join(work, "crash")
             t0 = time.perf_counter()
-            resumed, interrupted = crash_loop(croot, args.kills, seed=3, max_delay=0.5)
-            print(f"crash loop: {args.kills} SIGKILLs, {interrupted} during a save in progress; every "
+            resumed, interrupted, in_save = crash_loop(croot, args.kills, seed=3, max_delay=0.5)
+            print(f"crash loop: {args.kills} SIGKILLs, {in_save} inside a save call, {interrupted} "
+                  "leaving a half-done save on disk; every "
                   f"restart resumed from the newest committed checkpoint (steps {resumed}); "
                   f"{time.perf_counter() - t0:.1f} s")
     finally:

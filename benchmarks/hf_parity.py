@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     )
     print(f"max_rel_dev={worst:.6e} steps={len(steps)}")
     print(f"grad_norm max_rel_dev={gn_worst:.6e}")
+    print(json.dumps({"steps": len(steps), "loss_max_rel_dev": worst,  # for benchmarks/record.py
+                      "grad_norm_max_rel_dev": gn_worst}))
     return 0 if (worst <= a.tol and math.isfinite(worst) and len(steps) == a.steps) else 1
 
 

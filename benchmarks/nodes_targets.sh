@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 10's targets on emulated nodes (docs/BENCHMARKS.md (Nodes)), as root, from the repo root:
 #   bash benchmarks/nodes_targets.sh [PART...] [OUT_DIR via OUT=]
-# PARTS: train threads comm kill sim (default: all). Each part prints what it measured; raw
+# PARTS: train threads comm kill sim (default: all). Each part prints what it measured (exit 1
+# when a comparison that claims equality within its tolerance does not hold); raw
 # records go to $OUT (default /tmp/nodes-targets). A cluster of 2 nodes x 4 ranks, links shaped
 # to 1 Gbit/s, is brought up (name nt) and taken down at the end, whatever happens.
 # Env: PY (python), MPIRUN, DATA (token file), STEPS (50), TS (time_scale of the simulator
@@ -29,8 +30,12 @@ TRAIN=("$PY" -m ratrain.train --config jobs/tiny.yaml --set "data.tokens=$DATA"
        --set data.eval_interval=0 --set run.log_interval=10 --set "run.steps=$STEPS"
        --set checkpoint.interval=0)
 load() { echo "# load: $(cut -d' ' -f1-3 /proc/loadavg)"; }
-cmp_runs() {  # a deviation over the tolerance is reported, not fatal
-  { "$PY" -m ratrain.compare "$1" "$2" --tol "$3" 2>&1 || true; } | tr '\n' ' ' | sed "s|^|$1 vs $2 (tol $3): |"; echo
+failed=0
+cmp_runs() {  # every comparison is reported; one that fails makes the script exit 1 at the end
+  local out rc=0
+  out=$("$PY" -m ratrain.compare "$1" "$2" --tol "$3" 2>&1) || rc=$?
+  echo "$1 vs $2 (tol $3): $(echo "$out" | tr '\n' ' ')"
+  if [ "$rc" != 0 ]; then echo "FAILED: $1 vs $2 (tol $3)"; failed=1; fi
 }
 
 for part in $PARTS; do
@@ -90,3 +95,4 @@ for part in $PARTS; do
   esac
   load
 done
+if [ "$failed" != 0 ]; then echo "error: a comparison failed (FAILED lines above)" >&2; exit 1; fi

@@ -3,14 +3,14 @@
 
 from pathlib import Path
 
-import pytest
+from tests._prereq import need
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]
 
 
 def make_bpe(root: Path, vocab_size: int = 300) -> tuple[Path, Path]:
     """(tokenizer.json path, a folder of 5 documents) under `root`."""
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = need("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())

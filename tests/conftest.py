@@ -6,8 +6,9 @@ skips them; run them on a quiet host with `pytest --timing`. Lower bounds (never
 the link model) cannot flake and stay in the plain tests.
 
 `cluster`: tests that start emulated nodes (network namespaces; tests/test_cluster.py). They
-run only with `pytest --cluster` (scripts/test.sh passes it in a step of its own, which also
-says why they skip when the machine does not allow them: not root, no namespaces).
+run only with `pytest --cluster` (scripts/test.sh passes it in a step of its own); when the
+machine does not allow them (not root, no namespaces) they fail under CI and skip with the
+reason elsewhere (tests/_prereq.py).
 
 `mpi_group(n)`: a communicator of `n` ranks of MPI.COMM_WORLD for an MPI test (pytest-mpi's
 `@pytest.mark.mpi(min_size=n)`); it is freed after the test whatever happens, the test is skipped

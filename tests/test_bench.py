@@ -4,11 +4,12 @@ figures; the PyTorch contender runs in its own process."""
 import pytest
 
 from ratrain import bench
+from tests._prereq import need
 
 
 def test_throughput_figures_are_consistent(tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    need("torch")
+    need("transformers")
     out = tmp_path / "b.json"
     bench.main(["--rounds", "1", "--warmup", "0", "--no-fp16", "--json", str(out)])
     import json

@@ -514,22 +514,29 @@ CRASH_MODEL = {"hidden": 64, "ffn_hidden": 176, "heads": 4, "kv_heads": 2, "voca
 
 
 def crash_worker(root):
-    """Resume like the trainer, then save step after step until killed."""
+    """Resume like the trainer, then save step after step until killed. Each save's start and
+    return are appended to `root + ".log"` (unbuffered) around the call: a kill whose log ends
+    in "start" landed inside a save."""
     cfg = make_cfg(keep=2, **CRASH_MODEL)
     path = ck.resolve_resume(CheckpointConfig(dir=root), "x", cfg.model, log=lambda m: None)
     step = ck.load_checkpoint(path)["step"] + 1 if path else 1
     print("ready", step, flush=True)
-    while True:
-        ck.save_checkpoint(root, step, cfg, stage_tensors(cfg, 0, step), scalars(step))
-        step += 1
+    with open(root + ".log", "a", buffering=1) as log:
+        while True:
+            log.write(f"start {step}\n")
+            ck.save_checkpoint(root, step, cfg, stage_tensors(cfg, 0, step), scalars(step))
+            log.write(f"commit {step}\n")
+            step += 1
 
 
 def crash_loop(root, kills, seed=0, max_delay=0.25):
-    """Start the worker, SIGKILL it at a random moment, check what resume finds; repeat."""
+    """Start the worker, SIGKILL it at a random moment, check what resume finds; repeat.
+    Returns (the step resumed from after each kill, kills that left a half-done save on disk,
+    kills that landed between a save's start and its return)."""
     rnd = random.Random(seed)
     cfg = make_cfg(**CRASH_MODEL)
     last = 0  # the newest step seen committed after a kill: resume must never go below it
-    resumed, interrupted = [], 0  # interrupted: kills that left a save half done
+    resumed, interrupted, in_save = [], 0, 0  # interrupted: kills that left a save half done
     for _ in range(kills):
         p = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "worker", root],
@@ -542,6 +549,10 @@ def crash_loop(root, kills, seed=0, max_delay=0.25):
         p.send_signal(signal.SIGKILL)
         p.wait()
         p.stdout.close()
+        if os.path.exists(root + ".log"):  # not there: killed before its first save
+            with open(root + ".log") as f:
+                lines = f.read().splitlines()
+            in_save += bool(lines) and lines[-1].startswith("start")
         # Every committed checkpoint must be intact; auto must find the newest one.
         committed = [(s, q) for s, q in ck.list_checkpoints(root) if ck.is_committed(q)]
         interrupted += len(committed) < len(ck.list_checkpoints(root))
@@ -557,24 +568,29 @@ def crash_loop(root, kills, seed=0, max_delay=0.25):
             assert got["state"]["data_position"] == got["step"]
             last = got["step"]
         resumed.append(last)
-    return resumed, interrupted
+    return resumed, interrupted, in_save
 
 
 def test_sigkill_during_saves_never_loses_or_loads_damage(tmp_path):
-    resumed, _ = crash_loop(str(tmp_path), kills=4, seed=1)
+    root = str(tmp_path / "ck")
+    resumed, _, in_save = crash_loop(root, kills=4, seed=1)
     assert resumed[-1] > 0, resumed
+    # the worker does nothing but save: most kills land inside one (the log says which)
+    assert in_save >= 2, f"only {in_save} of 4 kills landed inside a save"
 
 
 @pytest.mark.slow
 def test_sigkill_twenty_times(tmp_path):
-    resumed, _ = crash_loop(str(tmp_path), kills=20, seed=2)
+    resumed, _, in_save = crash_loop(str(tmp_path / "ck"), kills=20, seed=2)
     assert resumed == sorted(resumed) and resumed[-1] > 0
+    assert in_save >= 10, f"only {in_save} of 20 kills landed inside a save"
 
 
 @pytest.mark.timing
 def test_sigkill_twenty_times_hits_saves_in_progress(tmp_path):
-    """That the kill loop exercises interrupted saves at all depends on the machine's pace."""
-    _, interrupted = crash_loop(str(tmp_path), kills=20, seed=2)
+    """That kills leave half-done saves on disk (not only land inside the call) depends on the
+    machine's pace: where in a save the kill falls."""
+    _, interrupted, _ = crash_loop(str(tmp_path / "ck"), kills=20, seed=2)
     assert interrupted >= 5, f"only {interrupted} of 20 kills hit a save in progress"
 
 

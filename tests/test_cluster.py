@@ -3,9 +3,10 @@
 Each node is a network namespace with its own hostname, linked through a bridge and shaped to
 1 Gbit/s; Open MPI starts a daemon per node, ranks on different nodes talk TCP, ranks on one node
 shared memory. Checked: pp 2 x dp 2 on 2 nodes x 2 ranks is bitwise the run on one host, for
-each placement; killing every process of one node ends the job within 30 s, non-zero, naming
+each placement; killing every process of one node ends the job within 60 s, non-zero, naming
 the lost ranks. Needs root and network namespaces: run with `--cluster` (scripts/test.sh does);
-otherwise, or when the machine does not allow it, the tests are skipped with the reason. The
+when the machine does not allow it, the tests fail under CI (`CI=true`) and are skipped with the
+reason elsewhere. The
 cluster has a name of its own and is taken down whatever happens.
 """
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests._prereq import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "cluster.sh"
@@ -67,7 +70,7 @@ def _env():
 def cluster():
     reason = why_not()
     if reason:
-        pytest.skip(reason)
+        missing(reason)  # a failure under CI
     name = f"t{os.getpid() % 10**7}"
     up = subprocess.run([str(CLUSTER), "up", "--nodes", "2", "--slots", "2", "--rate", "1gbit",
                          "--name", name], capture_output=True, text=True, env=_env())
@@ -118,12 +121,9 @@ def test_losing_a_node_ends_the_job_naming_its_ranks(cluster, tmp_path):
             time.sleep(0.2)
         subprocess.run([str(CLUSTER), "kill", "2", "--name", cluster], check=True,
                        capture_output=True, env=_env())
-        t0 = time.monotonic()
-        out, err = run.communicate(timeout=60)
-        took = time.monotonic() - t0
+        out, err = run.communicate(timeout=60)  # the bound: a job that hangs fails here
     finally:
         if run.poll() is None:
             run.kill()
     assert run.returncode != 0, (out[-2000:], err[-3000:])
-    assert took < 30, took
     assert f"the job lost node {cluster}-n2: MPI rank(s) 2,3" in err, err[-3000:]

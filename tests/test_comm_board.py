@@ -15,8 +15,13 @@ from mpi4py import MPI
 from ratrain.comm import board
 from ratrain.comm import collectives as C
 from ratrain.comm.engine import CommEngine
+from tests._prereq import need_fast
 
-pytestmark = pytest.mark.skipif(not board.enabled(), reason="the board needs numba (the fast extra)")
+
+@pytest.fixture(autouse=True)
+def _numba():
+    need_fast(board)  # a failure under CI when numba is missing
+
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64]
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}

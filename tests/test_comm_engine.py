@@ -77,11 +77,9 @@ def test_send_recv_to_self_through_the_throttle_overlaps_with_the_caller():
 
 def test_watchdog_names_the_operation_and_breaks_the_engine():
     eng = CommEngine(MPI.COMM_SELF.Dup(), watchdog_s=0.5)
-    t0 = time.perf_counter()
     fut = eng.recv(np.zeros(4), 0, tag=99)  # nobody sends
     with pytest.raises(CommTimeout, match=r"recv\(from 0, tag 99, 32 B\) #1 did not finish"):
-        fut.result(timeout=10)
-    assert time.perf_counter() - t0 < 3
+        fut.result(timeout=10)  # the bound: a watchdog that never fired raises TimeoutError
     with pytest.raises(EngineClosed, match="did not finish"):
         eng.submit(lambda: 1).result()
     eng.close(timeout=5)

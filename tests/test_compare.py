@@ -27,3 +27,49 @@ def test_compare_reports_max_relative_deviation(tmp_path, capsys):
 def test_compare_missing_run_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main([str(tmp_path / "x"), str(tmp_path / "y")])
+
+
+def test_a_truncated_copy_fails_unless_a_prefix_is_asked_for(tmp_path, capsys):
+    a = run_dir(tmp_path, "a", [2.0, 1.5, 1.0, 0.9])
+    short = run_dir(tmp_path, "short", [2.0, 1.5])  # a run that stopped early
+    assert main([short, a, "--tol", "0"]) == 1
+    assert main([a, short, "--tol", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"2 step(s) of {a} missing from {short}: 3, 4" in err
+    assert main([short, a, "--tol", "0", "--prefix"]) == 0
+    gap = run_dir(tmp_path, "gap", [2.0, 1.5, 1.0, 0.9])
+    lines = (tmp_path / "gap" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "gap" / "metrics.jsonl").write_text("\n".join(lines[:1] + lines[2:]) + "\n")
+    assert main([gap, a, "--tol", "0", "--prefix"]) == 1  # a gap is not a prefix
+    assert "missing from" in capsys.readouterr().err
+
+
+def test_different_step_sets_fail_at_tol_0(tmp_path):
+    a = run_dir(tmp_path, "a", [2.0, 1.5, 1.0])
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n"
+                                             for s, v in ((1, 2.0), (2, 1.5), (4, 1.0))))
+    assert main([a, str(b), "--tol", "0"]) == 1
+    assert main([a, str(b)]) == 1  # without a tolerance too
+
+
+def test_nan_fails_even_in_both_runs(tmp_path, capsys):
+    nan = float("nan")
+    a = run_dir(tmp_path, "a", [2.0, nan, nan])
+    b = run_dir(tmp_path, "b", [2.0, nan, nan])  # both diverged alike
+    assert main([a, b, "--tol", "0"]) == 1
+    assert f"NaN in {a} at step(s) 2, 3" in capsys.readouterr().err
+    c = run_dir(tmp_path, "c", [2.0, 1.0, 1.0])
+    assert main([c, b, "--prefix"]) == 1  # a NaN the other run does not share: inf deviation
+
+
+def test_a_damaged_line_is_an_error_and_a_torn_last_line_is_left_out(tmp_path, capsys):
+    a = run_dir(tmp_path, "a", [2.0, 1.5])
+    f = tmp_path / "a" / "metrics.jsonl"
+    b = run_dir(tmp_path, "b", [2.0, 1.5])
+    f.write_text(f.read_text() + '{"step": 3, "lo')  # a crash in mid-write
+    assert main([a, b, "--tol", "0"]) == 0
+    f.write_text('{"step": 1, "lo\n' + f.read_text())  # damage in the middle
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:1 is not a JSON object"):
+        main([a, b, "--tol", "0"])

@@ -16,6 +16,7 @@ import pytest
 from ratrain import data as D
 from ratrain.data import corpus, tokens
 from ratrain.config import ConfigError, config_from_dict
+from tests._prereq import need
 
 
 def arange_file(path: Path, n: int, dtype: str = "<u2", sidecar: dict | None = None) -> Path:
@@ -193,7 +194,7 @@ def test_ensure_default_corpus_with_comm(tmp_path):
 
 
 def test_hf_tokenizer(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = need("tokenizers")
     from tokenizers import models, pre_tokenizers
 
     words = ["the", "cat", "sat", "on", "mat", "[UNK]"]

@@ -9,9 +9,13 @@ from ratrain.exec.optim import AdamW
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import stage_blocks
 from ratrain.shim.ledger import Ledger
-
-pytestmark = pytest.mark.skipif(not fused.enabled(), reason="numba not installed (the fast extra)")
+from tests._prereq import need_fast
 RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(autouse=True)
+def _numba():
+    need_fast(fused)  # a failure under CI when numba is missing
 
 
 def rand(*shape):

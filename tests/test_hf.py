@@ -20,6 +20,7 @@ from ratrain.hf import (
     resolve_model_config,
 )
 from ratrain.shim.ledger import Ledger
+from tests._prereq import need
 
 M = ModelConfig(vocab_size=48, hidden=32, layers=3, heads=4, kv_heads=2, ffn_hidden=40, seq_len=16,
                 rope_theta=500000.0, norm_eps=1e-5)
@@ -238,8 +239,8 @@ def test_truncated_file_is_refused(tmp_path):
 
 
 def tiny_llama(tie=False, seed=0):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = need("torch")
+    transformers = need("transformers")
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=M.vocab_size, hidden_size=M.hidden, num_hidden_layers=M.layers,
@@ -278,7 +279,7 @@ def test_import_from_transformers_is_exact(tmp_path, shard):
 
 @pytest.mark.torch
 def test_import_bf16_checkpoint(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     model = tiny_llama().to(torch.bfloat16)
     model.save_pretrained(str(tmp_path))
     header, _ = read_safetensors_header(str(tmp_path / "model.safetensors"))
@@ -292,8 +293,8 @@ def test_import_bf16_checkpoint(tmp_path):
 @pytest.mark.torch
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_loads_in_transformers(tmp_path, tie):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = need("torch")
+    transformers = need("transformers")
     m = replace(M, tie_embeddings=tie)
     params = random_params(m, seed=5)
     out = export_hf(params, m, str(tmp_path / "hf"))
@@ -392,8 +393,8 @@ def test_export_cli_from_checkpoint(tmp_path, capsys):
 @pytest.mark.torch
 def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
     """Issue 4's target: export -> transformers -> the same numbers as ratrain (fp32)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = need("torch")
+    transformers = need("transformers")
     from ratrain.exec.context import ExecContext
     from ratrain.exec.layers import embed_forward, head_forward, layer_forward
 

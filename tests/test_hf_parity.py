@@ -4,13 +4,14 @@ import importlib.util
 import os
 
 import pytest
+from tests._prereq import need
 
 pytestmark = pytest.mark.torch
 
 
 def test_losses_match_transformers_and_torch_adamw(tmp_path, capsys):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    need("torch")
+    need("transformers")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("hf_parity", f"{root}/benchmarks/hf_parity.py")
     mod = importlib.util.module_from_spec(spec)

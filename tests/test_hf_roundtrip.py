@@ -15,6 +15,7 @@ import pytest
 from ratrain import api
 from ratrain.data import load_tokenizer, prepare
 from tests._tokenizer_util import make_bpe
+from tests._prereq import need
 
 pytestmark = pytest.mark.torch
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +30,8 @@ def _run(*argv):
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_import_train_export_transformers(tmp_path, tie):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = need("torch")
+    transformers = need("transformers")
     tok_path, docs = make_bpe(tmp_path, vocab_size=300)
     tok = load_tokenizer(str(tok_path))
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ a ratrain import inside a function says in a comment why it is not at the top.
 
 Layers (a package may import only packages of a lower layer, and its own modules):
 
-    0  ratrain (the version), ratrain.fileio, ratrain.typedyaml
+    0  ratrain (the version), ratrain.fileio, ratrain.typedyaml, ratrain.fastpath
     1  config, job (runctl, abort, watchdog, control, metrics, tblog: the life of a job)
     2  shim
     3  comm, exec, data
@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "ratrain"
 
 LAYERS = {
-    "ratrain": 0, "ratrain.fileio": 0, "ratrain.typedyaml": 0,
+    "ratrain": 0, "ratrain.fileio": 0, "ratrain.typedyaml": 0, "ratrain.fastpath": 0,
     "ratrain.config": 1, "ratrain.job": 1,
     "ratrain.shim": 2,
     "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,

@@ -12,6 +12,7 @@ from ratrain.exec import layers
 from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import model_blocks
 from ratrain.shim.ledger import Ledger
+from tests._prereq import need
 
 M = ModelConfig(vocab_size=40, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                 seq_len=9, rope_theta=500.0)
@@ -249,8 +250,8 @@ def test_ledger_scratch_and_cache_tracking():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_against_transformers_llama(dtype):
     """Loss and every gradient of a 2-layer GQA LlamaForCausalLM against our blocks."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = need("torch")
+    transformers = need("transformers")
     tdt = getattr(torch, dtype)
     cfg = transformers.LlamaConfig(
         vocab_size=M.vocab_size, hidden_size=M.hidden, intermediate_size=M.ffn_hidden,

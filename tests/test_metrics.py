@@ -62,3 +62,16 @@ def test_metrics_never_follow_a_link(tmp_path):
     with pytest.raises(OSError):
         w.write_event({"step": 1, "eval_loss": 1.0})
     assert victim.read_text() == "keep"
+
+
+def test_read_curve_leaves_out_only_a_torn_last_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    good = json.dumps(rec(1, 1.0)) + "\n" + json.dumps(rec(2, 2.0)) + "\n"
+    p.write_text(good + '{"step": 3, "lo')  # torn: no newline at the end
+    assert [r["step"] for r in read_curve(str(p))] == [1, 2]
+    p.write_text(good + '{"step": 3, "lo\n')  # ends in a newline: not torn but damaged
+    with pytest.raises(ValueError, match=r"metrics.jsonl:3 is not a JSON object"):
+        read_curve(str(p))
+    p.write_text('[1, 2]\n' + good)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1 is not a JSON object"):
+        read_curve(str(p))

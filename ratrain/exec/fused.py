@@ -24,20 +24,21 @@ import functools
 
 import numpy as np
 
-from ratrain import FastPath
+from ratrain.fastpath import FastPath, load_numba
 
-try:  # the `fast` extra
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
-
-_state = FastPath(numba is not None)
+numba = load_numba()[0]  # the `fast` extra: None when absent (or broken, outside CI)
+_state = FastPath()
 F32 = np.dtype(np.float32)
 
 
 def enabled() -> bool:
     """Whether the fused path is on (numba importable, not turned off by RATRAIN_FUSED=0)."""
     return _state.on
+
+
+def why_off() -> str:
+    """Why the fused path is off ("" when on)."""
+    return _state.why_off
 
 
 def usable(xp, *arrays) -> bool:

@@ -11,6 +11,11 @@ Both files are only ever appended to, never through a symbolic link: a resumed o
 adds its records after the old ones, and a step recorded before that is trained again carries
 `"rerun": true` (every record has the field); a reader keeps the last record of each step
 (`read_curve`). Only a torn last line (a crash in mid-write) is cut off.
+
+`read_curve` is the one reader of both files (`ratrain.compare`, `plan.calibrate`, the
+benchmarks). Its rule for damage: a torn last line (the file does not end in a newline and its
+last line is not JSON: a crash in mid-write, which the writer cuts off when the run resumes) is
+left out; any other line that is not a JSON object is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -147,18 +152,29 @@ def _open_log(path: str) -> int:
     return open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
-def read_curve(path: str) -> list[dict]:
-    """The step records of a `metrics.jsonl` (or of a run directory), one per step in step
-    order: the last record of each step (a re-run replaces the earlier one)."""
+def read_curve(path: str, key: str = "loss") -> list[dict]:
+    """The records holding "step" and `key` of a metrics file, or of a run directory's
+    `metrics.jsonl` (`eval.jsonl` for an `eval_*` key), one per step in step order: the last
+    record of each step (a re-run replaces the earlier one). A torn last line is left out;
+    another line that is not a JSON object raises ValueError naming the file and line."""
     if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
-    by_step: dict[int, dict] = {}
+        path = os.path.join(path, EVAL_FILE if key.startswith("eval_") else "metrics.jsonl")
     with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn line
-            if isinstance(rec, dict) and "loss" in rec and "step" in rec:
-                by_step[int(rec["step"])] = rec
+        text = f.read()
+    lines = text.split("\n")  # the last item: "" when the file ends in a newline, else torn?
+    by_step: dict[int, dict] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if lineno == len(lines):
+                continue  # a torn last line: a crash in mid-write
+            raise ValueError(f"{path}:{lineno} is not a JSON object (damaged; only a torn "
+                             "last line is left out)") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno} is not a JSON object")
+        if "step" in rec and key in rec:
+            by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]

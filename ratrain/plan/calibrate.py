@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import yaml
 
 from ratrain.config import Config
+from ratrain.job.metrics import read_curve
 from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.simulate import simulate_config
 from ratrain.shim.platform import load_profile
@@ -38,10 +39,7 @@ class Calibration:
 
 def read_metrics(path: str) -> list[dict]:
     """The per-step records of a run's `metrics.jsonl` (a run directory or the file itself)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_curve(path, "step_time_s")  # the one reader (ratrain.job.metrics)
 
 
 def measured_step_time(records: list[dict], skip: int = 1) -> tuple[float, int]:

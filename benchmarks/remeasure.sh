@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Re-measures every figure of the summary tables of docs/BENCHMARKS.md and docs/FAULTS.md on the
+# current code, writing one record per figure group (benchmarks/record.py) to docs/records/,
+# then regenerates the tables (benchmarks/tables.py). Run it from a clean checkout, as root (the
+# disk-full and Slurm trials), on a quiet host (the load is recorded with every figure):
+#   bash benchmarks/remeasure.sh              # about 20-25 minutes on 2 quiet cores
+#   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
+#                                             # each piece works; its records go to a temp dir
+#                                             # (RATRAIN_RECORDS) and never to docs/
+# PARTS (default all): bench parity comm lifecycle checkpoint faults slurm timing (the
+# wall-clock tests, `pytest --timing -m timing`, which need the quiet host). A step that fails
+# is reported and the script goes on, then exits 1 naming it; its record (when it printed
+# figures) holds its exit_status and the table says so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+PY=${PY:-.venv/bin/python}  # relative: the records' commands read as run from the repo root
+MPIRUN=${MPIRUN:-.venv/bin/mpirun}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
+export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
+MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
+PARTS=${*:-bench parity comm lifecycle checkpoint faults slurm timing}
+SMOKE=${SMOKE:-0}
+WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
+trap 'rm -rf "$WORK"' EXIT
+if [ "$SMOKE" = 1 ]; then
+  export RATRAIN_RECORDS=${RATRAIN_RECORDS:-$WORK/records}
+  echo "== SMOKE=1: tiny versions; records to $RATRAIN_RECORDS (not docs/records)"
+fi
+s() { if [ "$SMOKE" = 1 ]; then echo "$1"; else echo "$2"; fi; }  # s SMOKE_VALUE FULL_VALUE
+failed=()
+rec() {  # rec NAME [record.py options] -- COMMAND...: one figure group, timed, never fatal
+  local name=$1 t0=$SECONDS
+  echo "== $name (load $(cut -d' ' -f1 /proc/loadavg))"
+  "$PY" benchmarks/record.py "$@" > "$WORK/$name.out" || failed+=("$name")
+  tail -3 "$WORK/$name.out"
+  echo "== $name: $((SECONDS - t0)) s"
+}
+TOKENS=data/stdlib/train.bin
+[ -f "$TOKENS" ] || "$PY" -m ratrain.data prepare || exit 1  # the default corpus, once
+
+for part in $PARTS; do
+  case $part in
+  bench)  # ~2 min: fp32 and fp16 steps against PyTorch eager, interleaved (needs torch)
+    "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0" ||
+      { echo "error: could not install torch (torch==2.13.0); bench needs it" >&2; failed+=(bench-step); continue; }
+    rec bench-step -- "$PY" -m ratrain.bench --rounds "$(s 1 7)" --warmup "$(s 0 2)" ;;
+  parity)  # ~3 min: 100 steps against PyTorch + HF LlamaForCausalLM (needs torch, transformers)
+    "$PY" -c "import transformers" 2>/dev/null || "$PY" -m pip install -q transformers ||
+      { echo "error: could not install transformers; parity needs it" >&2; failed+=(hf-parity); continue; }
+    rec hf-parity -- "$PY" benchmarks/hf_parity.py --steps "$(s 3 100)" --out "$WORK/hfp" ;;
+  comm)  # ~1 min: tree at 8 B vs MPI_Allreduce (4 ranks, 5 launches); throttled 64 MiB ring
+    rec comm-tree-8B --rounds "$(s 1 5)" \
+      --ratio "tree_over_mpi=allreduce/tree/4/8.time_s:allreduce/mpi/4/8.time_s" -- \
+      "${MPI[@]}" -n 4 "$PY" -m ratrain.comm.bench --op allreduce --algo tree,mpi --sizes 8 \
+      --iters "$(s 20 200)" --warmup "$(s 2 20)"
+    rec comm-ring-throttled --rounds "$(s 1 3)" \
+      --ratio "time_over_model=allreduce/ring/4/$(s 1048576 67108864).time_s:allreduce/ring/4/$(s 1048576 67108864).model_s" -- \
+      "${MPI[@]}" -n 4 "$PY" -m ratrain.comm.bench --op allreduce --algo ring \
+      --sizes "$(s 1M 64M)" --iters "$(s 2 5)" --warmup 1 --link --bandwidth 1e9 --latency 2e-5 ;;
+  lifecycle)  # ~4 min: jobs/bench-lifecycle.yaml, 3 policies x 3 rounds on 8 ranks
+    rec lifecycle -- "${MPI[@]}" -n 8 "$PY" -m ratrain.lifecycle.bench time \
+      --config jobs/bench-lifecycle.yaml --rounds "$(s 1 3)" --steps "$(s 3 5)" --skip "$(s 1 2)" ;;
+  checkpoint)  # ~1 min: a save against plain h5py, interleaved
+    rec checkpoint-save --ratio "save_over_h5py=save.median_s:h5py.median_s" -- \
+      "$PY" benchmarks/bench_checkpoint.py --reps "$(s 1 5)" --dir "$WORK" ;;
+  faults)  # ~8 min: stop, share, disk full (root), kill -9 trials on jobs/tiny.yaml
+    F=("$PY" benchmarks/faults.py)
+    rec faults-stop -- "${F[@]}" stop --trials "$(s 1 4)" --timeout 10 --tokens "$TOKENS" \
+      --seed 14 --work "$WORK/faults"
+    rec faults-share -- "${F[@]}" share --trials "$(s 1 2)" --tokens "$TOKENS" --seed 14 \
+      --work "$WORK/faults"
+    rec faults-diskfull -- "${F[@]}" diskfull --trials "$(s 1 2)" --tokens "$TOKENS" --seed 14 \
+      --work "$WORK/faults"
+    rec faults-kill9 -- "${F[@]}" kill9 --trials "$(s 1 10)" --tokens "$TOKENS" --seed 14 \
+      --work "$WORK/faults" ;;
+  slurm)  # ~3 min: a private Slurm (root; Debian's slurm-wlm, munge, libpmix-dev)
+    "$PY" -c "import numpy as np; from ratrain.data import write_tokens; write_tokens('$WORK/slurm.bin', np.random.default_rng(0).integers(0, 256, 400_000), vocab_size=256)"
+    venv=$(cd "$(dirname "$PY")/.." && pwd)  # absolute: the jobs run elsewhere
+    rec slurm-quick -- env RATRAIN_VENV="$venv" TMPDIR="$WORK" \
+      bash scripts/slurm-local.sh run "$WORK/slurm" "$venv/bin/python" benchmarks/slurm_trials.py quick \
+      --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work" ;;
+  timing)  # ~2 min: the wall-clock upper bounds, which only a quiet host can check
+    echo "== timing tests (load $(cut -d' ' -f1 /proc/loadavg))"
+    if [ "$SMOKE" = 1 ]; then sel=(--collect-only); else sel=(); fi
+    "$PY" -m pytest -q -rs --timing -m timing -p no:cacheprovider "${sel[@]}" tests/ ||
+      failed+=(timing)
+    "${MPI[@]}" -n 4 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
+      -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
+  *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm timing)" >&2; exit 2 ;;
+  esac
+done
+if [ "$SMOKE" = 1 ]; then
+  echo "== SMOKE=1: records in $RATRAIN_RECORDS:"; ls "$RATRAIN_RECORDS" 2>/dev/null
+  cp -r "$RATRAIN_RECORDS" "${SMOKE_KEEP:-/tmp/ratrain-smoke-records}" 2>/dev/null
+else
+  "$PY" benchmarks/tables.py
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "error: these steps failed: ${failed[*]} (their output: rerun the part)" >&2
+  exit 1
+fi

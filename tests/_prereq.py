@@ -1,0 +1,47 @@
+"""Prerequisites a test cannot run without: a failure under CI, a skip elsewhere.
+
+Under CI (`CI=true`) or `RATRAIN_TEST_TORCH=1` (the reference checks were asked for), a
+prerequisite that is missing (PyTorch, transformers, tokenizers, numba, Slurm's packages,
+namespaces as root) fails the test with one line naming it, so CI cannot go green with a group
+of checks gone. Elsewhere the test is skipped with the same line as its reason (scripts/test.sh
+lists every skip and its reason at the end).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from ratrain.fastpath import in_ci
+
+
+def strict() -> bool:
+    """Whether a missing prerequisite fails (CI, or the reference checks asked for)."""
+    return in_ci() or os.environ.get("RATRAIN_TEST_TORCH", "0") == "1"
+
+
+def missing(what: str):
+    """Fail (strict) or skip, with `what` as the one line."""
+    if strict():
+        pytest.fail(f"missing prerequisite: {what}", pytrace=False)
+    raise pytest.skip.Exception(what, _use_item_location=True)  # the test's line in -rs
+
+
+def need(module: str, why: str = ""):
+    """The imported `module`, or `missing(...)` naming it (and what it is for)."""
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a broken install is as missing as an absent one
+        missing(f"{module} does not import ({type(e).__name__}: {e})" + (f"; {why}" if why else ""))
+
+
+def need_fast(path):
+    """A fast path's tests (`path`: `exec.fused` or `comm.board`): skipped when it was turned
+    off on purpose (RATRAIN_FUSED=0), `missing(...)` when numba is not there."""
+    if path.enabled():
+        return
+    if "RATRAIN_FUSED" in path.why_off():
+        pytest.skip(path.why_off())
+    missing(path.why_off())
