@@ -14,7 +14,8 @@ job's watchdog: heartbeats, the rank that stopped answering named on every rank 
 the control plane's small pickled exchanges that never block inside MPI (`control`); the
 benchmark `python -m ratrain.comm.bench`.
 
-May import: `ratrain.shim` (the link model and throttle, the allocator) and `ratrain.config`;
+May import: `ratrain.shim` (the link model and throttle, the allocator), `ratrain.config` and
+`ratrain` (the `FastPath` switch of the compiled board);
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
 initialise MPI; the submodules that need it import mpi4py.MPI (which does); `model` and
 `topology` never do.

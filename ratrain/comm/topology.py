@@ -81,7 +81,7 @@ class Topology:
         many (None: one node per host); `shm_bytes`: the largest buffer the data-parallel
         group's collectives usually carry (sizes its staging window)."""
         from ratrain.comm.board import attach  # loads MPI: comm is MPI's
-        from ratrain.comm.hier import NodeGroup  # likewise
+        from ratrain.comm.hier import NodeGroup  # loads MPI too
 
         assert isinstance(pp, int) and pp >= 1, f"pp must be a positive integer, got {pp!r}"
         assert isinstance(dp, int) and dp >= 1, f"dp must be a positive integer, got {dp!r}"

@@ -109,7 +109,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
     """The topology, the engine (with the two-tier link throttle under emulation) and the
     node's shared interface slots, for a world of more than one rank."""
     from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
-    from ratrain.comm.shm import SharedSlots  # likewise
+    from ratrain.comm.shm import SharedSlots  # loads MPI too
 
     p = cfg.parallel
     stage, _ = coords(comm.Get_rank(), p.pp, p.dp, p.placement)
