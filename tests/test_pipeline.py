@@ -14,7 +14,7 @@ from _executor_util import tiny_config
 def test_plan_from_config_is_the_policys_lists_and_prints_without_buffers():
     cfg = tiny_config(pp=2, dp=2, m=4, precision="fp16", policy="ratrain")
     plan = PipelinePlan.from_config(cfg)
-    assert plan.pp == 2 and plan.dp == 2 and plan.m == 4 and plan.shards == 2
+    assert plan.pp == 2 and plan.dp == 2 and plan.num_micro_batches == 4 and plan.shards == 2
     assert plan.blocks[0][0] == "embed" and plan.blocks[-1][-1] == "head"
     for s, info in enumerate(plan.stages):
         assert plan.stage_steps(s, 3, flush=True) == Policy("ratrain").steps(info, 3)

@@ -18,13 +18,15 @@ each made after it finished reading round t. Rounds are numbered on every rank a
 collectives on one communicator run in the same order on every rank.
 
 The kernels are compiled by numba (the `fast` extra; `RATRAIN_FUSED=0` turns the path off like
-the fused kernels); without it the tree's messages carry every all-reduce. Only the work dtypes
+the fused kernels, `RATRAIN_BOARD=0` the board alone); without it the tree's messages carry every all-reduce. Only the work dtypes
 whose payload is its own work dtype (float32, float64, int32, int64) and arrays of up to
 `BOARD_BYTES` take the board; `attach(comm)` (collective) makes a communicator's board, kept
 as an MPI attribute of the communicator and freed with it.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from mpi4py import MPI
@@ -50,7 +52,8 @@ OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc 
 _CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
-_state = FastPath(numba is not None)
+# RATRAIN_BOARD=0 turns off the board alone (the fused kernels stay on), to measure its worth
+_state = FastPath(numba is not None and os.environ.get("RATRAIN_BOARD", "1") not in ("0", "off"))
 
 
 def enabled() -> bool:

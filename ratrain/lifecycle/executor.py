@@ -64,7 +64,7 @@ from ratrain.exec.optim import (
     grad_scale_for,
     lr_at,
 )
-from ratrain.exec.params import BUFFERS, segment_bounds, view_cast_bytes_per_param
+from ratrain.exec.params import STATE_BUFFERS, segment_bounds, view_cast_bytes_per_param
 from ratrain.lifecycle import fullstate, trace
 from ratrain.lifecycle import schedule as sched
 from ratrain.lifecycle.compute import StageCompute
@@ -115,7 +115,7 @@ class Executor:
                  total_steps: int | None = None, pacer=None):
         self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
         self.engine, self.ledger = engine, ledger if ledger is not None else state.ledger
-        self.pp, self.dp, self.micro_batches = plan.pp, plan.dp, plan.m
+        self.pp, self.dp, self.num_micro_batches = plan.pp, plan.dp, plan.num_micro_batches
         self.stage, self.replica, self.rank = (
             (topo.stage, topo.replica, topo.rank) if topo is not None else (0, 0, 0))
         self.world, self.micro_batch = self.pp * self.dp, cfg.parallel.micro_batch
@@ -128,7 +128,7 @@ class Executor:
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
         # global block order, for the norm partials
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
-        self.facts = FactsLayout(len(self.global_index), self.dp, self.micro_batches, self.world)
+        self.facts = FactsLayout(len(self.global_index), self.dp, self.num_micro_batches, self.world)
         self._shard_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -241,9 +241,9 @@ class Executor:
         for b in made:
             self.materialize_now(b)
         p2p = self.mailbox.p2p if self.mailbox is not None else None
-        losses = np.zeros(len(batches) * self.micro_batches * self.dp, np.float64)
+        losses = np.zeros(len(batches) * self.num_micro_batches * self.dp, np.float64)
         for k, (inputs, targets) in enumerate(batches):
-            for mb in range(self.micro_batches):
+            for mb in range(self.num_micro_batches):
                 x = None
                 if self.stage > 0:
                     x = self.ledger.alloc("activations.eval", self.act_shape, self.ctx.dtype,
@@ -255,7 +255,7 @@ class Executor:
                 if self.stage < self.pp - 1:
                     p2p.isend_forward(y).result()
                 else:
-                    losses[(k * self.dp + self.replica) * self.micro_batches + mb] = loss
+                    losses[(k * self.dp + self.replica) * self.num_micro_batches + mb] = loss
         for b in made:
             self.state.drop_view(b)
         losses = self._allreduce_world(losses)
@@ -270,7 +270,7 @@ class Executor:
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
 
-    def iter_full_state(self, buffers=BUFFERS):
+    def iter_full_state(self, buffers=STATE_BUFFERS):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
         stage's replicas when sharded (`lifecycle.fullstate.iter_full_state`)."""
         return fullstate.iter_full_state(self, buffers)
@@ -334,7 +334,7 @@ class Executor:
 
     def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
-        dscale = self.scaler.scale / (self.micro_batches * self.dp)
+        dscale = self.scaler.scale / (self.num_micro_batches * self.dp)
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
         if dx is not None:  # the input gradient, for the previous stage
             self.ledger.free(dx)
@@ -470,7 +470,7 @@ class Executor:
         self.sq: dict[str, float] = {}
 
     def _check_batch(self, inputs, targets) -> None:
-        want = (self.micro_batches, self.micro_batch, self.cfg.model.seq_len)
+        want = (self.num_micro_batches, self.micro_batch, self.cfg.model.seq_len)
         for name, arr, needed in (("inputs", inputs, self.stage == 0),
                                   ("targets", targets, self.stage == self.pp - 1)):
             if needed and (arr is None or tuple(arr.shape) != want):

@@ -106,8 +106,8 @@ class PipelinePlan:
         return len(self.stages)
 
     @property
-    def m(self) -> int:
-        """Micro-batches per step."""
+    def num_micro_batches(self) -> int:
+        """Micro-batches per replica and step."""
         return self.stages[0].num_micro_batches
 
     @property

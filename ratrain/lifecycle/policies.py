@@ -89,7 +89,7 @@ class StageInfo:
 
 
 SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES
-BUFFERS, RECOVERIES = ScheduleConfig.BUFFERS, ScheduleConfig.RECOVERIES
+BUFFER_MODES, RECOVERIES = ScheduleConfig.BUFFER_MODES, ScheduleConfig.RECOVERIES
 ORDERS = ("1f1b", "gpipe")
 
 
@@ -127,7 +127,7 @@ class Components:
     lifecycle: bool = True
 
     def __post_init__(self):
-        for key, ok in (("sync", SYNCS), ("update", UPDATES), ("buffers", BUFFERS),
+        for key, ok in (("sync", SYNCS), ("update", UPDATES), ("buffers", BUFFER_MODES),
                         ("recovery", RECOVERIES), ("order", ORDERS)):
             if getattr(self, key) not in ok:
                 raise ValueError(f"schedule.{key}={getattr(self, key)!r} is not one of: "
@@ -290,5 +290,5 @@ def _build(c: Components, info: StageInfo, carry: bool, bucket_bytes: int):
     return tuple(start + list(body) + end)
 
 
-__all__ = ["BUFFERS", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
+__all__ = ["BUFFER_MODES", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
            "SYNCS", "UPDATES", "Components", "Policy", "StageInfo", "buckets", "policy_of"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.comm.topology import NodeLinks, Topology, coords
+from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
@@ -70,12 +70,7 @@ class Rank:
         return max(rate() for _ in range(3))
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        if self.slots is not None:
-            self.slots.free()
-        if self.topo is not None:
-            self.topo.free()
+        teardown(self.engine, self.slots, self.topo)
         self.ctx.close()
 
 
@@ -129,9 +124,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
                             link=NodeLinks(tiers, topo) if tiers is not None else None,
                             ledger=ledger)
     except BaseException:
-        if slots is not None:
-            slots.free()
-        topo.free()
+        teardown(engine, slots, topo)
         raise
     return topo, engine, slots
 
@@ -169,12 +162,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         # measured and chosen here, at the same point on every rank (collective when sharded)
         executor.set_recompute(*fit_rank_recompute(executor))
     except BaseException:
-        if engine is not None:
-            engine.close()
-        if slots is not None:
-            slots.free()
-        if topo is not None:
-            topo.free()
+        teardown(engine, slots, topo)
         raise
     return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ratrain.config import Config
+from ratrain.config import Config, global_batch
 from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.spec import block_params, block_role
 from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
@@ -52,7 +52,7 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.num_micro_batches * self.dp
+        return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
     def describe(self, layers: int) -> str:
         if self.recompute == "auto" and self.recompute_layers is not None:
