@@ -99,13 +99,16 @@ def _executor(cfg, comm, topo, engine, policy=None):
     from ratrain.lifecycle.executor import Executor
     from ratrain.lifecycle.measure import fit_rank_recompute
     from ratrain.lifecycle.pipeline import PipelinePlan
+    from ratrain.lifecycle.rank import shard_state
     from ratrain.shim.ledger import Ledger
 
     ledger = Ledger(None, comm.Get_rank())
     state = StageState(stage_blocks(cfg.model, cfg.parallel.pp, topo.stage), cfg.precision,
                        ledger, np, 1)
     ctx = ExecContext(cfg.model, cfg.precision, np, ledger, threads=1)
-    ex = Executor(cfg, PipelinePlan.from_config(cfg, policy), topo, state, ctx, engine, ledger)
+    plan = PipelinePlan.from_config(cfg, policy)
+    shard_state(state, plan, topo.replica)  # the whole state this helper builds, cut
+    ex = Executor(cfg, plan, topo, state, ctx, engine, ledger)
     ex.set_recompute(*fit_rank_recompute(ex))
     return ex
 

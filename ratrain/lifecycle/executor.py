@@ -24,8 +24,9 @@ order), the global facts (`GradNorm`) are one exact all-reduce (`lifecycle.facts
 which every rank takes the same clip coefficient and the same skip decision, and updates its
 blocks (or its segments of them) with the same elementwise AdamW.
 
-Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the executor shards the
-`StageState` it is given (`state.shard(replica, dp)`, unless built with `shard=`); replica q
+Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the `StageState` it is
+given holds this replica's segments (`build_rank` builds it sharded; `lifecycle.rank.shard_state`
+cuts a whole one); replica q
 keeps segment q of each block's master, m and v, updates it from its reduce-scattered gradient
 segment, and the next step's view is cast from the own master segment and ring all-gathered in
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
@@ -129,7 +130,7 @@ class Executor:
         # global block order, for the norm partials
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
         self.facts = FactsLayout(len(self.global_index), self.dp, self.num_micro_batches, self.world)
-        self._shard_state()
+        self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
         self._adam_t, self._carry, self._pending = self.opt.step, False, None
@@ -161,18 +162,14 @@ class Executor:
             sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
         })
 
-    def _shard_state(self) -> None:
-        """Shard a whole-block state for a policy that shards (ratrain, dp > 1), and check the
-        state holds what the plan needs."""
+    def _check_state(self) -> None:
+        """Check the state holds what the plan needs: this stage's blocks, whole or this
+        replica's segment as the policy shards (`lifecycle.rank.shard_state` cuts a whole one)."""
         state = self.state
         if [b.name for b in state.blocks] != self.blocks:
             raise ValueError(f"rank {self.rank}: the stage state holds blocks "
                              f"{[b.name for b in state.blocks]}, the plan's stage {self.stage} "
                              f"has {self.blocks}")
-        if self.sharded and not state.sharded:
-            for b in self.blocks:
-                state.drop_view(b)
-            state.shard(self.replica, self.dp)
         if state.num_shards != self.info.shards or (
                 state.sharded and state.shard_index != self.replica):
             raise ValueError(

@@ -74,6 +74,15 @@ class Rank:
         self.ctx.close()
 
 
+def shard_state(state, plan, replica: int) -> None:
+    """Cut a whole-block `state` to this replica's segments when `plan`'s policy shards the
+    optimizer state (its views are dropped: the next step makes them)."""
+    if plan.shards > 1 and not state.sharded:
+        for b in state.blocks:
+            state.drop_view(b.name)
+        state.shard(replica, plan.shards)
+
+
 def local_threads(cfg, comm=None) -> int:
     """Compute threads per rank: `run.threads`, else the cores the launcher gives this rank.
 
@@ -167,4 +176,4 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
 
 
-__all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads"]
+__all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads", "shard_state"]
