@@ -166,9 +166,9 @@ class Executor:
         """Check the state holds what the plan needs: this stage's blocks, whole or this
         replica's segment as the policy shards (`lifecycle.rank.shard_state` cuts a whole one)."""
         state = self.state
-        if [b.name for b in state.blocks] != self.blocks:
+        if state.block_names != self.blocks:
             raise ValueError(f"rank {self.rank}: the stage state holds blocks "
-                             f"{[b.name for b in state.blocks]}, the plan's stage {self.stage} "
+                             f"{state.block_names}, the plan's stage {self.stage} "
                              f"has {self.blocks}")
         if state.num_shards != self.info.shards or (
                 state.sharded and state.shard_index != self.replica):
