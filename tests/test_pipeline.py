@@ -20,7 +20,7 @@ def test_plan_from_config_is_the_policys_lists_and_prints_without_buffers():
         assert plan.stage_steps(s, 3, flush=True) == Policy("ratrain").steps(info, 3)
     assert plan.carries() and plan.steps(2)[1] == [plan.step_list(s, True) for s in range(2)]
     text = grid(plan.steps(2)[1], plan.blocks)
-    assert "F mb0" in text and "update" in text
+    assert "F mb0" in text and "update" in text and plan.grid() == text
 
 
 @pytest.mark.parametrize("name,order", [("1f1b-bare", one_f_one_b), ("gpipe-bare", gpipe)])

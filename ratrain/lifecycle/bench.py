@@ -42,7 +42,6 @@ from ratrain.config import (
     load_config,
 )
 from ratrain.exec.spec import RECOMPUTE
-from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.policies import POLICIES, Policy
@@ -53,10 +52,9 @@ def cmd_grid(args) -> None:
     model = ModelConfig(layers=args.layers)
     pol = Policy(args.policy, bucket_bytes=args.bucket_bytes)
     plan = PipelinePlan.of_model(model, pol, args.pp, args.dp, args.m, args.precision)
-    lists = plan.steps(2)[1]
     print(f"# {args.policy}, pp={args.pp}, dp={args.dp}, m={args.m}, {args.precision} "
           "(a step after a step)")
-    print(grid(lists, plan.blocks, f=1, b=args.b, lifecycle=not args.compute_only,
+    print(plan.grid(1, f=1, b=args.b, lifecycle=not args.compute_only,
                legend=True))
 
 

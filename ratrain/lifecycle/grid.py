@@ -8,7 +8,7 @@ drop-view L3]`); a row holds what ran after the last compute of a stage. `LEGEND
 words; `grid(..., legend=True)` prints it under the grid.
 
     >>> plan = PipelinePlan.from_config(cfg)             # lifecycle.pipeline: no buffers
-    >>> print(grid(plan.steps(2)[1], plan.blocks))      # a step after a step
+    >>> print(grid(plan.steps(2)[1], plan.blocks))      # a step after a step: plan.grid()
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
     plan.stages[s]                                    # stage s's `StageInfo`
     plan.step_list(s, carry=False), plan.flush_list(s)
     plan.steps(2)                                     # out[k][stage], as one replica runs them
+    print(plan.grid())                                # the step x rank picture, before any rank
 
 A plan is pure: made from the config (or from block names, for tests) with no MPI and no
 buffer, so it can be printed (`lifecycle.grid`) and checked before any rank exists. It holds the
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import block_params, block_role, stage_blocks
+from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.policies import PRESETS, Policy, StageInfo, policy_of
 from ratrain.lifecycle.schedule import Action
 from ratrain.lifecycle.validate import validate_stages
@@ -149,6 +151,11 @@ class PipelinePlan:
     def steps(self, n: int) -> list[list[tuple[Action, ...]]]:
         """`n` consecutive steps of every stage: `out[k][stage]` (no flush)."""
         return [[self.step_list(s, k > 0) for s in range(self.pp)] for k in range(n)]
+
+    def grid(self, step: int = 1, **kw) -> str:
+        """The step x rank picture of step `step` (1: a step after a step, so carried work
+        shows; `lifecycle.grid.grid`'s keywords)."""
+        return grid(self.steps(step + 1)[step], self.blocks, **kw)
 
     # -- checks ----------------------------------------------------------------------------
 
