@@ -41,3 +41,36 @@ def test_plan_is_validated_once_when_made():
                        plan.flushes)
     with pytest.raises(ScheduleError):
         bad.validate()
+
+
+def test_executor_is_handed_its_parts_and_runs_no_collective_when_made():
+    """An engine that fails on any use: making the executor of a dp=2 rank never touches it
+    (the collective measurement is `build_rank`'s explicit step, not the constructor's)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.params import StageState
+    from ratrain.exec.spec import stage_blocks
+    from ratrain.lifecycle.executor import Executor
+    from ratrain.shim.ledger import Ledger
+
+    class NoEngine:
+        def __getattr__(self, name):
+            raise AssertionError(f"engine.{name} used while the executor is made")
+
+    cfg = tiny_config(pp=1, dp=2, policy="ratrain", recompute="auto")
+    plan = PipelinePlan.from_config(cfg)
+    ledger = Ledger(None, 1)
+    state = StageState(stage_blocks(cfg.model, 1, 0), cfg.precision, ledger, np, 1, shard=(1, 2))
+    ctx = ExecContext(cfg.model, cfg.precision, np, ledger, threads=1)
+    topo = SimpleNamespace(stage=0, replica=1, rank=1)
+    ex = Executor(cfg, plan, topo, state, ctx, NoEngine(), ledger)
+    assert ex.predicted_peak is None and set(ex.compute.recompute.values()) == {"none"}
+    assert ex.info is plan.stages[0] and ex.sharded
+    with pytest.raises(ValueError, match="holds blocks"):  # a state of another stage
+        other = StageState(stage_blocks(cfg.model, 2, 1), cfg.precision, ledger, np, 1,
+                           shard=(1, 2))
+        Executor(cfg, plan, topo, other, ctx, NoEngine(), ledger)
+    ctx.close()
