@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     help="an environment variable for the old side only (repeatable)")
     ap.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for the new side only (repeatable)")
+    ap.add_argument("--record", metavar="NAME", default=None,
+                    help="also write docs/records/NAME.json (the shared record format)")
     a = ap.parse_args(argv)
     load0 = os.getloadavg()
     procs = {"old": worker(a.old, a.precision, a.threads, a.old_env),
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
             p.stdin.close()
             p.wait()
     ratios = [n / o for n, o in zip(times["new"], times["old"])]
-    print(json.dumps({
+    out = {
         "precision": a.precision, "threads": a.threads, "rounds": a.rounds,
         "load_before": [round(x, 2) for x in load0],
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -88,7 +90,15 @@ def main(argv=None) -> int:
         "new_step_s": round(statistics.median(times["new"]), 4),
         "new_over_old": round(statistics.median(ratios), 4),
         "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
-    }))
+    }
+    print(json.dumps(out))
+    if a.record:
+        from board_step import record  # the local record writer (beside this script)
+
+        figures = {k: v for k, v in out.items() if not isinstance(v, list)}
+        figures["ratio_min"], figures["ratio_max"] = out["ratio_range"]
+        cmd = "python benchmarks/ab_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        print("record:", record(a.record, cmd, figures, load0[0]))
     return 0
 
 

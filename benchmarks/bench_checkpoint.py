@@ -70,7 +70,7 @@ def fsync_path(path):
 def plain_h5py(path, tensors, sync=True):
     with h5py.File(path, "w") as f:
         for name in tensors["master"]:
-            for buf, group in ck.BUFFERS.items():
+            for buf, group in ck.BUFFER_GROUPS.items():
                 f.create_dataset(f"{group}/{name}", data=tensors[buf][name])
     if sync:
         fsync_path(path)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.checkpoint import is_committed, list_checkpoints, load_checkpoint
+from ratrain.checkpoint import checkpoint_config, load_stage
 from ratrain.config import Config, ConfigError, ParallelConfig, replace
 from ratrain.data import (
     DataError,
@@ -42,50 +42,9 @@ from ratrain.data import (
     load_tokenizer,
     val_path,
 )
-from ratrain.exec import kernels, layers
-from ratrain.exec.gemm import matmul
+from ratrain.exec import layers
 from ratrain.hf import CONFIG, import_model_section, load_hf_params
 from ratrain.lifecycle.rank import build_rank
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def newest_committed(root: str) -> str | None:
-    """The newest committed checkpoint under a checkpoints directory, or None."""
-    done = [p for _, p in list_checkpoints(root) if is_committed(p)]
-    return done[-1] if done else None
-
-
-def committed_path(path: str) -> str:
-    """A committed checkpoint: `path` itself, or the newest one in a checkpoints directory."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    if is_committed(path):
-        return path
-    newest = newest_committed(path)
-    if newest is None:
-        raise FileNotFoundError(
-            f"{path}: neither a committed checkpoint (no manifest.json) nor a directory holding one"
-        )
-    return newest
-
-
-def checkpoint_config(path: str) -> tuple[str, Config, int]:
-    """(committed path, the run's config, step) of a checkpoint (reads no tensors)."""
-    path = committed_path(path)
-    ck = load_checkpoint(path, [], buffers=())
-    return path, ck["config"], ck["step"]
-
-
-def load_masters(state, path: str) -> None:
-    """Put a checkpoint's fp32 masters into a stage state (whole or sharded), one block at a
-    time; the moments are not read (evaluation and inference need none)."""
-    for b in state.blocks:
-        ck = load_checkpoint(path, [p.name for p in b.params], buffers=("master",))
-        state.load_named(ck["master"], "master", blocks=[b.name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,11 +116,7 @@ class Model:
         if last_only:
             x = x[:, -1:]
         p = self.rank.executor.compute.view("head")  # tied: the embedding's weight
-        xn, _ = kernels.rmsnorm_forward(x.astype(np.float32), p["norm"],
-                                        self.cfg.model.norm_eps, np)  # (B, T, C)
-        B, T, C = xn.shape
-        z = matmul(xn.reshape(B * T, C), p["weight"].astype(np.float32).T)  # (B*T, V)
-        z = np.asarray(z, np.float32).reshape(B, T, -1)
+        z = np.asarray(layers.head_logits(x, p, self.rank.ctx), np.float32)  # (B, T, V)
         return z[:, -1] if last_only else z
 
     def loss(self, inputs, targets) -> float:
@@ -258,7 +213,7 @@ def load(path: str, *, precision: str | None = None, threads: int = 0,
     path, cfg, step = checkpoint_config(path)
     if seq_len:
         cfg = replace(cfg, model=replace(cfg.model, seq_len=seq_len))
-    return Model(cfg, lambda st: load_masters(st, path), step=step, source=path,
+    return Model(cfg, lambda st: load_stage(st, path, ("master",)), step=step, source=path,
                  precision=precision, threads=threads, tokenizer=tokenizer)
 
 
@@ -347,7 +302,7 @@ def evaluate(cfg: Config, comm, path: str, tokens: str | None = None,
     ds = eval_dataset(cfg, tokens)
     n = eval_batch_count(ds, batches, cfg.data.eval_batches)
     rank = build_rank(cfg, comm if comm is not None and comm.Get_size() > 1 else None,
-                      load=lambda st: load_masters(st, path))
+                      load=lambda st: load_stage(st, path, ("master",)))
     try:
         replica = rank.topo.replica if rank.topo is not None else 0
         loss = rank.executor.eval_loss(eval_batches(ds, n, replica))
@@ -356,6 +311,5 @@ def evaluate(cfg: Config, comm, path: str, tokens: str | None = None,
     return EvalResult(loss, n, n * ds.layout.global_batch * cfg.model.seq_len, str(ds.path))
 
 
-__all__ = ["EvalResult", "InputError", "Model", "checkpoint_config", "committed_path",
-           "eval_batch_count", "eval_dataset", "eval_layout", "evaluate", "load", "load_masters",
-           "newest_committed", "on_every_rank", "sample"]
+__all__ = ["EvalResult", "InputError", "Model", "eval_batch_count", "eval_dataset", "eval_layout",
+           "evaluate", "load", "on_every_rank", "sample"]

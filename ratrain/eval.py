@@ -22,13 +22,13 @@ import sys
 
 from ratrain.api import (
     InputError,
-    checkpoint_config,
     eval_batch_count,
     eval_dataset,
     eval_layout,
     evaluate,
     on_every_rank,
 )
+from ratrain.checkpoint import checkpoint_config
 from ratrain.job.abort import abort_on_error
 from ratrain.config import with_overrides
 

@@ -46,16 +46,16 @@ def load_numba():
 
 
 class FastPath:
-    """The switch of one compiled fast path: `on` when numba imports and `RATRAIN_FUSED` is
-    unset or not 0/off; `why_off` says why not; `disabled()` runs a block on the plain path
-    (tests compare the two)."""
+    """The switch of one compiled fast path: `on` when numba imports and `RATRAIN_FUSED` (and
+    the path's own variable `own`, if any) is unset or not 0/off; `why_off` says why not;
+    `disabled()` runs a block on the plain path (tests compare the two)."""
 
-    def __init__(self):
+    def __init__(self, own: str | None = None):
         numba, self.why_off = load_numba()
-        switched_off = os.environ.get("RATRAIN_FUSED", "1") in ("0", "off")
-        if numba is not None and switched_off:
-            self.why_off = "turned off by RATRAIN_FUSED=0"
-        self.on = numba is not None and not switched_off
+        off = [v for v in ("RATRAIN_FUSED", own) if v and os.environ.get(v, "1") in ("0", "off")]
+        if numba is not None and off:
+            self.why_off = f"turned off by {off[0]}=0"
+        self.on = numba is not None and not off
 
     @contextlib.contextmanager
     def disabled(self):

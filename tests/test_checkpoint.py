@@ -195,7 +195,7 @@ def test_fast_writer_matches_plain_reference(tmp_path):
     with h5py.File(tmp_path / "fast" / "shard-s000.h5") as a, h5py.File(
         tmp_path / "plain" / "shard-s000.h5"
     ) as b:
-        for buf, group in ck.BUFFERS.items():
+        for buf, group in ck.BUFFER_GROUPS.items():
             assert sorted(a[group]) == sorted(b[group])
             for n in a[group]:
                 assert np.array_equal(a[group][n][()], b[group][n][()]), (buf, n)
@@ -228,7 +228,7 @@ def test_streamed_shard_equals_mapping_shard(tmp_path, writer):
     assert e["sha256"] == ck.sha256_file(str(d / e["file"]))
     assert e["params"] == {n: list(s) for n, s in shapes.items()}
     with h5py.File(d / e["file"]) as f:
-        for buf, group in ck.BUFFERS.items():
+        for buf, group in ck.BUFFER_GROUPS.items():
             for n in shapes:
                 assert np.array_equal(f[group][n][()], t[buf][n]), (buf, n)
 

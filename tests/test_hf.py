@@ -9,7 +9,7 @@ import pytest
 from ratrain.config import ModelConfig, replace
 from ratrain.exec.params import StageState
 from ratrain.exec.spec import model_blocks, stage_blocks
-from ratrain.export import export_hf
+from ratrain.hf import export_hf
 from ratrain.hf import (
     HFError,
     check_hf,
@@ -420,7 +420,7 @@ def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
 
 
 def test_export_fp16_bf16_round_to_nearest_even(tmp_path):
-    from ratrain.export import to_dtype
+    from ratrain.hf import to_dtype
 
     params = random_params()
     out = export_hf(params, M, str(tmp_path / "f16"), dtype="fp16")

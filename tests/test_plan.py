@@ -11,6 +11,9 @@ import pytest
 
 from ratrain.config import config_from_dict, load_config
 from ratrain.exec.spec import block_flops
+from ratrain.lifecycle.memory import stage_sizes
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.lifecycle.policies import PRESETS, Policy
 from ratrain.plan import cost as C
 from ratrain.plan.__main__ import main
 from ratrain.plan.calibrate import calibrate
@@ -25,9 +28,8 @@ from ratrain.plan.search import (
     scaling,
     search,
 )
-from ratrain.lifecycle.memory import stage_sizes
 from ratrain.plan.simulate import simulate, simulate_config
-from ratrain.plan.steps import policy_steps, recompute_for, stage_block_names
+from ratrain.plan.steps import recompute_for
 
 POLICIES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
 
@@ -106,9 +108,10 @@ def _layers(pp, per=1, embed=False):
 
 
 def _run(policy, pp, m, cost, dp=1, per=1, embed=False, precision="fp32", mode="eager", steps=2):
-    blocks = _layers(pp, per, embed)
-    lists = policy_steps(policy, blocks, m, precision, None, steps)
-    return simulate(lists, blocks, cost, dp, send_mode=mode)
+    # whole optimizer state on every replica (the cost of sharding is not what these measure)
+    pol = Policy(policy, components=replace(PRESETS[policy], shard=False))
+    plan = PipelinePlan.build(pol, _layers(pp, per, embed), m, precision, dp)
+    return simulate(plan, cost, send_mode=mode, steps=steps)
 
 
 # -- cost model ---------------------------------------------------------------------------------
@@ -239,11 +242,12 @@ def test_ratrain_moves_updates_into_bubbles():
 
 def test_deadlock_is_reported():
     blocks = _layers(2)
-    lists = policy_steps("1f1b-bare", blocks, 2, "fp32", None, 1)
+    plan = PipelinePlan.build(Policy("1f1b-bare"), blocks, 2)
+    lists = plan.steps(1)
     no_sends = tuple(a for a in lists[0][0] if type(a).__name__ != "SendForward")
     lists = [[no_sends, lists[0][1]]]  # stage 1 waits for activations that never come
     with pytest.raises(RuntimeError, match="deadlock"):
-        simulate(lists, blocks, Uniform(), 1)
+        simulate(plan, Uniform(), steps=1, step_lists=lists)
 
 
 # -- monotonicity on a real shape -----------------------------------------------------------------
@@ -359,12 +363,13 @@ def test_auto_recompute_is_the_fewest_layers_that_fit():
     counts = auto.layout.recompute_layers
     assert sum(counts) > 0
     # one fewer recomputed layer on any stage that recomputes goes over the cap
-    blocks = stage_block_names(cfg.model, 2)
+    plan = PipelinePlan.from_config(cfg, "ratrain", pp=2, dp=1, m=8, layers_per_stage=None)
+    blocks = plan.blocks
     for s, n in enumerate(counts):
         if n:
             fewer = list(counts)
             fewer[s] -= 1
-            lists = policy_steps("ratrain", blocks, 8, cfg.precision, cfg.model, 2)
+            lists = plan.steps(2)
             choice = recompute_for(blocks, "auto", fewer)[s]
             sizes = stage_sizes(cfg.model, 1, cfg.precision, blocks[s], choice)
             assert peak_memory(lists, s, blocks[s], sizes) > cap

@@ -136,10 +136,10 @@ def test_grid_shows_lifecycle():
 def _combinations():
     from itertools import product
 
-    from ratrain.lifecycle.policies import BUFFERS, ORDERS, SYNCS, UPDATES, Components
+    from ratrain.lifecycle.policies import BUFFER_MODES, ORDERS, SYNCS, UPDATES, Components
 
     for order, sync, update, buffers, shard, prefetch in product(
-            ORDERS, SYNCS, UPDATES, BUFFERS, (False, True), (False, True)):
+            ORDERS, SYNCS, UPDATES, BUFFER_MODES, (False, True), (False, True)):
         if prefetch and not shard:
             continue  # prefetch is about gathers: the same lists without sharding
         yield Components(sync=sync, update=update, buffers=buffers, shard=shard,

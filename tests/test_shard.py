@@ -9,7 +9,7 @@ import pytest
 
 from ratrain.config import OptimConfig, ScheduleConfig
 from ratrain.exec.optim import AdamW, global_grad_norm
-from ratrain.exec.params import BUFFERS, StageState, segment_bounds
+from ratrain.exec.params import STATE_BUFFERS, StageState, segment_bounds
 from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.policies import Policy, StageInfo, policy_of
@@ -40,16 +40,16 @@ def test_segments_are_the_rings():
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_sharded_state_holds_its_segments(p):
     whole, shards = states(p)
-    for kind in BUFFERS:
+    for kind in STATE_BUFFERS:
         whole.buffer(kind)[:] = np.random.default_rng(len(kind)).standard_normal(whole.size)
-    full = {k: {n: np.array(a) for n, a in whole.named(k)} for k in BUFFERS}
+    full = {k: {n: np.array(a) for n, a in whole.named(k)} for k in STATE_BUFFERS}
     for q, st in enumerate(shards):
         st.load_state_dict(full)
         assert st.held_size == sum(np.diff(segment_bounds(b.size, q, p)) for b in st.blocks)
         assert st.ledger.by_tag()["params.master"] == 4 * st.held_size
         for b in st.block_names:
             lo, hi = st.segment(b)
-            for k in BUFFERS:
+            for k in STATE_BUFFERS:
                 assert np.array_equal(st.flat(k, b), whole.flat(k, b)[lo:hi])
         with pytest.raises(RuntimeError, match="sharded"):
             st.state_dict()
@@ -58,7 +58,7 @@ def test_sharded_state_holds_its_segments(p):
         conv = StageState(whole.blocks, "fp32", Ledger(None), np, 7)
         conv.load_state_dict(full)
         conv.shard(q, p)
-        for k in BUFFERS:
+        for k in STATE_BUFFERS:
             assert np.array_equal(conv.buffer(k), st.buffer(k))
         assert conv.ledger.current == st.ledger.current
     # init from the seed is the same split
@@ -88,7 +88,7 @@ def test_segment_update_is_bitwise_the_whole_update(p, precision):
                 o.update_block(st, b, t, 1e-2, 0.5)
                 st.free_grad(b)
     for b in whole.block_names:
-        for k in BUFFERS:
+        for k in STATE_BUFFERS:
             union = np.concatenate([st.flat(k, b) for st in shards])
             assert np.array_equal(union, whole.flat(k, b)), (b, k)
         # the view: own segment cast, the rest is what the all-gather brings

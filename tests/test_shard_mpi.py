@@ -13,7 +13,6 @@ import pytest
 from tests._executor_util import global_batch, params_digest, tiny_config, train
 
 
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_reduce_scatter_segment_is_the_allreduce(p, mpi_group):
@@ -98,13 +97,20 @@ def _executor(cfg, comm, topo, engine, policy=None):
     from ratrain.exec.params import StageState
     from ratrain.exec.spec import stage_blocks
     from ratrain.lifecycle.executor import Executor
+    from ratrain.lifecycle.measure import fit_rank_recompute
+    from ratrain.lifecycle.pipeline import PipelinePlan
+    from ratrain.lifecycle.rank import shard_state
     from ratrain.shim.ledger import Ledger
 
     ledger = Ledger(None, comm.Get_rank())
     state = StageState(stage_blocks(cfg.model, cfg.parallel.pp, topo.stage), cfg.precision,
                        ledger, np, 1)
     ctx = ExecContext(cfg.model, cfg.precision, np, ledger, threads=1)
-    return Executor(cfg, topo, state, ctx, engine, ledger, policy=policy)
+    plan = PipelinePlan.from_config(cfg, policy)
+    shard_state(state, plan, topo.replica)  # the whole state this helper builds, cut
+    ex = Executor(cfg, plan, topo, state, ctx, engine, ledger)
+    ex.set_recompute(*fit_rank_recompute(ex))
+    return ex
 
 
 def _step(ex, cfg, s):

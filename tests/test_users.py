@@ -124,7 +124,7 @@ def test_vocab_error_under_from_hf_names_a_fix_that_applies(tmp_path):
     from ratrain.config import ModelConfig
     from ratrain.data import TokenDataset
     from ratrain.exec.spec import init_param, model_blocks
-    from ratrain.export import export_hf
+    from ratrain.hf import export_hf
 
     m = ModelConfig(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn_hidden=64,
                     seq_len=16)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ratrain import api
+from ratrain.checkpoint import checkpoint_config
 from ratrain.train import Trainer, parse_args, startup
 
 TINY = """
@@ -42,7 +43,7 @@ def test_eval_at_pp2_dp2_matches_the_training_eval(mpi_group, tmp_path_factory):
     logged = comm.bcast(logged, root=0)
     assert sorted(logged) == [2, 4]
     for step in (2, 4):
-        path, cfg, got_step = api.checkpoint_config(f"{d}/run/checkpoints/ckpt-00000{step}")
+        path, cfg, got_step = checkpoint_config(f"{d}/run/checkpoints/ckpt-00000{step}")
         assert got_step == step and (cfg.parallel.pp, cfg.parallel.dp) == (2, 2)
         res = api.evaluate(api.eval_layout(cfg, 4), comm, path)
         assert res.loss == logged[step]  # every rank: bitwise the training run's eval

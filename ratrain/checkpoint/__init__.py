@@ -5,7 +5,9 @@ rank-0-then-broadcast helper (`collective`), writing one stage's shard, fast and
 (`shard`), what a model's checkpoint must hold (`model`), the collective save, manifest, commit
 and `keep` (`commit`), room on the disk: sizes, pruning ahead, space errors (`space`),
 verification and the choice of the checkpoint to resume from (`verify`), loading into any
-layout (`load`) and the `show` CLI (`show`, `__main__`).
+layout (`load`), finding a committed checkpoint and loading it into a stage block by block, the
+one way the trainer, eval, generate and export take weights (`stage`), and the `show` CLI
+(`show`, `__main__`).
 
 May import: `ratrain` (its version), `ratrain.config`, `ratrain.fileio` (every file is written
 through its one atomic-write protocol), `ratrain.exec.spec` from `model` only (the model's
@@ -27,8 +29,9 @@ Layout of one checkpoint (`<checkpoint.dir>/ckpt-000100/`, default dir `<run.dir
 
 from ratrain.checkpoint.commit import save_checkpoint
 from ratrain.checkpoint.load import load_checkpoint
+from ratrain.checkpoint.stage import checkpoint_config, committed_path, load_stage, newest_committed
 from ratrain.checkpoint.names import (
-    BUFFERS,
+    BUFFER_GROUPS,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -51,7 +54,11 @@ from ratrain.checkpoint.verify import (
 )
 
 __all__ = [
-    "BUFFERS",
+    "checkpoint_config",
+    "committed_path",
+    "load_stage",
+    "newest_committed",
+    "BUFFER_GROUPS",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",

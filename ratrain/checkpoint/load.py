@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import yaml
 
-from ratrain.checkpoint.names import BUFFERS, CheckpointError
+from ratrain.checkpoint.names import BUFFER_GROUPS, CheckpointError
 from ratrain.checkpoint.verify import read_manifest
 from ratrain.config import config_from_dict
 
@@ -55,7 +55,7 @@ def _by_file(path: str, manifest: dict, names: Iterable[str] | None) -> dict[str
 def _read_shard(f: h5py.File, names: list[str], buffers: list[str], out, result: dict) -> None:
     for n in names:
         for b in buffers:
-            ds = f[f"{BUFFERS[b]}/{n}"]
+            ds = f[f"{BUFFER_GROUPS[b]}/{n}"]
             if out is not None:
                 dst = out[b][n]
                 _read_into(ds, dst)
@@ -88,7 +88,7 @@ def load_checkpoint(
     entries = {e["file"]: e for e in manifest["files"]}
     result: dict[str, Any] = {b: {} for b in buffers}
     for fname, fnames in _by_file(path, manifest, names).items():
-        held = entries[fname].get("kinds", list(BUFFERS))  # the manifest's word for buffers
+        held = entries[fname].get("kinds", list(BUFFER_GROUPS))  # the manifest's word for buffers
         for b in buffers:
             if b not in held:
                 raise CheckpointError(f"{os.path.join(path, fname)}: holds no {b!r} state")

@@ -24,7 +24,7 @@ FORMAT = "ratrain-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 # The state buffers of a shard -> their HDF5 group: fp32 masters and AdamW's two moments.
-BUFFERS = {"master": "master", "m": "optim/m", "v": "optim/v"}
+BUFFER_GROUPS = {"master": "master", "m": "optim/m", "v": "optim/v"}
 _CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 SHARD_RE = re.compile(r"^shard-s\d{3,}\.h5$")
 

@@ -1,7 +1,7 @@
 """One shard: a stage's state as one HDF5 file, written durably with its size and SHA-256.
 
 A shard holds, as fp32 datasets named by *global* parameter name, `master/<name>`,
-`optim/m/<name>` and `optim/v/<name>` (e.g. `master/layers.7.attn.wq`; `BUFFERS` maps each
+`optim/m/<name>` and `optim/v/<name>` (e.g. `master/layers.7.attn.wq`; `BUFFER_GROUPS` maps each
 buffer to its group), and as root attributes the step, the scalar training state (JSON: data
 position, optimizer and loss-scaler state, RNG state, whatever the trainer passes; it must be
 the same on every rank), the resolved config (YAML), the stage and the topology. Because names
@@ -36,7 +36,7 @@ import h5py
 import numpy as np
 
 import ratrain
-from ratrain.checkpoint.names import BUFFERS, FORMAT, FORMAT_VERSION, CheckpointError, shard_name
+from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, FORMAT_VERSION, CheckpointError, shard_name
 from ratrain.config import Config
 from ratrain.fileio import atomic_path
 
@@ -90,7 +90,7 @@ class StateStream:
 
     def __init__(self, shapes: Mapping[str, Any], buffers: Iterable[str], blocks):
         self.shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
-        self.buffers = tuple(b for b in BUFFERS if b in set(buffers))
+        self.buffers = tuple(b for b in BUFFER_GROUPS if b in set(buffers))
         self._blocks = blocks
 
     def drain(self) -> None:
@@ -137,7 +137,7 @@ def _shard_plan(tensors: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The parameter names of a shard (order of `tensors['master']`), checked across buffers."""
     if "master" not in tensors:
         raise CheckpointError("save_checkpoint: tensors must hold 'master' (and 'm', 'v')")
-    unknown = [b for b in tensors if b not in BUFFERS]
+    unknown = [b for b in tensors if b not in BUFFER_GROUPS]
     if unknown:
         raise CheckpointError(
             f"save_checkpoint: unknown state buffer {unknown[0]!r}; buffers: master, m, v")
@@ -201,7 +201,7 @@ def _lay_out(tmp: str, step, stage, cfg, stream: StateStream, state: str) -> dic
         _write_attrs(f, step, stage, cfg, state)
         for name, shape in stream.shapes.items():  # by parameter: master, m, v lie together
             for buf in stream.buffers:
-                ds = f.create_dataset(f"{BUFFERS[buf]}/{name}", shape=shape, dtype=np.float32,
+                ds = f.create_dataset(f"{BUFFER_GROUPS[buf]}/{name}", shape=shape, dtype=np.float32,
                                       dcpl=_raw_dcpl())
                 off = ds.id.get_offset()
                 if off is not None:  # None: an empty dataset (no storage)
@@ -327,7 +327,7 @@ def _write_shard_plain(tmp: str, step, stage, cfg, stream: StateStream, state) -
     with h5py.File(tmp, "w") as f:
         _write_attrs(f, step, stage, cfg, state)
         for buf, name, src in stream.items():
-            f.create_dataset(f"{BUFFERS[buf]}/{name}", data=_host(src))
+            f.create_dataset(f"{BUFFER_GROUPS[buf]}/{name}", data=_host(src))
     return os.path.getsize(tmp), sha256_file(tmp)
 
 

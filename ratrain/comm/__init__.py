@@ -12,7 +12,8 @@ reference only (`mpiref`); what each algorithm costs, pure arithmetic shared wit
 timeout (`engine`); the benchmark `python -m ratrain.comm.bench`. The job's abort, watchdog
 and control plane live in `ratrain.job`.
 
-May import: `ratrain.shim` (the link model and throttle, the allocator) and `ratrain.config`;
+May import: `ratrain.shim` (the link model and throttle, the allocator), `ratrain.config` and
+`ratrain.fastpath` (the switch of the compiled board);
 mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
 initialise MPI; the submodules that need it import mpi4py.MPI (which does); `model` and
 `topology` never do.

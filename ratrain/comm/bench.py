@@ -53,7 +53,7 @@ from . import model as cost
 from .engine import CommEngine
 from .progress import run, run_all
 from .shm import SharedSlots
-from .topology import NodeLinks, Topology
+from .topology import NodeLinks, Topology, teardown
 from .wire import exchange_op, recv_op, send_op
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv", "pingpong", "stream")
@@ -397,11 +397,7 @@ def main(argv=None) -> int:
                     print(json.dumps(_record(a, algo, p, nb, t, errs, digests, link, topo)),
                           flush=True)
     finally:
-        if engine is not None:
-            engine.close()
-        if slots is not None:
-            slots.free()
-        topo.free()
+        teardown(engine, slots, topo)
     return 0
 
 

@@ -18,7 +18,7 @@ each made after it finished reading round t. Rounds are numbered on every rank a
 collectives on one communicator run in the same order on every rank.
 
 The kernels are compiled by numba (the `fast` extra; `RATRAIN_FUSED=0` turns the path off like
-the fused kernels); without it the tree's messages carry every all-reduce. Only the work dtypes
+the fused kernels, `RATRAIN_BOARD=0` the board alone); without it the tree's messages carry every all-reduce. Only the work dtypes
 whose payload is its own work dtype (float32, float64, int32, int64) and arrays of up to
 `BOARD_BYTES` take the board; `attach(comm)` (collective) makes a communicator's board, kept
 as an MPI attribute of the communicator and freed with it.
@@ -31,6 +31,7 @@ would watch a blocking round.
 """
 
 from __future__ import annotations
+
 
 import numpy as np
 from mpi4py import MPI
@@ -54,7 +55,7 @@ OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc 
 _CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
-_state = FastPath()
+_state = FastPath("RATRAIN_BOARD")  # RATRAIN_BOARD=0: the board alone off, to measure its worth
 
 
 def enabled() -> bool:

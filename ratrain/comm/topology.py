@@ -103,7 +103,7 @@ class Topology:
         many (None: one node per host); `shm_bytes`: the largest buffer the data-parallel
         group's collectives usually carry (sizes its staging window)."""
         from ratrain.comm.board import attach  # loads MPI: comm is MPI's
-        from ratrain.comm.hier import NodeGroup  # likewise
+        from ratrain.comm.hier import NodeGroup  # loads MPI too
 
         assert isinstance(pp, int) and pp >= 1, f"pp must be a positive integer, got {pp!r}"
         assert isinstance(dp, int) and dp >= 1, f"dp must be a positive integer, got {dp!r}"
@@ -213,4 +213,17 @@ class NodeLinks:
         return f"NodeLinks({self.tiers})"
 
 
-__all__ = ["NodeLinks", "PLACEMENTS", "Topology", "coords", "find_hosts", "grid", "pack_nodes"]
+def teardown(engine=None, slots=None, topo=None) -> None:
+    """End what a rank opened for its messages, in the one safe order: the engine's thread
+    first (it may still use the communicators), the node's interface slots, then the
+    topology's communicators. Any of them may be None (never opened)."""
+    if engine is not None:
+        engine.close()
+    if slots is not None:
+        slots.free()
+    if topo is not None:
+        topo.free()
+
+
+__all__ = ["NodeLinks", "PLACEMENTS", "Topology", "coords", "find_hosts", "grid", "pack_nodes",
+           "teardown"]

@@ -7,8 +7,8 @@ an unknown section or key, a value of the wrong type, or an impossible combinati
     cfg = load_config("jobs/tiny.yaml", overrides=["parallel.pp=2", "optim.lr=1e-3"])
 
 The package: the sections, one dataclass each with its keys documented (`sections`), and here
-`Config`, which holds them, and the loading (YAML through `ratrain.typedyaml`'s strict loader,
-`--set` overrides, the shipped jobs). May import: `ratrain.typedyaml`, PyYAML; nothing else of
+`Config`, which holds them, and the loading (YAML through `typedyaml`'s strict loader,
+`--set` overrides, the shipped jobs). May import: PyYAML; nothing else of
 ratrain (every package reads its config).
 """
 
@@ -24,8 +24,8 @@ import yaml
 
 from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig, PlatformConfig
-from ratrain.config.sections import RunConfig, ScheduleConfig, _choice
-from ratrain.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
+from ratrain.config.sections import RunConfig, ScheduleConfig, _choice, global_batch
+from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,7 @@ def _apply_override(data: dict, ov: str) -> None:
 __all__ = [
     "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "InitConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
-    "ScheduleConfig", "StrictLoader", "config_from_dict", "job_path", "load_config", "replace",
+    "ScheduleConfig", "StrictLoader", "config_from_dict", "global_batch", "job_path", "load_config",
+    "replace",
     "shipped_jobs", "with_overrides",
 ]

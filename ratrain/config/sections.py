@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ratrain.typedyaml import ConfigError
+from ratrain.config.typedyaml import ConfigError
 
 # --------------------------------------------------------------------------------------------
 # Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
@@ -95,6 +95,12 @@ class ModelConfig:
         return 6.0 * matmul + 3.0 * attn
 
 
+def global_batch(micro_batch: int, num_micro_batches: int, dp: int) -> int:
+    """Windows (sequences) a step trains on: every replica's micro-batches (the one definition:
+    `ParallelConfig`, the planner's `Layout` and the dataset's `BatchLayout` all ask it)."""
+    return micro_batch * num_micro_batches * dp
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the ranks are laid out: pp pipeline stages x dp data-parallel replicas (world size =
@@ -125,7 +131,7 @@ class ParallelConfig:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.num_micro_batches * self.dp
+        return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
     def check(self) -> None:
         for key in ("pp", "dp", "micro_batch", "num_micro_batches"):
@@ -180,14 +186,14 @@ class ScheduleConfig:
     RECOMPUTE = ("none", "full", "selective", "auto")
     SYNCS = ("end", "bucket", "layer")
     UPDATES = ("end", "next-step")
-    BUFFERS = ("resident", "per-block")
+    BUFFER_MODES = ("resident", "per-block")
     RECOVERIES = ("per-layer", "uniform")
 
     def check(self) -> None:
         _choice(self, "schedule", "policy", self.POLICIES)
         _choice(self, "schedule", "recompute", self.RECOMPUTE)
         for key, ok in (("sync", self.SYNCS), ("update", self.UPDATES),
-                        ("buffers", self.BUFFERS), ("recovery", self.RECOVERIES)):
+                        ("buffers", self.BUFFER_MODES), ("recovery", self.RECOVERIES)):
             if getattr(self, key) is not None:
                 _choice(self, "schedule", key, ok)
 
@@ -458,4 +464,5 @@ def _choice(obj, section: str, key: str, choices) -> None:
 
 
 __all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "InitConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig"]
+           "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig", "ScheduleConfig",
+           "global_batch"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.config import Config
+from ratrain.config import Config, global_batch
 from ratrain.data.tokens import DataError, dtype_name, open_tokens, scan_max_id
 
 
@@ -49,7 +49,7 @@ class BatchLayout:
 
     @property
     def global_batch(self) -> int:
-        return self.replica_windows * self.dp
+        return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
     def check(self) -> None:
         for key in ("dp", "micro_batch", "num_micro_batches"):

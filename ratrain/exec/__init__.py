@@ -7,7 +7,8 @@ recompute choices (`layers`), the execution context of threads, dtypes and RoPE 
 (`context`); a stage's flat buffers of masters, moments, views and gradients (`params`); AdamW,
 clipping, the LR schedule and loss scaling (`optim`).
 
-May import: `ratrain.config` (the model's and optimizer's sections) and third-party numerics
+May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (the `FastPath`
+switch of the fused kernels) and third-party numerics
 (numpy, threadpoolctl; cupy when given as `xp`). Never MPI, comm, lifecycle or plan: buffers are
 allocated through a ledger passed in, never imported.
 """

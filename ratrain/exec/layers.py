@@ -400,10 +400,8 @@ def _head_rows(ctx, V):
 def _head_fwd_chunk(x, targets, p, w, ctx):
     xp = ctx.xp
     ct = ctx.compute
-    b, T, C = x.shape
-    N = b * T
-    xn, (_, rstd, _) = kernels.rmsnorm_forward(_c(ct, x), p["norm"], ctx.model.norm_eps, xp)  # (b, T, C)
-    xn = xn.reshape(N, C)
+    xn, rstd = _head_norm(x, p, ctx)  # (N, C)
+    N = xn.shape[0]
     t = targets.reshape(N)
     lse = xp.empty(N, ct)
     losses = xp.empty(N, ct)
@@ -443,6 +441,24 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
     fused.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
+
+
+def _head_norm(x, p, ctx):
+    """The head's final norm of x (b, T, C), in the compute dtype -> (xn (b*T, C), rstd)."""
+    b, T, C = x.shape
+    xn, (_, rstd, _) = kernels.rmsnorm_forward(_c(ctx.compute, x), p["norm"], ctx.model.norm_eps,
+                                               ctx.xp)  # (b, T, C)
+    return xn.reshape(b * T, C), rstd
+
+
+def head_logits(x, p, ctx):
+    """x (B, T, C) -> next-token logits (B, T, V) in the compute dtype: the head's forward
+    (the same norm, weight and GEMM) without the loss, for inference."""
+    B, T, _ = x.shape
+    w = _head_weight(p, ctx)
+    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
+        return matmul(xn, w.T, xp=ctx.xp).reshape(B, T, -1)  # (B, T, V)
 
 
 def _head_weight(p, ctx):
@@ -490,6 +506,7 @@ __all__ = [
     "embed_forward",
     "head_backward",
     "head_forward",
+    "head_logits",
     "layer_backward",
     "layer_forward",
     "layer_workspace_nbytes",

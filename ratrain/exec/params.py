@@ -41,7 +41,7 @@ import numpy as np
 from ratrain.exec import fused
 from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 
-BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
+STATE_BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
 BUFFER_TAGS = {"master": "params.master", "m": "optim.m", "v": "optim.v"}  # their ledger tags
 
 
@@ -182,7 +182,7 @@ class StageState:
             raise RuntimeError("drop every view and free every gradient before sharding")
         if p == 1:
             return
-        old = {k: self.buffer(k) for k in BUFFERS}
+        old = {k: self.buffer(k) for k in STATE_BUFFERS}
         old_range = dict(self._block_range)
         self._set_shard(q, p)
         for k, tag in BUFFER_TAGS.items():
@@ -273,15 +273,15 @@ class StageState:
     def buffer(self, buf: str):
         """The whole flat fp32 buffer of `master`, `m` or `v` (shape (N,); sharded: the own
         segments of the blocks back to back)."""
-        if buf not in BUFFERS:
-            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
+        if buf not in STATE_BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(STATE_BUFFERS)}")
         return getattr(self, f"{buf}_buf")
 
     def flat(self, buf: str, block: str):
         """The block's slice of `master`, `m` or `v` (a view, fp32); sharded: the own segment
         only (`segment(block)` says which part of the block)."""
-        if buf not in BUFFERS:
-            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
+        if buf not in STATE_BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(STATE_BUFFERS)}")
         self.block(block)
         a, b = self._held_range[block]
         return self.buffer(buf)[a:b]
@@ -297,8 +297,8 @@ class StageState:
     def named(self, buf: str = "master") -> Iterator[tuple[str, object]]:
         """(global name, view of param shape) of `master`, `m` or `v`, in buffer order
         (unsharded only)."""
-        if buf not in BUFFERS:
-            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
+        if buf not in STATE_BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(STATE_BUFFERS)}")
         self._need_whole("named()")
         flat = self.buffer(buf)
         for name, spec in self._spec.items():
@@ -318,8 +318,8 @@ class StageState:
         shape; other names are ignored. Materialised views of the loaded blocks are refreshed
         from the new masters (sharded: dropped; the schedule gathers them again).
         """
-        if buf not in BUFFERS:
-            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(BUFFERS)}")
+        if buf not in STATE_BUFFERS:
+            raise ValueError(f"buffer {buf!r} is not one of: {', '.join(STATE_BUFFERS)}")
         want = set(self.block_names if blocks is None else blocks)
         for b in want:
             self.block(b)
@@ -350,12 +350,12 @@ class StageState:
         """{"master"|"m"|"v": {global name: view}}: views into the live buffers, not copies
         (unsharded only: a sharded state holds segments; see `Executor.iter_full_state`)."""
         self._need_whole("state_dict()")
-        return {buf: dict(self.named(buf)) for buf in BUFFERS}
+        return {buf: dict(self.named(buf)) for buf in STATE_BUFFERS}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         """Inverse of `state_dict` (each buffer must cover every parameter of the stage); works
         sharded too (keeps the own segments)."""
-        for buf in BUFFERS:
+        for buf in STATE_BUFFERS:
             if buf not in state:
                 raise KeyError(f"stage state is missing {buf!r}")
             self.load_named(state[buf], buf)
@@ -493,7 +493,7 @@ class StageState:
 
 
 __all__ = [
-    "BUFFERS",
+    "STATE_BUFFERS",
     "BUFFER_TAGS",
     "GRAD_BYTES_PER_PARAM",
     "STATE_BYTES_PER_PARAM",

@@ -2,7 +2,9 @@
 
 Owns: the action vocabulary, its names and the pure 1F1B / GPipe builders (`schedule`); the
 policies that place gradient syncs, updates, views and recomputation per block and stage
-(`policies`); the validator (`validate`) and the grid printer (`grid`); the memory model of one
+(`policies`); a pipeline decided once as data, made from the config with no MPI and no
+buffer, validated once, that the executor, the planner, the benches and the grid all take
+(`pipeline.PipelinePlan`); the validator (`validate`) and the grid printer (`grid`); the memory model of one
 rank, played over its action lists (`memory`), and the activation sizes measured from the
 kernels (`measure`); the executor that runs a rank's lists (`executor`) with its stage compute
 (`compute`), its pipeline messages (`mailbox`), the step's global facts (`facts`) and whole

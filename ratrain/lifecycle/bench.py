@@ -42,22 +42,19 @@ from ratrain.config import (
     load_config,
 )
 from ratrain.exec.spec import RECOMPUTE
-from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
-from ratrain.lifecycle.policies import POLICIES, Policy, policy_of, stage_infos
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.lifecycle.policies import POLICIES, Policy
 from ratrain.lifecycle.rank import build_rank
-from ratrain.lifecycle.validate import validate_policy
 
 
 def cmd_grid(args) -> None:
     model = ModelConfig(layers=args.layers)
     pol = Policy(args.policy, bucket_bytes=args.bucket_bytes)
-    infos = stage_infos(model, args.pp, args.m, args.precision, shards=pol.shards(args.dp))
-    validate_policy(pol, infos)
-    lists = [pol.steps(i, 2, flush=False)[1] for i in infos]
+    plan = PipelinePlan.of_model(model, pol, args.pp, args.dp, args.m, args.precision)
     print(f"# {args.policy}, pp={args.pp}, dp={args.dp}, m={args.m}, {args.precision} "
           "(a step after a step)")
-    print(grid(lists, [i.blocks for i in infos], f=1, b=args.b, lifecycle=not args.compute_only,
+    print(plan.grid(1, f=1, b=args.b, lifecycle=not args.compute_only,
                legend=True))
 
 
@@ -66,13 +63,14 @@ def cmd_memory(args) -> None:
     model, prec, mb = cfg.model, cfg.precision, cfg.parallel.micro_batch
     rows = []
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
-        pol = policy_of(cfg.schedule, policy)
-        shards = pol.shards(args.dp)
-        for info in stage_infos(model, args.pp, args.m, prec, shards):
+        plan = PipelinePlan.from_config(cfg, policy, pp=args.pp, dp=args.dp, m=args.m,
+                                        layers_per_stage=None)
+        shards = plan.shards
+        for info in plan.stages:
             layers = [b for b in info.blocks if b.startswith("layers.")]
             sizes = stage_sizes(model, mb, prec, info.blocks,
                                 dict.fromkeys(layers, args.recompute), shards)
-            lists = pol.steps(info, 2, flush=False)
+            lists = plan.stage_steps(info.stage, 2)
             peak = simulate_peak(lists, info.blocks, sizes)
             row = {"policy": policy, "stage": info.stage, "dp": args.dp, "shards": shards,
                    "peak_GiB": round(peak / 2**30, 3), "peak_MiB": round(peak / 2**20, 2)}

@@ -20,7 +20,7 @@ from ratrain.exec.spec import block_flops
 class StageCompute:
     def __init__(self, cfg, state, ctx, ledger, pacer=None):
         self.cfg, self.state, self.ctx, self.ledger, self.pacer = cfg, state, ctx, ledger, pacer
-        self.blocks = [b.name for b in state.blocks]
+        self.blocks = state.block_names
         self.role = {b.name: b.role for b in state.blocks}
         self.tied = cfg.model.tie_embeddings and "head" in self.role and "embed" in self.role
         self.tokens = cfg.parallel.micro_batch * cfg.model.seq_len

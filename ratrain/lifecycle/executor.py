@@ -1,5 +1,9 @@
 """The executor: runs one rank's action list, step after step, and records its timeline.
 
+It decides nothing: its lists come from the `PipelinePlan` it is handed (`lifecycle.pipeline`),
+its recompute choice from `set_recompute` (`lifecycle.rank.build_rank` measures and chooses it
+as an explicit step); no collective runs in its constructor.
+
     rank = build_rank(cfg, comm)                       # lifecycle.rank: the usual way to get one
     res = rank.executor.run_step(step, (inputs, targets))  # (M, B, T) int64 each, or None
     res.loss, res.grad_norm, res.skipped ...           # known on every rank
@@ -20,8 +24,9 @@ order), the global facts (`GradNorm`) are one exact all-reduce (`lifecycle.facts
 which every rank takes the same clip coefficient and the same skip decision, and updates its
 blocks (or its segments of them) with the same elementwise AdamW.
 
-Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the executor shards the
-`StageState` it is given (`state.shard(replica, dp)`, unless built with `shard=`); replica q
+Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the `StageState` it is
+given holds this replica's segments (`build_rank` builds it sharded; `lifecycle.rank.shard_state`
+cuts a whole one); replica q
 keeps segment q of each block's master, m and v, updates it from its reduce-scattered gradient
 segment, and the next step's view is cast from the own master segment and ring all-gathered in
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
@@ -33,7 +38,7 @@ step on every rank (fp32 too) and halves the scale in fp16.
 
 Memory: activations are tracked in the ledger per micro-batch and block
 (`activations.mb<i>.<block>`), received activations under `activations.mb<i>.input`,
-gradient messages under `comm.*`. `recompute: auto` measures each choice's cache on this rank's
+gradient messages under `comm.*`. `recompute: auto` (`lifecycle.measure.fit_rank_recompute`) measures each choice's cache on this rank's
 first layer (`lifecycle.measure`), then plays the action lists through `lifecycle.memory` to
 pick the fewest layers to recompute that fit the DDR cap.
 
@@ -60,18 +65,14 @@ from ratrain.exec.optim import (
     grad_scale_for,
     lr_at,
 )
-from ratrain.exec.params import BUFFERS, segment_bounds, view_cast_bytes_per_param
-from ratrain.exec.spec import stage_blocks
+from ratrain.exec.params import STATE_BUFFERS, segment_bounds, view_cast_bytes_per_param
 from ratrain.lifecycle import fullstate, trace
+from ratrain.lifecycle import schedule as sched
 from ratrain.lifecycle.compute import StageCompute
 from ratrain.lifecycle.facts import FactsLayout
 from ratrain.lifecycle.mailbox import Mailbox
-from ratrain.lifecycle.measure import measure_stage_sizes
-from ratrain.lifecycle.memory import choose_recompute, simulate_peak
-from ratrain.lifecycle.policies import Policy, StageInfo, as_policy, policy_of
-from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
-from ratrain.lifecycle.validate import check_lifecycle, validate_policy
 
 MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
 
@@ -106,54 +107,52 @@ def _done(value=None) -> Future:
 
 
 class Executor:
-    def __init__(self, cfg, topo, state, ctx, engine=None, ledger=None, policy=None, *,
+    """Runs the lists `plan` (a `PipelinePlan`) holds for this rank's stage; every part it runs
+    on is handed to it (`lifecycle.rank.build_rank` makes them, then sets the recompute choice
+    with `set_recompute`)."""
+
+    def __init__(self, cfg, plan: PipelinePlan, topo, state, ctx, engine=None, ledger=None, *,
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
-                 total_steps: int | None = None, validate: bool = True, pacer=None):
-        self.cfg, self.topo, self.state, self.ctx, self.engine = cfg, topo, state, ctx, engine
-        self.ledger = ledger if ledger is not None else state.ledger
-        par = cfg.parallel
-        self.pp, self.dp = par.pp, par.dp
-        self.stage = topo.stage if topo is not None else 0
-        self.replica = topo.replica if topo is not None else 0
-        self.world = self.pp * self.dp
-        self.rank = topo.rank if topo is not None else 0
+                 total_steps: int | None = None, pacer=None):
+        self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
+        self.engine, self.ledger = engine, ledger if ledger is not None else state.ledger
+        self.pp, self.dp, self.num_micro_batches = plan.pp, plan.dp, plan.num_micro_batches
+        self.stage, self.replica, self.rank = (
+            (topo.stage, topo.replica, topo.rank) if topo is not None else (0, 0, 0))
+        self.world, self.micro_batch = self.pp * self.dp, cfg.parallel.micro_batch
         if self.world > 1 and (topo is None or engine is None):
             raise ValueError(f"pp={self.pp} x dp={self.dp} needs a Topology and a CommEngine")
-        self.m = par.num_micro_batches
-        self.micro_batch = par.micro_batch
         self.total_steps = total_steps if total_steps is not None else cfg.run.steps
-        self.blocks = [b.name for b in state.blocks]
+        self.policy, self.info = plan.policy, plan.stages[self.stage]
+        self.blocks, self.sharded = list(self.info.blocks), self.info.sharded
         self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
-        if cfg.model.tie_embeddings and self.pp > 1:
-            raise ValueError("tied embeddings need pp=1 (embedding and head on one stage)")
-
         # global block order, for the norm partials
-        all_blocks = [[b.name for b in stage_blocks(cfg.model, self.pp, s, par.layers_per_stage)]
-                      for s in range(self.pp)]
-        self.global_index = {b: i for i, b in enumerate(x for s in all_blocks for x in s)}
-        self.facts = FactsLayout(len(self.global_index), self.dp, self.m, self.world)
-
-        self.policy: Policy = as_policy(policy) if policy is not None else policy_of(cfg.schedule)
-        self.info = StageInfo.from_config(cfg, self.stage, state.blocks, self.policy)
-        self.sharded = self.info.sharded
-        self._shard_state()
-        self._build_lists(all_blocks, validate)
-
+        self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
+        self.facts = FactsLayout(len(self.global_index), self.dp, self.num_micro_batches, self.world)
+        self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
-        self._adam_t = self.opt.step
-        self._carry = False
-        self._pending: _Pending | None = None
+        self._adam_t, self._carry, self._pending = self.opt.step, False, None
         self.gathers: dict[str, Future] = {}  # block -> view all-gather in flight
-        self.mailbox = None
-        if self.pp > 1:
-            from ratrain.comm.p2p import P2P  # loads MPI: only when there are stages to talk to
+        self.mailbox, self.handlers = self._open_mailbox(), self._dispatch_table()
+        self.events: list[tuple] = []  # (name, group, t0, t1, tid, args)
+        self.step = -1  # before the first step (measurement may gather views)
+        self._reset_step_state()
+        self.set_recompute(self._plain_recompute(), None)
 
-            p2p = P2P(topo, engine=engine, ledger=self.ledger)
-            self.mailbox = Mailbox(p2p, self.ledger, self.act_shape, ctx.dtype, ctx.xp,
-                                   self._comm_event)
-        self.handlers = dispatch_table("Executor", {
+    def _open_mailbox(self) -> Mailbox | None:
+        """The pipeline's messages (none for one stage)."""
+        if self.pp == 1:
+            return None
+        from ratrain.comm.p2p import P2P  # loads MPI: only when there are stages to talk to
+
+        p2p = P2P(self.topo, engine=self.engine, ledger=self.ledger)
+        return Mailbox(p2p, self.ledger, self.act_shape, self.ctx.dtype, self.ctx.xp,
+                       self._comm_event)
+
+    def _dispatch_table(self) -> dict:
+        return dispatch_table("Executor", {
             sched.Forward: self._forward, sched.Backward: self._backward,
             sched.RecvForward: self._recv, sched.RecvBackward: self._recv,
             sched.SendForward: self._send_forward, sched.SendBackward: self._send_backward,
@@ -162,39 +161,32 @@ class Executor:
             sched.FreeGrad: lambda a: self.state.free_grad(a.block), sched.SyncGrad: self._sync_grad,
             sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
         })
-        self.events: list[tuple] = []  # (name, group, t0, t1, tid, args)
-        self.step = -1  # before the first step (measurement may gather views)
-        self._reset_step_state()
-        self.compute.recompute, self.predicted_peak = self._choose_recompute()
 
-    def _build_lists(self, all_blocks, validate: bool) -> None:
-        """This rank's step lists (with and without carried work) and flush; `validate`: check
-        the policy on every stage of the pipeline, and this rank's lists, first."""
-        self._lists = {False: self.policy.build_step(self.info, False)}
-        if self.policy.carries(self.info):
-            self._lists[True] = self.policy.build_step(self.info, True)
-        self._flush_list = self.policy.build_flush(self.info)
-        if validate:
-            infos = [replace(self.info, stage=s, blocks=tuple(all_blocks[s]),
-                             block_bytes=tuple(0 for _ in all_blocks[s])) for s in range(self.pp)]
-            validate_policy(self.policy, infos, steps=2)
-            check_lifecycle(self.policy.steps(self.info, 3), self.blocks, self.m, self.stage,
-                            self.info.fp16, self.sharded)
-
-    def _shard_state(self) -> None:
-        """Shard a whole-block state for a policy that shards (ratrain, dp > 1), and check the
-        state holds what the policy needs."""
+    def _check_state(self) -> None:
+        """Check the state holds what the plan needs: this stage's blocks, whole or this
+        replica's segment as the policy shards (`lifecycle.rank.shard_state` cuts a whole one)."""
         state = self.state
-        if self.sharded and not state.sharded:
-            for b in self.blocks:
-                state.drop_view(b)
-            state.shard(self.replica, self.dp)
+        if state.block_names != self.blocks:
+            raise ValueError(f"rank {self.rank}: the stage state holds blocks "
+                             f"{state.block_names}, the plan's stage {self.stage} "
+                             f"has {self.blocks}")
         if state.num_shards != self.info.shards or (
                 state.sharded and state.shard_index != self.replica):
             raise ValueError(
                 f"rank {self.rank}: the stage state holds segment {state.shard_index} of "
                 f"{state.num_shards}, but policy {self.policy.name} at dp={self.dp} needs "
                 + (f"segment {self.replica} of {self.dp}" if self.sharded else "whole blocks"))
+
+    def _plain_recompute(self) -> dict[str, str]:
+        """Per layer, `schedule.recompute` as it stands (`auto`: none until chosen)."""
+        mode = self.cfg.schedule.recompute
+        return {b: ("none" if mode == "auto" else mode)
+                for b in self.blocks if self.compute.role[b] == "layer"}
+
+    def set_recompute(self, choice: dict[str, str], predicted_peak: int | None) -> None:
+        """What each layer recomputes, and the peak bytes the memory model predicts with it
+        (`lifecycle.measure.fit_rank_recompute`; None: not measured)."""
+        self.compute.recompute, self.predicted_peak = choice, predicted_peak
 
     # -- public API -------------------------------------------------------------------------
 
@@ -217,7 +209,7 @@ class Executor:
         self._reset_step_state()
         self.step, self.inputs, self.targets = step, inputs, targets
         self.ledger.reset_peak()
-        actions = self._lists[self._carry]
+        actions = self.plan.step_list(self.stage, self._carry)
         if self.mailbox is not None:
             self.mailbox.start(actions)  # the first receive of each direction, posted early
         # warm-up / steady / cool-down are all in the list; lifecycle actions sit between
@@ -225,7 +217,7 @@ class Executor:
             self._run(a)
         if self.mailbox is not None:
             self.mailbox.finish()
-        self._carry = self.policy.carries(self.info)
+        self._carry = self.plan.carries()
         res = replace(self._result, step_time_s=time.perf_counter() - t0)
         self._result = res
         return res
@@ -234,7 +226,7 @@ class Executor:
         """Finish the last step's deferred lifecycle work (no-op when nothing is pending)."""
         if not self._carry:
             return
-        for a in self._flush_list:
+        for a in self.plan.flush_list(self.stage):
             self._run(a)
         self._carry = False
 
@@ -246,9 +238,9 @@ class Executor:
         for b in made:
             self.materialize_now(b)
         p2p = self.mailbox.p2p if self.mailbox is not None else None
-        losses = np.zeros(len(batches) * self.m * self.dp, np.float64)
+        losses = np.zeros(len(batches) * self.num_micro_batches * self.dp, np.float64)
         for k, (inputs, targets) in enumerate(batches):
-            for mb in range(self.m):
+            for mb in range(self.num_micro_batches):
                 x = None
                 if self.stage > 0:
                     x = self.ledger.alloc("activations.eval", self.act_shape, self.ctx.dtype,
@@ -260,7 +252,7 @@ class Executor:
                 if self.stage < self.pp - 1:
                     p2p.isend_forward(y).result()
                 else:
-                    losses[(k * self.dp + self.replica) * self.m + mb] = loss
+                    losses[(k * self.dp + self.replica) * self.num_micro_batches + mb] = loss
         for b in made:
             self.state.drop_view(b)
         losses = self._allreduce_world(losses)
@@ -275,7 +267,7 @@ class Executor:
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
 
-    def iter_full_state(self, buffers=BUFFERS):
+    def iter_full_state(self, buffers=STATE_BUFFERS):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
         stage's replicas when sharded (`lifecycle.fullstate.iter_full_state`)."""
         return fullstate.iter_full_state(self, buffers)
@@ -339,7 +331,7 @@ class Executor:
 
     def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
-        dscale = self.scaler.scale / (self.m * self.dp)
+        dscale = self.scaler.scale / (self.num_micro_batches * self.dp)
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
         if dx is not None:  # the input gradient, for the previous stage
             self.ledger.free(dx)
@@ -475,26 +467,13 @@ class Executor:
         self.sq: dict[str, float] = {}
 
     def _check_batch(self, inputs, targets) -> None:
-        want = (self.m, self.micro_batch, self.cfg.model.seq_len)
+        want = (self.num_micro_batches, self.micro_batch, self.cfg.model.seq_len)
         for name, arr, needed in (("inputs", inputs, self.stage == 0),
                                   ("targets", targets, self.stage == self.pp - 1)):
             if needed and (arr is None or tuple(arr.shape) != want):
                 got = None if arr is None else tuple(arr.shape)
                 raise ValueError(f"rank {self.rank} (stage {self.stage}): {name} of shape {got}, "
                                  f"expected {want} (num_micro_batches, micro_batch, seq_len)")
-
-    def _choose_recompute(self):
-        """Per-layer recompute choice from schedule.recompute, and the predicted peak bytes."""
-        mode = self.cfg.schedule.recompute
-        choice = {b: ("none" if mode == "auto" else mode)
-                  for b in self.blocks if self.compute.role[b] == "layer"}
-        sizes = measure_stage_sizes(self, choice)
-        lists = self.policy.steps(self.info, 2, flush=False)
-        if mode == "auto":
-            per_layer = self.policy.components.recovery == "per-layer"
-            chosen, peak = choose_recompute(self.ledger.cap, sizes, lists, self.blocks, per_layer)
-            return {b: chosen.get(b, "none") for b in choice}, peak
-        return choice, simulate_peak(lists, self.blocks, sizes)
 
 
 __all__ = ["Executor", "StepResult"]

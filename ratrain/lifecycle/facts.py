@@ -24,7 +24,7 @@ import numpy as np
 class FactsLayout:
     blocks: int  # blocks of the whole model
     dp: int
-    m: int  # micro-batches per replica
+    num_micro_batches: int  # per replica
     world: int
 
     @property
@@ -33,7 +33,7 @@ class FactsLayout:
 
     @property
     def nl(self) -> int:
-        return self.m * self.dp
+        return self.num_micro_batches * self.dp
 
     def vector(self) -> np.ndarray:
         return np.zeros(self.nb + self.nl + self.world, np.float64)
@@ -42,7 +42,7 @@ class FactsLayout:
         vec[global_block * self.dp + replica] = value
 
     def put_loss(self, vec, replica: int, mb: int, loss: float) -> None:
-        vec[self.nb + replica * self.m + mb] = loss
+        vec[self.nb + replica * self.num_micro_batches + mb] = loss
 
     def put_peak(self, vec, rank: int, nbytes: int) -> None:
         vec[self.nb + self.nl + rank] = nbytes

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ratrain.exec.params import BUFFERS
+from ratrain.exec.params import STATE_BUFFERS
 
 
-def iter_full_state(ex, buffers=BUFFERS):
+def iter_full_state(ex, buffers=STATE_BUFFERS):
     """Yield `(block, {buffer: {global name: fp32 array of the parameter's shape}})` for each
     block of `ex`'s stage in model order, buffers from `("master", "m", "v")`, after the step's
     deferred work is flushed (see the module)."""
     ex.flush()
     for k in buffers:
-        if k not in BUFFERS:
-            raise ValueError(f"buffer {k!r} is not one of: {', '.join(BUFFERS)}")
+        if k not in STATE_BUFFERS:
+            raise ValueError(f"buffer {k!r} is not one of: {', '.join(STATE_BUFFERS)}")
     state = ex.state
     for b in ex.blocks:
         spec = state.block(b)

@@ -7,7 +7,8 @@ stage), followed, in brackets, by the lifecycle actions that ran during it (`[sy
 drop-view L3]`); a row holds what ran after the last compute of a stage. `LEGEND` explains the
 words; `grid(..., legend=True)` prints it under the grid.
 
-    >>> print(grid([Policy("ratrain").build_step(info) for info in infos]))
+    >>> plan = PipelinePlan.from_config(cfg)             # lifecycle.pipeline: no buffers
+    >>> print(grid(plan.steps(2)[1], plan.blocks))      # a step after a step: plan.grid()
 """
 
 from __future__ import annotations

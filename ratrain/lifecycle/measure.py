@@ -1,6 +1,6 @@
 """What this rank's blocks keep per micro-batch, measured from the kernels' own caches.
 
-`recompute: auto` (and the predicted peak every executor reports) plays the rank's action lists
+`recompute: auto` (and the predicted peak every executor reports, `fit_rank_recompute`) plays the rank's action lists
 through the memory model (`lifecycle.memory`) with these sizes: each block is run forward once
 on zeros, per recompute choice for a layer, and its cache is weighed (one layer stands for all:
 they have the same shapes). Views made for the measurement are dropped again; the sharded
@@ -14,7 +14,7 @@ import numpy as np
 from ratrain.exec import layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import RECOMPUTE
-from ratrain.lifecycle.memory import StageSizes
+from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
 
 
 def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
@@ -65,4 +65,22 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
         shards=ex.info.shards)
 
 
-__all__ = ["measure_stage_sizes"]
+def fit_rank_recompute(executor) -> tuple[dict[str, str], int]:
+    """What each of `executor`'s layers recomputes under `schedule.recompute` (`auto`: the
+    fewest layers that fit the ledger's cap, per the plan's `recovery`), and the peak bytes the
+    memory model predicts with it: the stage's sizes measured, then its plan's lists played.
+
+    Collective like `measure_stage_sizes`: `lifecycle.rank.build_rank` calls it on every rank
+    at the same point, after the executor is made and before its first step."""
+    ex = executor
+    choice = dict(ex.compute.recompute)  # schedule.recompute as it stands (auto: none)
+    sizes = measure_stage_sizes(ex, choice)
+    lists = ex.plan.stage_steps(ex.stage, 2)
+    if ex.cfg.schedule.recompute == "auto":
+        chosen, peak = choose_recompute(ex.ledger.cap, sizes, lists, ex.blocks,
+                                        ex.plan.per_layer_recovery)
+        return {b: chosen.get(b, "none") for b in choice}, peak
+    return choice, simulate_peak(lists, ex.blocks, sizes)
+
+
+__all__ = ["fit_rank_recompute", "measure_stage_sizes"]

@@ -42,8 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ratrain.config import ScheduleConfig
-from ratrain.exec.params import GRAD_BYTES_PER_PARAM
-from ratrain.exec.spec import stage_blocks
 from ratrain.lifecycle.schedule import (
     Action,
     AllocGrad,
@@ -76,20 +74,6 @@ class StageInfo:
     precision: str = "fp32"
     shards: int = 1  # dp segments of each block's master and moments (1: whole on every replica)
 
-    @classmethod
-    def from_config(cls, cfg, stage: int, blocks, policy=None) -> StageInfo:
-        """From a `Config` and the stage's `BlockSpec`s (`policy`: default cfg.schedule.policy)."""
-        pol = as_policy(policy) if policy is not None else policy_of(cfg.schedule)
-        return cls(
-            pp=cfg.parallel.pp,
-            stage=stage,
-            num_micro_batches=cfg.parallel.num_micro_batches,
-            blocks=tuple(b.name for b in blocks),
-            block_bytes=tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks),
-            precision=cfg.precision,
-            shards=pol.shards(cfg.parallel.dp),
-        )
-
     @property
     def fp16(self) -> bool:
         return self.precision == "fp16"
@@ -105,7 +89,7 @@ class StageInfo:
 
 
 SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES
-BUFFERS, RECOVERIES = ScheduleConfig.BUFFERS, ScheduleConfig.RECOVERIES
+BUFFER_MODES, RECOVERIES = ScheduleConfig.BUFFER_MODES, ScheduleConfig.RECOVERIES
 ORDERS = ("1f1b", "gpipe")
 
 
@@ -128,7 +112,9 @@ class Components:
       (so it runs under the previous blocks' forwards) instead of all at step start;
     - `recovery` (`schedule.recompute: auto`): `per-layer` (the fewest layers recomputed that fit
       the cap) or `uniform` (every layer or none, as GPU frameworks' full recomputation);
-    - `order`: the pipeline order, `1f1b` or `gpipe` (a reference).
+    - `order`: the pipeline order, `1f1b` or `gpipe` (a reference);
+    - `lifecycle`: False for a bare order (`1f1b-bare`, `gpipe-bare`): the pipeline alone, no
+      lifecycle action at all (the reference the planner measures the lifecycle against).
     """
 
     sync: str = "end"
@@ -138,9 +124,10 @@ class Components:
     prefetch: bool = False
     recovery: str = "per-layer"
     order: str = "1f1b"
+    lifecycle: bool = True
 
     def __post_init__(self):
-        for key, ok in (("sync", SYNCS), ("update", UPDATES), ("buffers", BUFFERS),
+        for key, ok in (("sync", SYNCS), ("update", UPDATES), ("buffers", BUFFER_MODES),
                         ("recovery", RECOVERIES), ("order", ORDERS)):
             if getattr(self, key) not in ok:
                 raise ValueError(f"schedule.{key}={getattr(self, key)!r} is not one of: "
@@ -154,6 +141,8 @@ PRESETS = {
     "ratrain": Components(sync="layer", update="next-step", buffers="per-block", shard=True,
                           prefetch=True),
     "gpipe": Components(order="gpipe"),
+    "1f1b-bare": Components(lifecycle=False),
+    "gpipe-bare": Components(order="gpipe", lifecycle=False),
 }
 
 
@@ -168,8 +157,8 @@ class Policy:
     components: Components | None = None
 
     def __post_init__(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"policy {self.name!r} is not one of: {', '.join(POLICIES)}")
+        if self.name not in PRESETS:
+            raise ValueError(f"policy {self.name!r} is not one of: {', '.join(PRESETS)}")
         if self.components is None:
             object.__setattr__(self, "components", PRESETS[self.name])
 
@@ -219,10 +208,6 @@ class Policy:
         return out
 
 
-def as_policy(policy) -> Policy:
-    return policy if isinstance(policy, Policy) else Policy(str(policy))
-
-
 # ScheduleConfig's component keys -> Components fields
 _KEYS = {"sync": "sync", "update": "update", "buffers": "buffers", "shard_optimizer": "shard",
          "prefetch": "prefetch", "recovery": "recovery"}
@@ -235,26 +220,6 @@ def policy_of(schedule: ScheduleConfig, name: str | None = None) -> Policy:
     preset = Policy(name).components
     switched = {f: getattr(schedule, k) for k, f in _KEYS.items() if getattr(schedule, k) is not None}
     return Policy(name, components=replace(preset, **switched))
-
-
-def stage_infos(model, pp: int, m: int, precision: str = "fp32", shards: int = 1,
-                layers_per_stage=None) -> list[StageInfo]:
-    """Every stage's `StageInfo` of a model split into `pp` stages (one replica)."""
-    out = []
-    for s in range(pp):
-        blocks = stage_blocks(model, pp, s, layers_per_stage)
-        out.append(StageInfo(pp, s, m, tuple(b.name for b in blocks),
-                             tuple(GRAD_BYTES_PER_PARAM * b.size for b in blocks), precision,
-                             shards))
-    return out
-
-
-def pipeline_steps(policy, infos, n: int) -> list[list[tuple[Action, ...]]]:
-    """`n` consecutive steps of every stage: `out[k][stage]` (no flush), as the executors of
-    one replica run them."""
-    pol = as_policy(policy)
-    per_stage = [pol.steps(info, n, flush=False) for info in infos]
-    return [[lists[k] for lists in per_stage] for k in range(n)]
 
 
 def buckets(info: StageInfo, bucket_bytes: int) -> list[tuple[str, ...]]:
@@ -278,6 +243,8 @@ def _build(c: Components, info: StageInfo, carry: bool, bucket_bytes: int):
     sharded, separate = info.sharded, info.separate_views
     deferred, per_block = c.update == "next-step", c.buffers == "per-block"
     pipeline = (gpipe if c.order == "gpipe" else one_f_one_b)(info.pp, info.stage, m)
+    if not c.lifecycle:  # a bare order
+        return tuple(pipeline)
 
     # step start (the warm-up bubble: the executor has already posted the first receive): the
     # previous step's deferred updates, this step's views (an unsharded fp32 view is the master,
@@ -323,6 +290,5 @@ def _build(c: Components, info: StageInfo, carry: bool, bucket_bytes: int):
     return tuple(start + list(body) + end)
 
 
-__all__ = ["BUFFERS", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
-           "SYNCS", "UPDATES", "Components", "Policy", "StageInfo", "as_policy", "buckets",
-           "pipeline_steps", "policy_of", "stage_infos"]
+__all__ = ["BUFFER_MODES", "MEGATRON_BUCKET_BYTES", "ORDERS", "POLICIES", "PRESETS", "RECOVERIES",
+           "SYNCS", "UPDATES", "Components", "Policy", "StageInfo", "buckets", "policy_of"]

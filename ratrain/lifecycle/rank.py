@@ -1,11 +1,12 @@
-"""One way to build a rank: config -> platform -> topology -> ledger -> state -> context ->
-engine -> executor.
+"""One way to build a rank: config -> plan -> platform -> topology -> ledger -> state ->
+context -> engine -> executor -> recompute.
 
     rank = build_rank(cfg, MPI.COMM_WORLD)            # or comm=None for one process (no MPI)
     res = rank.executor.run_step(step, batch)
     rank.close()
 
-Every part comes from the config: the platform profile (`platform.*`) gives the DDR cap of the
+Every part comes from the config. The pipeline's plan (`lifecycle.pipeline.PipelinePlan`:
+policy, stages, step lists, validated) is made first, pure. The platform profile (`platform.*`) gives the DDR cap of the
 ledger, the link throttle of the communication engine in two tiers (inside a node, and the
 node's interface, whose slots the node's ranks share) and the compute pacer (both only under
 `platform.emulate`, where one host's ranks are also cut into nodes of the profile's
@@ -16,8 +17,10 @@ accounted in the ledger (`comm.shm`); the stage's blocks come from `parallel.pp`
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
 whole stage's state is never allocated; `run.threads` (0: the cores the launcher gives this
 rank, `local_threads`; results never depend on it) sets the compute threads. `load(state)`
-runs after the state is built and before the executor (which measures activations and may
-gather views), to put checkpointed or imported weights in.
+runs after the state is built and before the executor, to put checkpointed or imported weights
+in. Last, one explicit step at the same point on every rank measures the stage's activation
+sizes (collective when sharded: views are gathered) and sets the recompute choice
+(`lifecycle.measure.fit_rank_recompute`); no constructor runs a collective.
 The trainer, the benchmarks and the tests all build their ranks here.
 """
 
@@ -28,12 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.comm.topology import NodeLinks, Topology, coords
+from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
-from ratrain.lifecycle.policies import policy_of
+from ratrain.lifecycle.measure import fit_rank_recompute
+from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
@@ -66,13 +70,17 @@ class Rank:
         return max(rate() for _ in range(3))
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        if self.slots is not None:
-            self.slots.free()
-        if self.topo is not None:
-            self.topo.free()
+        teardown(self.engine, self.slots, self.topo)
         self.ctx.close()
+
+
+def shard_state(state, plan, replica: int) -> None:
+    """Cut a whole-block `state` to this replica's segments when `plan`'s policy shards the
+    optimizer state (its views are dropped: the next step makes them)."""
+    if plan.shards > 1 and not state.sharded:
+        for b in state.blocks:
+            state.drop_view(b.name)
+        state.shard(replica, plan.shards)
 
 
 def local_threads(cfg, comm=None) -> int:
@@ -105,7 +113,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
     """The topology, the engine (with the two-tier link throttle under emulation) and the
     node's shared interface slots, for a world of more than one rank."""
     from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
-    from ratrain.comm.shm import SharedSlots  # likewise
+    from ratrain.comm.shm import SharedSlots  # loads MPI too
 
     p = cfg.parallel
     stage, _ = coords(comm.Get_rank(), p.pp, p.dp, p.placement)
@@ -125,9 +133,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
                             link=NodeLinks(tiers, topo) if tiers is not None else None,
                             ledger=ledger)
     except BaseException:
-        if slots is not None:
-            slots.free()
-        topo.free()
+        teardown(engine, slots, topo)
         raise
     return topo, engine, slots
 
@@ -142,6 +148,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     if world > 1 and (comm is None or comm.Get_size() != world):
         got = 1 if comm is None else comm.Get_size()
         raise ValueError(f"pp={p.pp} x dp={p.dp} needs a communicator of {world} ranks, got {got}")
+    plan = PipelinePlan.from_config(cfg, validate=validate)  # pure: before any buffer
     profile = resolve_platform(cfg.platform)
     rank_id = comm.Get_rank() if comm is not None else 0
     ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
@@ -151,7 +158,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         topo, engine, slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
         stage, replica = topo.stage, topo.replica
     try:
-        shards = policy_of(cfg.schedule).shards(p.dp)
+        shards = plan.shards
         state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
                            cfg.precision, ledger, xp, cfg.init.seed,
                            shard=(replica, shards) if shards > 1 else None)
@@ -160,16 +167,13 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
                           threads=local_threads(cfg, comm))
         pacer = Pacer(profile) if profile.emulate else None
-        executor = Executor(cfg, topo, state, ctx, engine, ledger, validate=validate, pacer=pacer)
+        executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer)
+        # measured and chosen here, at the same point on every rank (collective when sharded)
+        executor.set_recompute(*fit_rank_recompute(executor))
     except BaseException:
-        if engine is not None:
-            engine.close()
-        if slots is not None:
-            slots.free()
-        if topo is not None:
-            topo.free()
+        teardown(engine, slots, topo)
         raise
     return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
 
 
-__all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads"]
+__all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads", "shard_state"]

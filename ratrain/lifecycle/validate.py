@@ -25,8 +25,8 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
 
 from __future__ import annotations
 
-from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 LIFECYCLE = (sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad,
@@ -315,13 +315,19 @@ def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
 
 def validate_policy(policy: Policy, infos, steps: int = 3) -> None:
     """All checks for one replica's stages (`infos[stage]`: StageInfo) over a few steps."""
+    validate_stages([policy.steps(info, steps) for info in infos], infos, steps)
+
+
+def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True) -> None:
+    """All checks of `per_rank[stage]`: `steps` consecutive lists then the flush of each stage
+    (`infos[stage]`: StageInfo); `lifecycle=False`: the pipeline order alone (a bare order)."""
     m = infos[0].num_micro_batches
-    per_rank = [policy.steps(info, steps) for info in infos]
     for k in range(steps):
         check_pipeline([r[k] for r in per_rank], m)
     simulate([[a for lst in r for a in lst] for r in per_rank])
-    for info, r in zip(infos, per_rank):
-        check_lifecycle(r, info.blocks, m, info.stage, info.fp16, info.sharded)
+    if lifecycle:
+        for info, r in zip(infos, per_rank):
+            check_lifecycle(r, info.blocks, m, info.stage, info.fp16, info.sharded)
 
 
 __all__ = [
@@ -330,4 +336,5 @@ __all__ = [
     "check_pipeline",
     "simulate",
     "validate_policy",
+    "validate_stages",
 ]

@@ -12,6 +12,6 @@ lifecycle's memory model); one run's memory plan against the cap, checked before
 May import: `ratrain.lifecycle` (the schedules and the memory model are the runtime's own),
 `ratrain.exec` (model shapes and flops), `ratrain.comm.model` (collective costs) and
 `ratrain.comm.topology` (the grid's placement on ranks; neither loads MPI),
-`ratrain.shim` (profiles), `ratrain.config`. Never train or the other commands; nothing below it
+`ratrain.shim` (profiles), `ratrain.config`, `ratrain.job.metrics` (calibration reads a run's step times). Never train or the other commands; nothing below it
 imports it.
 """

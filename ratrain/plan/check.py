@@ -21,15 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ratrain.config import Config, ConfigError
+from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan.memory import fit_recompute, stage_peaks
-from ratrain.plan.steps import (
-    per_layer_recovery,
-    plan_policy,
-    plan_shards,
-    policy_steps,
-    recompute_for,
-    stage_block_names,
-)
+from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import resolve_platform
 
 
@@ -98,18 +92,14 @@ def run_plan(cfg: Config) -> RunPlan:
     """The predicted per-stage peaks of `cfg` as it would run (see the module doc)."""
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
     cap = resolve_platform(cfg.platform).ddr_bytes
-    blocks = stage_block_names(m, p.pp, p.layers_per_stage)
-    policy = plan_policy(cfg)
-    shards = plan_shards(cfg, policy, p.dp)
-    lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, 2, shards)
+    plan = PipelinePlan.from_config(cfg)
+    blocks = plan.blocks
     full = None
     if s.recompute == "auto":
-        full, peaks, _ = fit_recompute(lists, blocks, m, p.micro_batch, cfg.precision, cap, shards,
-                                      per_layer_recovery(policy))
+        full, peaks, _ = fit_recompute(plan, m, p.micro_batch, cap)
         full = tuple(full)
     else:
-        peaks = stage_peaks(lists, blocks, m, p.micro_batch, cfg.precision,
-                            recompute_for(blocks, s.recompute), shards)
+        peaks = stage_peaks(plan, m, p.micro_batch, recompute_for(blocks, s.recompute))
     layers = tuple(sum(1 for b in names if b.startswith("layers.")) for names in blocks)
     return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full)
 

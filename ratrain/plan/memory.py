@@ -2,10 +2,10 @@
 
 The model itself is the lifecycle's (`lifecycle.memory`: `simulate_peak` walks a rank's action
 lists, `stage_sizes` sizes a stage from shapes); this module applies it to every stage of a
-planned layout.
+`PipelinePlan`.
 
-    peak_memory(step_lists, stage, blocks[stage], sizes)
-    counts, peaks, fits = fit_recompute(step_lists, blocks, model, micro_batch, precision, cap)
+    peak_memory(plan.steps(2), stage, plan.blocks[stage], sizes)
+    counts, peaks, fits = fit_recompute(plan, model, micro_batch, cap)
 """
 
 from __future__ import annotations
@@ -19,25 +19,26 @@ def peak_memory(step_lists, stage: int, blocks, sizes: StageSizes) -> int:
     return simulate_peak([lists[stage] for lists in step_lists], blocks, sizes)
 
 
-def stage_peaks(step_lists, blocks, model: ModelConfig, micro_batch: int, precision: str,
-                recompute, shards: int = 1) -> tuple[int, ...]:
-    """Every stage's peak with `recompute[stage]` (layer -> choice)."""
+def stage_peaks(plan, model: ModelConfig, micro_batch: int, recompute,
+                steps: int = 2) -> tuple[int, ...]:
+    """Every stage's peak over `steps` steps of `plan` with `recompute[stage]` (layer ->
+    choice)."""
+    step_lists = plan.steps(steps)
     return tuple(
-        peak_memory(step_lists, s, names, stage_sizes(model, micro_batch, precision, names,
-                                                      recompute[s], shards))
-        for s, names in enumerate(blocks))
+        peak_memory(step_lists, s, names, stage_sizes(model, micro_batch, plan.precision, names,
+                                                      recompute[s], plan.shards))
+        for s, names in enumerate(plan.blocks))
 
 
-def fit_recompute(step_lists, blocks, model: ModelConfig, micro_batch: int, precision: str,
-                  cap: int | None, shards: int = 1, per_layer: bool = True):
-    """Per stage, the fewest layers fully recomputed whose peak fits `cap`
-    (`lifecycle.memory.choose_recompute`; `per_layer=False`: none or all). Returns (counts,
-    peaks, fits)."""
+def fit_recompute(plan, model: ModelConfig, micro_batch: int, cap: int | None, steps: int = 2):
+    """Per stage of `plan`, the fewest layers fully recomputed whose peak fits `cap`
+    (`lifecycle.memory.choose_recompute`; a policy of `recovery: uniform`: none or all).
+    Returns (counts, peaks, fits)."""
     counts, peaks, fits = [], [], True
-    for s, names in enumerate(blocks):
-        sizes = stage_sizes(model, micro_batch, precision, names, shards=shards)
-        choice, peak = choose_recompute(cap, sizes, [lists[s] for lists in step_lists], names,
-                                        per_layer)
+    for s, names in enumerate(plan.blocks):
+        sizes = stage_sizes(model, micro_batch, plan.precision, names, shards=plan.shards)
+        choice, peak = choose_recompute(cap, sizes, plan.stage_steps(s, steps), names,
+                                        plan.per_layer_recovery)
         counts.append(sum(1 for r in choice.values() if r == "full"))
         peaks.append(peak)
         fits = fits and (cap is None or peak <= cap)

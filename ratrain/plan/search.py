@@ -7,6 +7,11 @@ the global batch, and placement: which grid axis stays inside a node), each poli
 (all layers) and `auto` (the fewest layers fully recomputed, per stage) are both tried. The
 fitting candidates are simulated (`ratrain.plan.simulate`) and ranked by tokens/s.
 
+The search plays hundreds of layouts, so their `PipelinePlan`s are made unvalidated: the
+validator (`lifecycle.validate`) checks the order of actions, which the sizes only touch
+through Megatron's buckets; the tests validate every policy, and each run validates its own
+plan at start-up.
+
     plans = search(cfg, clusters=1024)                   # {policy: [Plan, ...] best first}
     rows = scaling(cfg, plans["ratrain"][0].layout, "ratrain", [64, 128, 256, 512, 1024])
 """
@@ -15,20 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ratrain.config import Config
+from ratrain.config import Config, global_batch
 from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.spec import block_params, block_role
+from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import fit_recompute, stage_peaks
 from ratrain.plan.simulate import SimResult, simulate
-from ratrain.plan.steps import (
-    per_layer_recovery,
-    plan_policy,
-    plan_shards,
-    policy_steps,
-    recompute_for,
-    stage_block_names,
-)
+from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import resolve_platform
 
 POLICY_NAMES = ("baseline-1f1b", "megatron-1f1b", "ratrain")
@@ -53,7 +52,7 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.num_micro_batches * self.dp
+        return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
     def describe(self, layers: int) -> str:
         if self.recompute == "auto" and self.recompute_layers is not None:
@@ -139,18 +138,18 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     cost = cost or CostModel.from_config(cfg)
     cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
                    placement=layout.placement)
-    blocks = stage_block_names(m, layout.pp)
-    pol = plan_policy(cfg, policy)  # the preset with the config's component keys
-    shards = plan_shards(cfg, pol, layout.dp)
-    low = _static_lower_bound(cfg, blocks, shards)
+    pol = resolve_policy(cfg.schedule, policy)  # the preset with the config's component keys
+    plan = PipelinePlan.from_config(cfg, pol, pp=layout.pp, dp=layout.dp,
+                                    m=layout.num_micro_batches, layers_per_stage=None,
+                                    validate=False)  # see the module: unchecked in the search
+    blocks = plan.blocks
+    low = _static_lower_bound(cfg, blocks, plan.shards)
     if cap is not None and low > cap:
         return [Plan(layout, policy, None, (low,), cap)]
-    lists = policy_steps(pol, blocks, layout.num_micro_batches, cfg.precision, m, steps, shards)
     tokens = layout.global_batch * m.seq_len
 
     def run(lay: Layout, recompute, peaks) -> Plan:
-        res = simulate(lists, blocks, cost, layout.dp, recompute, tokens, send_mode,
-                       shards=shards)
+        res = simulate(plan, cost, recompute, tokens, send_mode, steps=steps)
         for st, pk in zip(res.ranks, peaks):
             st.peak_bytes = pk
         return Plan(lay, policy, res, peaks, cap)
@@ -159,16 +158,13 @@ def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None
     least: tuple[int, ...] | None = None
     for mode in recompute:
         if mode == "auto":
-            counts, peaks, fits = fit_recompute(
-                lists, blocks, m, layout.micro_batch, cfg.precision, cap, shards,
-                per_layer_recovery(pol))
+            counts, peaks, fits = fit_recompute(plan, m, layout.micro_batch, cap, steps)
             choice = recompute_for(blocks, "auto", counts)
             peaks = tuple(peaks)
             lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
         else:
             choice = recompute_for(blocks, mode)
-            peaks = stage_peaks(lists, blocks, m, layout.micro_batch, cfg.precision, choice,
-                                shards)
+            peaks = stage_peaks(plan, m, layout.micro_batch, choice, steps)
             fits = cap is None or max(peaks) <= cap
             lay = replace(layout, recompute=mode)
         if least is None or max(peaks) < max(least):
@@ -214,25 +210,22 @@ def scaling(cfg: Config, layout: Layout, policy: str, clusters=SCALING_CLUSTERS,
     replica, dp = clusters // pp. Efficiency = (tokens/s per cluster) / that of the smallest."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
-    pol = plan_policy(cfg, policy)
+    pol = resolve_policy(cfg.schedule, policy)
     rows: list[ScalingRow] = []
     for n in clusters:
         dp = n // layout.pp
         if dp < 1:
             continue
         lay = replace(layout, dp=dp)
-        blocks = stage_block_names(cfg.model, lay.pp)
-        shards = plan_shards(cfg, pol, dp)
-        lists = policy_steps(pol, blocks, lay.num_micro_batches, cfg.precision, cfg.model,
-                             steps, shards)
-        choice = recompute_for(blocks, lay.recompute, list(lay.recompute_layers)
+        plan = PipelinePlan.from_config(cfg, pol, pp=lay.pp, dp=dp, m=lay.num_micro_batches,
+                                        layers_per_stage=None, validate=False)
+        choice = recompute_for(plan.blocks, lay.recompute, list(lay.recompute_layers)
                                if lay.recompute_layers is not None else None)
         c = replace(cost, micro_batch=lay.micro_batch, precision=cfg.precision,
                     placement=lay.placement)
-        res = simulate(lists, blocks, c, dp, choice, lay.global_batch * cfg.model.seq_len,
-                       send_mode, shards=shards)
-        peaks = stage_peaks(lists, blocks, cfg.model, lay.micro_batch, cfg.precision, choice,
-                            shards)
+        res = simulate(plan, c, choice, lay.global_batch * cfg.model.seq_len, send_mode,
+                       steps=steps)
+        peaks = stage_peaks(plan, cfg.model, lay.micro_batch, choice, steps)
         plan = Plan(lay, policy, res, peaks, cap)
         per = plan.tokens_per_s / lay.clusters
         base = rows[0].plan.tokens_per_s / rows[0].plan.layout.clusters if rows else per
@@ -258,23 +251,22 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
     `ratrain` shards its optimizer state over it (as the runtime does); else dp = 1."""
     cap = cap_bytes(cfg) if cap == -1 else cap
     m = cfg.model
-    pol = plan_policy(cfg, policy)
+    pol = resolve_policy(cfg.schedule, policy)
     rows = []
     for pp in pps:
         if pp > m.layers:
             continue
-        blocks = stage_block_names(m, pp)
-        shards = plan_shards(cfg, pol, max(1, clusters // pp) if clusters else 1)
-        lists = policy_steps(pol, blocks, max(pp, 1), cfg.precision, m, steps, shards)
+        plan = PipelinePlan.from_config(cfg, pol, pp=pp, m=max(pp, 1), layers_per_stage=None,
+                                        dp=max(1, clusters // pp) if clusters else 1,
+                                        validate=False)
         peaks = {}
         for mode in ("none", "selective", "full"):
-            peaks[mode] = max(stage_peaks(lists, blocks, m, micro_batch, cfg.precision,
-                                          recompute_for(blocks, mode), shards))
+            peaks[mode] = max(stage_peaks(plan, m, micro_batch,
+                                          recompute_for(plan.blocks, mode), steps))
         if cap is not None and peaks["full"] > cap:
             rec = None
         else:
-            counts, _, fits = fit_recompute(lists, blocks, m, micro_batch, cfg.precision, cap,
-                                            shards, per_layer_recovery(pol))
+            counts, _, fits = fit_recompute(plan, m, micro_batch, cap, steps)
             rec = sum(counts) if fits else None
         rows.append(MemoryRow(pp, peaks["none"], peaks["selective"], peaks["full"], rec))
     return rows

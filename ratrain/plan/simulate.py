@@ -39,10 +39,11 @@ import math
 from dataclasses import dataclass, field
 
 from ratrain.config import Config
+from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import events
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import stage_peaks
-from ratrain.plan.steps import plan_policy, plan_shards, policy_steps, recompute_for, stage_block_names
+from ratrain.plan.steps import recompute_for
 
 SEND_MODES = ("eager", "rendezvous")
 
@@ -106,29 +107,29 @@ class SimResult:
 
 
 def simulate(
-    step_lists,
-    blocks,
+    plan,
     cost,
-    dp: int = 1,
     recompute: list[dict[str, str]] | None = None,
     tokens_per_step: int = 0,
     send_mode: str = "eager",
     mem=None,
     timeline: bool = False,
-    shards: int = 1,
+    steps: int = 2,
+    step_lists=None,
 ) -> SimResult:
-    """Simulate consecutive steps of one replica's pipeline.
+    """Simulate `steps` consecutive steps of one replica's pipeline, `plan` (a
+    `lifecycle.pipeline.PipelinePlan`; its dp replicas run in lockstep).
 
-    `step_lists[k][s]`: the actions of stage `s` in step `k` (one step or several, run back to
-    back); `blocks[s]`: stage s's block names; `recompute[s]`: layer -> "none" | "selective" |
-    "full"; `cost`: a `CostModel` (or the same methods); `mem`: (model, micro_batch, precision)
-    for peak memory figures (`plan.memory`), or None; `shards`: the dp segments of the
-    optimizer state the lists were built for (updates, casts and view all-gathers of a
-    segment). The step time is that of the last step, measured between the moments the last
-    rank finished the step before and this one (the whole run for one step).
+    `recompute[s]`: layer -> "none" | "selective" | "full"; `cost`: a `CostModel` (or the same
+    methods); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
+    `step_lists`: lists to play instead of the plan's own (`step_lists[k][s]`, a test's
+    doctored ones). The step time is that of the last step, measured between the moments the
+    last rank finished the step before and this one (the whole run for one step).
     """
     if send_mode not in SEND_MODES:
         raise ValueError(f"send_mode={send_mode!r} is not one of {', '.join(SEND_MODES)}")
+    blocks, shards, dp = plan.blocks, plan.shards, plan.dp
+    step_lists = plan.steps(steps) if step_lists is None else step_lists
     pp = len(blocks)
     recompute = recompute or [{} for _ in range(pp)]
     ranks = []
@@ -144,7 +145,7 @@ def simulate(
     end = max(rk.end[last] for rk in ranks)
     begin = max(rk.end[last - 1] for rk in ranks) if last > 0 else 0.0
     step_s = end - begin
-    peaks = stage_peaks(step_lists, blocks, *mem, recompute, shards) if mem is not None else None
+    peaks = stage_peaks(plan, *mem, recompute, steps) if mem is not None else None
     stats = []
     for s, rk in enumerate(ranks):
         busy = rk.busy.get(last, {})
@@ -177,14 +178,11 @@ def simulate_config(
     layers)."""
     cost = cost or CostModel.from_config(cfg)
     m, p = cfg.model, cfg.parallel
-    policy = plan_policy(cfg, policy)
-    blocks = stage_block_names(m, p.pp, p.layers_per_stage)
-    shards = plan_shards(cfg, policy, p.dp)
-    lists = policy_steps(policy, blocks, p.num_micro_batches, cfg.precision, m, steps, shards)
-    recompute = recompute_for(blocks, cfg.schedule.recompute, recompute_layers)
-    mem = (m, p.micro_batch, cfg.precision) if with_memory else None
+    plan = PipelinePlan.from_config(cfg, policy)
+    recompute = recompute_for(plan.blocks, cfg.schedule.recompute, recompute_layers)
+    mem = (m, p.micro_batch) if with_memory else None
     tokens = p.global_batch * m.seq_len
-    return simulate(lists, blocks, cost, p.dp, recompute, tokens, send_mode, mem, shards=shards)
+    return simulate(plan, cost, recompute, tokens, send_mode, mem, steps=steps)
 
 
 __all__ = ["RankStats", "SEND_MODES", "SimResult", "simulate", "simulate_config"]

@@ -22,14 +22,14 @@ from ratrain.checkpoint import (
     CheckpointError,
     StateStream,
     checkpoint_root,
-    load_checkpoint,
+    load_stage,
     save_checkpoint,
 )
 from ratrain.checkpoint.space import checkpoint_bytes
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
 from ratrain.data import eval_batches, open_datasets
-from ratrain.exec.params import BUFFERS
+from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
@@ -76,14 +76,14 @@ class Trainer:
         self.start_step = 0
         self.resume_state = None
         self.resumed = bool(setup.resume)
-        self.parts = build_rank(cfg, comm if comm.Get_size() > 1 else None,
-                                watchdog_s=cfg.comm.timeout or None,
-                                load=lambda state: self._load_weights(state, setup.resume))
+        self.this_rank = build_rank(cfg, comm if comm.Get_size() > 1 else None,  # a `Rank`
+                                    watchdog_s=cfg.comm.timeout or None,
+                                    load=lambda state: self._load_weights(state, setup.resume))
         self.watchdog = getattr(self.ctl, "watchdog", None)
-        if self.parts.engine is not None and self.watchdog is not None:
-            self.parts.engine.attach(self.watchdog)
-        self.topo, self.profile = self.parts.topo, self.parts.profile
-        self.state, self.executor = self.parts.state, self.parts.executor
+        if self.this_rank.engine is not None and self.watchdog is not None:
+            self.this_rank.engine.attach(self.watchdog)
+        self.topo, self.profile = self.this_rank.topo, self.this_rank.profile
+        self.state, self.executor = self.this_rank.state, self.this_rank.executor
         if self.resume_state is not None:
             self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
@@ -107,15 +107,9 @@ class Trainer:
                                             names=state.names))
 
     def _load_checkpoint(self, state, path: str) -> None:
-        """Read this stage's parameters; a sharded state keeps only its segment, one block at a
-        time (so never more than one extra block is held)."""
-        if not state.sharded:
-            ck = load_checkpoint(path, state.names, out=state.state_dict())
-        else:
-            for b in state.blocks:
-                ck = load_checkpoint(path, [p.name for p in b.params])
-                for buf in BUFFERS:
-                    state.load_named(ck[buf], buf, blocks=[b.name])
+        """Read this stage's parameters and moments (`checkpoint.load_stage`: a sharded state
+        keeps only its segment, one block at a time)."""
+        ck = load_stage(state, path)
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
 
@@ -150,7 +144,7 @@ class Trainer:
         if self.writes_metrics:
             with writing("metrics.jsonl", cfg.run.dir):
                 self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
-            self.peak = self.parts.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            self.peak = self.this_rank.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
             if cfg.run.tensorboard:
                 with writing("tensorboard/", cfg.run.dir):
                     self.tb = TensorBoard(cfg.run.dir)
@@ -259,10 +253,10 @@ class Trainer:
         """Whether every rank stops now: any rank's signal or time limit (one tiny all-reduce
         through the engine per step); the reason, or None."""
         mine = self.stop.local_reason(step_s, self.save_s or step_s)
-        if self.parts.engine is None:
+        if self.this_rank.engine is None:
             return mine
         flag = np.array([1.0 if mine else 0.0])
-        self.parts.engine.allreduce(flag, self.topo.comm, algo="tree").result()
+        self.this_rank.engine.allreduce(flag, self.topo.comm, algo="tree").result()
         return (mine or "a stop request on another rank") if flag[0] > 0 else None
 
     def _stop_at(self, n: int, reason: str, saved: bool) -> int:
@@ -340,7 +334,7 @@ class Trainer:
             # Each replica holds a segment of every block: gather one block at a time while
             # replica 0 writes it (every replica of the stage takes part in the gathers).
             shapes = {p.name: p.shape for b in self.state.blocks for p in b.params}
-            tensors = StateStream(shapes, BUFFERS, self.executor.iter_full_state())
+            tensors = StateStream(shapes, STATE_BUFFERS, self.executor.iter_full_state())
         else:
             tensors = self.state.state_dict()
         return save_checkpoint(
@@ -363,7 +357,7 @@ class Trainer:
             f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
-            f"platform {self.profile.name}, {self.parts.ctx.threads} threads/rank, "
+            f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
@@ -375,7 +369,7 @@ class Trainer:
             self.metrics.close()
         if self.tb is not None:
             self.tb.close()
-        self.parts.close()
+        self.this_rank.close()
 
 
 __all__ = ["Trainer"]

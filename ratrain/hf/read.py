@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA checkpoints: import (`init.from_hf`); export is `ratrain.export`.
+"""Reading a Hugging Face LLaMA directory (`init.from_hf`); writing one is `hf.write`.
 
 A Hugging Face directory holds `config.json` and either `model.safetensors` or sharded
 `model-0000x-of-0000y.safetensors` files with `model.safetensors.index.json` (as
@@ -35,34 +35,16 @@ import numpy as np
 
 from ratrain.config import ConfigError, ModelConfig
 from ratrain.exec.spec import model_blocks
-
-CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-# config.json key -> ModelConfig field (rope_theta is handled separately)
-_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden",
-    "num_hidden_layers": "layers",
-    "num_attention_heads": "heads",
-    "num_key_value_heads": "kv_heads",
-    "intermediate_size": "ffn_hidden",
-    "rms_norm_eps": "norm_eps",
-    "tie_word_embeddings": "tie_embeddings",
-}
-# LlamaConfig's defaults, for keys a config.json may leave out
-_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
-             "max_position_embeddings": 2048}
-_IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some 4.x checkpoints carry
-
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
-           "F64": np.dtype("<f8")}
-
-
-class HFError(ConfigError):
-    """A Hugging Face directory that cannot be imported: names the file, tensor and problem."""
-
+from ratrain.hf.format import (
+    CONFIG,
+    DEFAULTS,
+    IGNORED_TENSOR_SUFFIXES,
+    INDEX,
+    KEYS,
+    READABLE,
+    SINGLE,
+    HFError,
+)
 
 # --------------------------------------------------------------------------------------------
 # config.json
@@ -112,7 +94,7 @@ def _rope_theta(cfg: dict, path: str) -> float:
                 "RoPE only (rope_scaling null or default)"
             )
     if theta is None:
-        theta = cfg.get("rope_theta", _DEFAULTS["rope_theta"])
+        theta = cfg.get("rope_theta", DEFAULTS["rope_theta"])
     return float(theta)
 
 
@@ -144,11 +126,11 @@ def hf_model_config(hf_dir: str) -> dict:
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
             raise HFError(f"{path}: {key}={cfg.get(key)!r} must be an integer")
     values = {}
-    for key, field in _KEYS.items():
+    for key, field in KEYS.items():
         if key == "num_key_value_heads":
             v = cfg.get(key) or cfg["num_attention_heads"]
-        elif key in _DEFAULTS:
-            v = cfg.get(key, _DEFAULTS[key])
+        elif key in DEFAULTS:
+            v = cfg.get(key, DEFAULTS[key])
         else:
             v = cfg[key]
         values[field] = v
@@ -156,7 +138,7 @@ def hf_model_config(hf_dir: str) -> dict:
     values["tie_embeddings"] = bool(values["tie_embeddings"])
     values["rope_theta"] = _rope_theta(cfg, path)
     values["max_positions"] = int(cfg.get("max_position_embeddings",
-                                          _DEFAULTS["max_position_embeddings"]))
+                                          DEFAULTS["max_position_embeddings"]))
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * values["heads"] != values["hidden"]:
         raise HFError(
@@ -190,7 +172,7 @@ def import_model_section(cfg, hf_dir: str, overrides=()):
 def hf_max_positions(hf_dir: str) -> int:
     """config.json's max_position_embeddings (the longest seq_len the model supports)."""
     cfg = read_hf_config(hf_dir)
-    return int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]))
+    return int(cfg.get("max_position_embeddings", DEFAULTS["max_position_embeddings"]))
 
 
 def resolve_model_config(model: ModelConfig, hf_dir: str) -> ModelConfig:
@@ -267,10 +249,10 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
 
 def _read_tensor(f, path: str, name: str, meta: dict, data_start: int) -> np.ndarray:
     """One tensor of an open safetensors file as a new fp32 array."""
-    dtype = _DTYPES.get(meta["dtype"])
+    dtype = READABLE.get(meta["dtype"])
     if dtype is None:
         raise HFError(
-            f"{path}: tensor {name!r} has dtype {meta['dtype']}; supported: {', '.join(_DTYPES)}"
+            f"{path}: tensor {name!r} has dtype {meta['dtype']}; supported: {', '.join(READABLE)}"
         )
     a, b = meta["data_offsets"]
     shape = tuple(meta["shape"])
@@ -340,13 +322,13 @@ def _inventory(hf_dir: str, model: ModelConfig):
                 f"{path}: tensor {hf_name!r} has shape {got}, expected {shape} for ratrain "
                 f"{g!r} (from config.json)"
             )
-        if meta.get("dtype") not in _DTYPES:
+        if meta.get("dtype") not in READABLE:
             raise HFError(
                 f"{path}: tensor {hf_name!r} has dtype {meta.get('dtype')}; supported: "
-                f"{', '.join(_DTYPES)}"
+                f"{', '.join(READABLE)}"
             )
     for hf_name, path in stored.items():
-        if hf_name in expected or hf_name.endswith(_IGNORED_TENSOR_SUFFIXES):
+        if hf_name in expected or hf_name.endswith(IGNORED_TENSOR_SUFFIXES):
             continue
         if hf_name == "lm_head.weight" and model.tie_embeddings:
             continue
@@ -394,7 +376,6 @@ def load_hf_params(
 
 
 __all__ = [
-    "HFError",
     "check_hf",
     "check_model_matches",
     "expected_tensors",

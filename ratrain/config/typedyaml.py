@@ -7,7 +7,7 @@ the field's type (int, finite float, bool, str, tuples, optionals, nested datacl
 refusing unknown keys; every problem is a `ConfigError` naming the key, the value and the fix.
 `to_plain` is the inverse (dataclasses and tuples to dicts and lists).
 
-Imports nothing of ratrain (layer 0): `ratrain.config` holds the sections and their checks.
+Imports nothing of ratrain: the package (`ratrain.config`) holds the sections and their checks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""A pipeline decided once, as data: the `PipelinePlan`.
+
+    plan = PipelinePlan.from_config(cfg)              # the config's policy and layout
+    plan = PipelinePlan.from_config(cfg, "1f1b-bare", pp=8, dp=4, m=16)  # the planner's
+    plan.stages[s]                                    # stage s's `StageInfo`
+    plan.step_list(s, carry=False), plan.flush_list(s)
+    plan.steps(2)                                     # out[k][stage], as one replica runs them
+    print(plan.grid())                                # the step x rank picture, before any rank
+
+A plan is pure: made from the config (or from block names, for tests) with no MPI and no
+buffer, so it can be printed (`lifecycle.grid`) and checked before any rank exists. It holds the
+policy (a bare order, `1f1b-bare` / `gpipe-bare`, is a `Policy` with no lifecycle), every stage's
+description from one builder (`PipelinePlan.build`), each stage's step lists and flush list, and
+it is validated once when made (`lifecycle.validate`). The executor, the planner, the benches
+and the grid all take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM
+from ratrain.exec.spec import block_params, block_role, stage_blocks
+from ratrain.lifecycle.grid import grid
+from ratrain.lifecycle.policies import PRESETS, Policy, StageInfo, policy_of
+from ratrain.lifecycle.schedule import Action
+from ratrain.lifecycle.validate import validate_stages
+
+_CONFIG = object()  # from_config(layers_per_stage=...): the config's own
+
+
+def stage_block_names(model, pp: int, layers_per_stage=None) -> list[tuple[str, ...]]:
+    """Block names of every stage in model order (embed on the first, head on the last)."""
+    return [tuple(b.name for b in stage_blocks(model, pp, s, layers_per_stage))
+            for s in range(pp)]
+
+
+def resolve_policy(schedule, policy=None) -> Policy:
+    """The policy a plan plays: a `Policy` as is; a bare order's name as its preset; a preset's
+    name with the component keys `schedule` sets (`policies.policy_of`); None: the section's
+    own policy."""
+    if isinstance(policy, Policy):
+        return policy
+    if policy is not None and policy in PRESETS and not PRESETS[policy].lifecycle:
+        return Policy(policy)
+    return policy_of(schedule, policy)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One replica's pipeline under one policy: every stage's description and lists."""
+
+    policy: Policy
+    dp: int
+    stages: tuple[StageInfo, ...]
+    first: tuple[tuple[Action, ...], ...]  # per stage: a step with nothing carried
+    carried: tuple[tuple[Action, ...], ...]  # per stage: a step after a step (== first unless the policy carries)
+    flushes: tuple[tuple[Action, ...], ...]  # per stage: what ends a run
+
+    @classmethod
+    def build(cls, policy: Policy, blocks, m: int, precision: str = "fp32", dp: int = 1,
+              block_bytes=None, validate: bool = True) -> PipelinePlan:
+        """The plan of stages with block names `blocks[s]` and fp32 gradient bytes
+        `block_bytes[s]` (None: zero bytes); `validate`: check every stage's lists first."""
+        pp, shards = len(blocks), policy.shards(dp)
+        stages = tuple(
+            StageInfo(pp, s, m, tuple(names),
+                      tuple(block_bytes[s]) if block_bytes is not None else (0,) * len(names),
+                      precision, shards)
+            for s, names in enumerate(blocks))
+        carries = policy.carries
+        plan = cls(policy, dp, stages,
+                   tuple(policy.build_step(i) for i in stages),
+                   tuple(policy.build_step(i, True) if carries(i) else policy.build_step(i)
+                         for i in stages),
+                   tuple(policy.build_flush(i) for i in stages))
+        if validate:
+            plan.validate()
+        return plan
+
+    @classmethod
+    def of_model(cls, model, policy: Policy, pp: int, dp: int, m: int, precision: str = "fp32",
+                 layers_per_stage=None, validate: bool = True) -> PipelinePlan:
+        """The plan of `model` cut into `pp` stages (`layers_per_stage`: None, even), its
+        blocks sized from their parameter counts."""
+        blocks = stage_block_names(model, pp, layers_per_stage)
+        sizes = [tuple(GRAD_BYTES_PER_PARAM * block_params(model, block_role(b)) for b in names)
+                 for names in blocks]
+        return cls.build(policy, blocks, m, precision, dp, sizes, validate)
+
+    @classmethod
+    def from_config(cls, cfg, policy=None, *, pp: int | None = None, dp: int | None = None,
+                    m: int | None = None, layers_per_stage=_CONFIG,
+                    validate: bool = True) -> PipelinePlan:
+        """The plan of `cfg` (its `parallel` layout unless `pp`/`dp`/`m` micro-batches or
+        `layers_per_stage` are given; `policy`: see `resolve_policy`)."""
+        par = cfg.parallel
+        return cls.of_model(
+            cfg.model, resolve_policy(cfg.schedule, policy), par.pp if pp is None else pp,
+            par.dp if dp is None else dp, par.num_micro_batches if m is None else m,
+            cfg.precision, par.layers_per_stage if layers_per_stage is _CONFIG else layers_per_stage,
+            validate)
+
+    # -- what the plan holds ---------------------------------------------------------------
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per replica and step."""
+        return self.stages[0].num_micro_batches
+
+    @property
+    def precision(self) -> str:
+        return self.stages[0].precision
+
+    @property
+    def shards(self) -> int:
+        """dp segments of each block's master and moments (1: whole on every replica)."""
+        return self.stages[0].shards
+
+    @property
+    def blocks(self) -> tuple[tuple[str, ...], ...]:
+        """Every stage's block names."""
+        return tuple(i.blocks for i in self.stages)
+
+    @property
+    def per_layer_recovery(self) -> bool:
+        """Whether `recompute: auto` picks layers one at a time (else none or all)."""
+        return self.policy.components.recovery == "per-layer"
+
+    def carries(self) -> bool:
+        """Whether a step leaves lifecycle work for the next (see `Policy.build_flush`)."""
+        return self.policy.carries(self.stages[0])
+
+    def step_list(self, stage: int, carry: bool = False) -> tuple[Action, ...]:
+        """Stage `stage`'s actions for one step (`carry`: after a step that was not flushed)."""
+        return (self.carried if carry else self.first)[stage]
+
+    def flush_list(self, stage: int) -> tuple[Action, ...]:
+        return self.flushes[stage]
+
+    def stage_steps(self, stage: int, n: int, flush: bool = False) -> list[tuple[Action, ...]]:
+        """Stage `stage`'s lists for `n` consecutive steps as the executor runs them (the first
+        with nothing carried), then, with `flush`, the flush that ends a run."""
+        out = [self.step_list(stage, k > 0) for k in range(n)]
+        return out + [self.flush_list(stage)] if flush else out
+
+    def steps(self, n: int) -> list[list[tuple[Action, ...]]]:
+        """`n` consecutive steps of every stage: `out[k][stage]` (no flush)."""
+        return [[self.step_list(s, k > 0) for s in range(self.pp)] for k in range(n)]
+
+    def grid(self, step: int = 1, **kw) -> str:
+        """The step x rank picture of step `step` (1: a step after a step, so carried work
+        shows; `lifecycle.grid.grid`'s keywords)."""
+        return grid(self.steps(step + 1)[step], self.blocks, **kw)
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def validate(self, steps: int = 3) -> None:
+        """Every stage's lists: the pipeline pairs and cannot deadlock; every block's lifecycle
+        is in order over `steps` steps and the flush (`lifecycle.validate`)."""
+        validate_stages([self.stage_steps(s, steps, flush=True) for s in range(self.pp)],
+                        self.stages, steps, self.policy.components.lifecycle)
+
+
+__all__ = ["PipelinePlan", "resolve_policy", "stage_block_names"]
