@@ -39,9 +39,10 @@ def need(module: str, why: str = ""):
 
 def need_fast(path):
     """A fast path's tests (`path`: `exec.fused` or `comm.board`): skipped when it was turned
-    off on purpose (RATRAIN_FUSED=0), `missing(...)` when numba is not there."""
+    off on purpose (RATRAIN_FUSED=0, or RATRAIN_BOARD=0 for the board), `missing(...)` when
+    numba is not there."""
     if path.enabled():
         return
-    if "RATRAIN_FUSED" in path.why_off():
+    if path.why_off().startswith("turned off by "):
         pytest.skip(path.why_off())
     missing(path.why_off())

@@ -83,18 +83,21 @@ def test_runs_placement_and_packing():
 
 
 def test_nodes_under_srun_are_the_allocations():
-    """`srun -N 2 --ntasks-per-node=2`: the allocation's two nodes, whatever MPI's
-    shared-memory split says (two slurmd on one host share memory and a name: seen there as
-    `3 nodes of 1+1+2`); on real nodes the split and srun agree; mpirun's ranks (their daemon's
-    Slurm variables) are grouped by the split."""
+    """`srun -N 2 --ntasks-per-node=2`: on real nodes the allocation's two nodes (srun and MPI's
+    shared-memory split agree); a node never spans two shared-memory groups, so on two slurmd
+    of one host, where MPI's locality gave groups of 1+1+2 and a window over srun's node fails
+    (MPI_ERR_RMA_SHARED, seen in tests/test_slurm.py), the groups stay; mpirun's ranks (their
+    daemon's Slurm variables) are grouped by the split alone."""
     srun = [srun_node(r, 4, {"SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": "4",
                              "SLURM_NODEID": str(r // 2)}) for r in range(4)]
     assert srun == ["0", "0", "1", "1"]
-    one_host = [("vm", 0), ("vm", 1), ("vm", 2), ("vm", 2)]  # the split as it came out there
-    assert pack_nodes(host_keys(list(zip(one_host, srun)))) == [0, 0, 1, 1]
     real = [("n1", 0), ("n1", 0), ("n2", 2), ("n2", 2)]  # two real nodes: the same either way
     assert pack_nodes(host_keys(list(zip(real, srun)))) == [0, 0, 1, 1]
     assert pack_nodes(host_keys([(h, None) for h in real])) == [0, 0, 1, 1]
+    one_host = [("vm", 0), ("vm", 1), ("vm", 2), ("vm", 2)]  # the split as it came out there
+    assert pack_nodes(host_keys(list(zip(one_host, srun)))) == [0, 1, 2, 2]
+    # one host, one shared-memory group, two srun nodes: srun's nodes split it
+    assert pack_nodes(host_keys(list(zip([("vm", 0)] * 4, srun)))) == [0, 0, 1, 1]
     # under mpirun every rank sees its daemon's SLURM_PROCID (0): not srun's placement
     assert srun_node(1, 4, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
                             "SLURM_NODEID": "0"}) is None

@@ -75,14 +75,14 @@ def srun_node(rank: int, size: int, env=os.environ) -> str | None:
 
 
 def host_keys(found: list) -> list:
-    """The host of every rank from what each found (`find_hosts`): srun's node when srun placed
-    every rank (the allocation's nodes, as `srun -N` gave them: two slurmd on one host share
-    the memory and the processor name, and MPI's shared-memory split there follows the
-    launcher's locality, which need not match), else (processor name, lowest rank sharing
-    memory with it)."""
-    if all(slurm is not None for _, slurm in found):
-        return [("srun node", slurm) for _, slurm in found]
-    return [mine for mine, _ in found]
+    """The host of every rank from what each found (`find_hosts`): (processor name, lowest rank
+    sharing memory with it), split further by srun's node when srun placed every rank. A node
+    is ranks that can share memory windows, so a node never spans MPI's shared-memory groups: on
+    real nodes srun's nodes and those groups agree; two slurmd on one host are not real nodes
+    (there MPI's locality, from each slurmd's PMIx server, put the four ranks of `-N 2
+    --ntasks-per-node=2` in groups of 1+1+2, and a window over srun's two nodes fails with
+    MPI_ERR_RMA_SHARED), so they keep MPI's groups."""
+    return [(mine, slurm) for mine, slurm in found]
 
 
 def find_hosts(comm) -> list:
