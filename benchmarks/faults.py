@@ -52,7 +52,8 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
 def cmd(run_dir, ranks=1, sets=(), tokens=""):
     base = [PY, "-m", "ratrain.train", "--config", str(ROOT / "jobs" / "tiny.yaml"),
             "--set", f"run.dir={run_dir}", "--set", f"data.tokens={tokens}",
-            "--set", "data.eval_interval=0", "--set", "run.log_interval=1"]
+            "--set", "data.eval_interval=0", "--set", "run.log_interval=1",
+            "--set", "checkpoint.resume=auto"]  # tiny.yaml's demo says never: restarts must resume
     for s in sets:
         base += ["--set", s]
     if ranks == 1:
@@ -241,15 +242,17 @@ def _diskfull(i, rnd, work, a, reference, mnt):
     filler.end()
     (mnt / "filler").unlink()
     final = launch(cmd(run, 1, sets, a.tokens))
-    final.communicate(timeout=600)
+    fo, fe = final.communicate(timeout=600)
+    resumed = "resume auto: resuming from" in fo + fe
     damaged += verify_all(ck)
     same = curve(run) == reference
     space_first = p.returncode == 0 or first_error.startswith("error: no space left on device")
-    ok = (not damaged and space_first and final.returncode == 0 and same
+    ok = (not damaged and space_first and final.returncode == 0 and same and resumed
           and all(r in (0, 2, 5) for r in restarts))
     return {"trial": i, "rc": p.returncode, "first_error": first_error[:90],
             "mid_write": "nothing was written" not in first_error, "restarts": restarts,
-            "final_rc": final.returncode, "damaged": len(damaged), "curve_equal": same, "ok": ok}
+            "final_rc": final.returncode, "final_resumed": resumed, "damaged": len(damaged),
+            "curve_equal": same, "ok": ok}
 
 
 def trial_kill9(i, rnd, work, a, references):
@@ -269,17 +272,21 @@ def trial_kill9(i, rnd, work, a, references):
     if victims:
         os.kill(victims[rnd.choice(sorted(victims))], signal.SIGKILL)
     p.communicate(timeout=120)
-    crashes = damaged = 0
+    crashes = damaged = resumed = 0
+    committed = any((d / "manifest.json").exists() for d in (run / "checkpoints").glob("ckpt-*"))
     for _ in range(5):
         damaged += len(verify_all(run / "checkpoints"))
         q = launch(cmd(run, ranks, sets, a.tokens))
         o, e = q.communicate(timeout=600)
+        resumed += "resume auto: resuming from" in o + e
         if q.returncode == 0:
             break
         crashes += 1
     same = curve(run) == references[ranks]
     return {"trial": i, "ranks": ranks, "in_save": hit_save, "crashes_on_restart": crashes,
-            "damaged": damaged, "curve_equal": same, "ok": same and not crashes and not damaged}
+            "damaged": damaged, "committed_before": committed, "resumed": resumed > 0,
+            "curve_equal": same,
+            "ok": same and not crashes and not damaged and (resumed > 0 or not committed)}
 
 
 # --------------------------------------------------------------------------------------------

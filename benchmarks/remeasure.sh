@@ -85,7 +85,7 @@ for part in $PARTS; do
     if [ "$SMOKE" = 1 ]; then sel=(--collect-only); else sel=(); fi
     "$PY" -m pytest -q -rs --timing -m timing -p no:cacheprovider "${sel[@]}" tests/ ||
       failed+=(timing)
-    "${MPI[@]}" -n 4 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
+    "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
   *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm timing)" >&2; exit 2 ;;
   esac
