@@ -241,17 +241,19 @@ def _diskfull(i, rnd, work, a, reference, mnt):
             break
     filler.end()
     (mnt / "filler").unlink()
+    committed = any((d / "manifest.json").exists() for d in ck.glob("ckpt-*"))
     final = launch(cmd(run, 1, sets, a.tokens))
     fo, fe = final.communicate(timeout=600)
     resumed = "resume auto: resuming from" in fo + fe
     damaged += verify_all(ck)
     same = curve(run) == reference
     space_first = p.returncode == 0 or first_error.startswith("error: no space left on device")
-    ok = (not damaged and space_first and final.returncode == 0 and same and resumed
+    ok = (not damaged and space_first and final.returncode == 0 and same
+          and (resumed or not committed)
           and all(r in (0, 2, 5) for r in restarts))
     return {"trial": i, "rc": p.returncode, "first_error": first_error[:90],
             "mid_write": "nothing was written" not in first_error, "restarts": restarts,
-            "final_rc": final.returncode, "final_resumed": resumed, "damaged": len(damaged),
+            "final_rc": final.returncode, "committed_before_final": committed, "final_resumed": resumed, "damaged": len(damaged),
             "curve_equal": same, "ok": ok}
 
 
