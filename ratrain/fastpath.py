@@ -46,16 +46,37 @@ def load_numba():
 
 
 class FastPath:
-    """The switch of one compiled fast path: `on` when numba imports and `RATRAIN_FUSED` (and
-    the path's own variable `own`, if any) is unset or not 0/off; `why_off` says why not;
-    `disabled()` runs a block on the plain path (tests compare the two)."""
+    """The switch of one compiled fast path: `on` when numba imports, `RATRAIN_FUSED` is unset
+    or not 0/off, and the path's own variable `own` (if any) allows it: unset means
+    `default_on`, 0/off turns it off, any other value on. `why_off` says why not; `available`
+    whether numba imports; `disabled()` / `forced()` run a block on the plain / compiled path
+    (tests compare the two)."""
 
-    def __init__(self, own: str | None = None):
+    def __init__(self, own: str | None = None, default_on: bool = True):
         numba, self.why_off = load_numba()
-        off = [v for v in ("RATRAIN_FUSED", own) if v and os.environ.get(v, "1") in ("0", "off")]
-        if numba is not None and off:
-            self.why_off = f"turned off by {off[0]}=0"
-        self.on = numba is not None and not off
+        self.available = numba is not None
+        own_on = own is None or os.environ.get(own, "1" if default_on else "0") not in ("0", "off")
+        if os.environ.get("RATRAIN_FUSED", "1") in ("0", "off"):
+            why = "turned off by RATRAIN_FUSED=0"
+        elif not own_on:
+            why = (f"turned off by {own}=0" if own in os.environ else
+                   f"off by default ({own}=1 turns it on)")
+        else:
+            why = ""
+        if self.available and why:
+            self.why_off = why
+        self.on = self.available and not why
+
+    @contextlib.contextmanager
+    def forced(self):
+        """The compiled path on for a block (tests); numba must import."""
+        if not self.available:
+            raise RuntimeError(f"cannot force a fast path on: {self.why_off}")
+        before, self.on = self.on, True
+        try:
+            yield
+        finally:
+            self.on = before
 
     @contextlib.contextmanager
     def disabled(self):

@@ -15,12 +15,16 @@ from mpi4py import MPI
 from ratrain.comm import board
 from ratrain.comm import collectives as C
 from ratrain.comm.engine import CommEngine
-from tests._prereq import need_fast
+from tests._prereq import missing
 
 
 @pytest.fixture(autouse=True)
-def _numba():
-    need_fast(board)  # a failure under CI when numba is missing
+def _board_on():
+    """The board is off by default (RATRAIN_BOARD=1 turns it on): these tests turn it on."""
+    if not board.available():
+        missing(board.why_off())  # a failure under CI when numba is missing
+    with board.forced():
+        yield
 
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64]

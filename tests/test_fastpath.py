@@ -65,6 +65,16 @@ def test_ratrain_fused_0_turns_an_importable_numba_off(tmp_path):
     assert p.stdout.strip() == "False False | turned off by RATRAIN_FUSED=0", p.stderr
 
 
+def test_the_board_is_off_by_default_and_ratrain_board_1_turns_it_on(tmp_path):
+    need("numba")  # the real one
+    env = {k: v for k, v in _env(tmp_path, None).items() if k != "RATRAIN_BOARD"}
+    code = "from ratrain.comm import board; print(board.enabled(), '|', board.why_off())"
+    assert _py(env, code).stdout.strip() == "False | off by default (RATRAIN_BOARD=1 turns it on)"
+    assert _py(dict(env, RATRAIN_BOARD="1"), code).stdout.strip() == "True |"
+    assert _py(dict(env, RATRAIN_BOARD="0"), code).stdout.strip() == \
+        "False | turned off by RATRAIN_BOARD=0"
+
+
 @pytest.mark.parametrize("numba", ["absent", "broken"])
 def test_a_fast_path_test_fails_under_ci_and_skips_elsewhere(tmp_path, numba):
     """The target: numba unimportable fails CI naming numba; outside CI, a skip with the reason

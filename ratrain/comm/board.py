@@ -55,7 +55,9 @@ OPCODES = {np.add: 0, np.maximum: 1, np.minimum: 2}  # the kernel's op by ufunc 
 _CODES = {"sum": 0, "max": 1, "min": 2}  # ... and by name
 
 
-_state = FastPath("RATRAIN_BOARD")  # RATRAIN_BOARD=0: the board alone off, to measure its worth
+# Off by default: whole training steps ran 2-8% slower with it than with the tree's messages
+# (benchmarks/board_step.py, docs/BENCHMARKS.md); RATRAIN_BOARD=1 turns it on.
+_state = FastPath("RATRAIN_BOARD", default_on=False)
 
 
 def enabled() -> bool:
@@ -66,6 +68,16 @@ def enabled() -> bool:
 def why_off() -> str:
     """Why boards are off ("" when on)."""
     return _state.why_off
+
+
+def available() -> bool:
+    """Whether numba imports, so that a board could be used (`forced`)."""
+    return _state.available
+
+
+def forced():
+    """All-reduces in the block take the board where it fits (tests; numba must import)."""
+    return _state.forced()
 
 
 def disabled():
