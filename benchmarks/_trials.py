@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import subprocess
 import sys
@@ -72,22 +70,11 @@ def curve(run_dir: Path) -> list:
 
 
 def write_record(name: str, command: str, figures: dict) -> Path:
-    """docs/records/NAME.json in the shared record format."""
-    def git(*a):
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    """docs/records/NAME.json through the shared writer (benchmarks/record.py)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from record import write_record as shared  # beside this script
 
-    commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain",
-                                                                    "--untracked-files=no") else "")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "unknown")
-    rec = {"name": name, "command": command, "commit": commit, "cpu_model": cpu,
-           "cores": os.cpu_count(), "load_before": LOAD_BEFORE, "load_after": os.getloadavg()[0],
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "figures": figures}
-    path = ROOT / "docs" / "records" / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=2) + "\n")
-    return path
+    return shared(name, command, figures, load_before=LOAD_BEFORE)
 
 
 LOAD_BEFORE = os.getloadavg()[0]

@@ -15,7 +15,6 @@ host: figures taken beside other work are noise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -43,22 +42,11 @@ def run(layout: str, board: bool, steps: int, run_dir: str, mpirun: str) -> list
 
 
 def record(name: str, command: str, figures: dict, load_before: float) -> Path:
-    """One JSON record under docs/records/ (the shared format)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TREE, text=True,
-                            capture_output=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=TREE, text=True,
-                           capture_output=True).stdout.strip()
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                  if ln.startswith("model name")), "unknown")
-    rec = {"name": name, "command": command, "commit": commit + ("+dirty" if dirty else ""),
-           "cpu_model": model, "cores": os.cpu_count(), "load_before": load_before,
-           "load_after": os.getloadavg()[0],
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "figures": figures}
-    path = TREE / "docs" / "records" / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=2) + "\n")
-    return path
+    """One record under docs/records/ (the shared writer, benchmarks/record.py)."""
+    sys.path.insert(0, str(TREE / "benchmarks"))
+    from record import write_record  # beside this script
+
+    return write_record(name, command, figures, load_before=load_before)
 
 
 def main(argv=None) -> int:

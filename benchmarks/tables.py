@@ -46,6 +46,12 @@ TABLES = {
           ("ratrain.host_busy", "host busy", ".2f")]),
         ("checkpoint-save", "checkpoint save against plain h5py (fsync'd)",
          [("save_over_h5py", "save time / h5py's", ".2f")]),
+        ("ab_step_house", "whole fp32 step after the PipelinePlan against f97a2e0 (1 rank), "
+         "interleaved", [("new_over_old", "new / old", ".3f")]),
+        ("board_step", "whole steps with the small all-reduce board / without, 4 ranks "
+         "(oversubscribed)", [("pp2x2_ratio", "pp2 x dp2", ".3f"), ("pp1x4_ratio", "dp4", ".3f")]),
+        ("board_step_2r", "whole steps with the board / without, 2 ranks (a rank a core)",
+         [("pp1x2_ratio", "dp2", ".3f"), ("pp2x1_ratio", "pp2", ".3f")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",
@@ -56,6 +62,14 @@ TABLES = {
          [("passed", "passed", "d"), ("trials", "trials", "d")]),
         ("faults-kill9", "kill -9 and restart until finished",
          [("passed", "passed", "d"), ("trials", "trials", "d")]),
+        ("signal_trials", "USR1/TERM 0.2-5 s after launch; 4 ranks: signal to mpirun; resumed "
+         "runs bitwise", [("usr1_1r_ok", "USR1 1 rank ok", "d"), ("usr1_1r_trials", "of", "d"),
+                          ("term_1r_ok", "TERM 1 rank ok", "d"), ("term_1r_trials", "of", "d"),
+                          ("usr1_4r_ok", "USR1 4 ranks ok", "d"), ("usr1_4r_trials", "of", "d"),
+                          ("term_4r_ok", "TERM to mpirun ok", "d"), ("term_4r_trials", "of", "d")]),
+        ("disk_trials", "run.dir's disk filled 0.2-5 s after launch (root; tmpfs)",
+         [("ok_1r", "1 rank ok", "d"), ("trials_1r", "of", "d"), ("ok_4r", "4 ranks ok", "d"),
+          ("trials_4r", "of", "d"), ("tracebacks_1r", "tracebacks", "d")]),
         ("slurm-quick", "USR1 under srun and mpirun, requeue, a finished run (local Slurm, root)",
          [("passed", "passed", "d"), ("trials", "trials", "d")]),
     ],
