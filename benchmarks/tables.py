@@ -98,8 +98,8 @@ def table(page: str, records: dict) -> str:
         if f.get("exit_status", 0):
             value += f"; the command exited {f['exit_status']}"
         rows.append(f"| {what} | {value} | `{rec['command']}` | {rec['commit']} | "
-                    f"{rec['cpu_model']} ({rec['cores']}) | {rec['load_before']} / "
-                    f"{rec['load_after']} | {rec['date']} |")
+                    f"{rec['cpu_model']} ({rec['cores']}) | {_fmt(rec['load_before'], '.2f')} / "
+                    f"{_fmt(rec['load_after'], '.2f')} | {rec['date']} |")
     out = [BEGIN, ""]
     if len(rows) > 2:
         out += rows
