@@ -9,8 +9,10 @@ lists every skip and its reason at the end).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import subprocess
 
 import pytest
 
@@ -46,3 +48,18 @@ def need_fast(path):
     if path.why_off().startswith("turned off by "):
         pytest.skip(path.why_off())
     missing(path.why_off())
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A tmpfs of `size` mounted at `path` (made) for the block: needs root; `missing(...)`
+    (a failure under CI) when it cannot be had."""
+    if os.geteuid() != 0:
+        missing("mounting a small tmpfs needs root")
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode:
+        missing("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)])

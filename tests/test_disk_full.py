@@ -16,6 +16,7 @@ import pytest
 
 from ratrain.data import write_tokens
 from ratrain.fileio import append_whole
+from tests._prereq import tmpfs
 
 JOB = ("model: {vocab_size: 64, hidden: 32, layers: 2, heads: 4, kv_heads: 2, ffn_hidden: 64, "
        "seq_len: 16}\nparallel: {micro_batch: 2, num_micro_batches: 2}\n"
@@ -25,14 +26,8 @@ PAGE = 4096
 
 @pytest.fixture()
 def disk(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    with tmpfs(tmp_path / "disk", "4m") as mnt:
+        yield mnt
 
 
 def fill(mnt, pages_left: int):

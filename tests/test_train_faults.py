@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ratrain.data import write_tokens
+from tests._prereq import tmpfs
 from tests.test_train import TINY, metrics, train
 
 CMD = [sys.executable, "-m", "ratrain.train"]
@@ -131,14 +132,8 @@ def test_resume_auto_with_nothing_usable_refuses_and_keeps_the_history(job, tmp_
 
 @pytest.fixture()
 def small_disk(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    with tmpfs(tmp_path / "disk", "400k") as mnt:
+        yield mnt
 
 
 def test_a_full_checkpoint_disk_stops_cleanly_without_a_restart_loop(job, tmp_path, small_disk):
