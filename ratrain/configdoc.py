@@ -70,6 +70,8 @@ def type_name(tp) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"list of {type_name(args[0])}"
         return f"list of {len(args)} {type_name(args[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "mapping (keys below)"
     return {int: "int", float: "float", str: "string", bool: "bool"}.get(tp, str(tp))
 
 
@@ -117,6 +119,13 @@ def generate() -> str:
         intro = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
         parts.append(f"## {f.name}\n\n{intro}\n\n" + table + "\n".join(_rows(cls, f.name + "."))
                      + "\n")
+        for g in dataclasses.fields(cls):  # a list of mappings: its entries' keys
+            inner = typing.get_args(typing.get_type_hints(cls)[g.name])
+            if inner and dataclasses.is_dataclass(inner[0]):
+                sub = inspect.cleandoc(inner[0].__doc__ or "").split("\n\n")[0].replace("\n", " ")
+                key = f"{f.name}.{g.name}[]."
+                parts.append(f"### {f.name}.{g.name}[]\n\n{sub}\n\n" + table
+                             + "\n".join(_rows(inner[0], key)) + "\n")
     return "\n".join(parts)
 
 

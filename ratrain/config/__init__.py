@@ -58,7 +58,7 @@ class Config:
                 f"parallel.pp={p.pp} is more pipeline stages than model.layers={m.layers}: "
                 "every stage needs at least one layer; lower parallel.pp"
             )
-        if p.layers_per_stage is not None and sum(p.layers_per_stage) != m.layers:
+        if isinstance(p.layers_per_stage, tuple) and sum(p.layers_per_stage) != m.layers:
             raise ConfigError(
                 f"parallel.layers_per_stage={list(p.layers_per_stage)} sums to "
                 f"{sum(p.layers_per_stage)} but model.layers={m.layers}"

@@ -111,7 +111,13 @@ class ParallelConfig:
     micro_batch: sequences per micro-batch
     num_micro_batches: micro-batches per step on each replica (gradient accumulation; the
         pipeline's m)
-    layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible
+    layers_per_stage: layers of each stage, e.g. [3, 5]; null = as even as possible; auto = the
+        planner's split for the ranks' classes (`platform.classes`): layers in proportion to
+        each stage's speed, within its DDR cap, the embedding and head weighed as they cost
+    replica_shares: micro-batches of each replica, e.g. [6, 6, 3, 3] (they add up to
+        num_micro_batches x dp, so the global batch stays the same); null = num_micro_batches
+        each; auto = the planner's shares for the replicas' speeds. The loss and the gradient
+        stay the mean over every token of the global batch
     placement: pp | dp: which grid axis is laid on neighbouring ranks, hence stays inside a node
         (pp: a replica's stages, so pipeline messages stay in a node; dp: a stage's replicas, so
         the gradient all-reduce does); results are bitwise the same either way
@@ -120,10 +126,12 @@ class ParallelConfig:
     dp: int = 1
     micro_batch: int = 1
     num_micro_batches: int = 1
-    layers_per_stage: tuple[int, ...] | None = None
+    layers_per_stage: tuple[int, ...] | str | None = None
     placement: str = "pp"  # see comm.topology and docs/BENCHMARKS.md (Nodes) for the default
+    replica_shares: tuple[int, ...] | str | None = None
 
     PLACEMENTS = ("pp", "dp")
+    AUTO = "auto"
 
     @property
     def world_size(self) -> int:
@@ -133,11 +141,61 @@ class ParallelConfig:
     def global_batch(self) -> int:
         return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
+    @property
+    def auto(self) -> tuple[str, ...]:
+        """The keys left to the planner (`auto`): resolved by `ratrain.plan.hetero.resolve`."""
+        return tuple(k for k in ("layers_per_stage", "replica_shares")
+                     if getattr(self, k) == self.AUTO)
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Micro-batches of each replica (`replica_shares`, or `num_micro_batches` each)."""
+        if self.replica_shares == self.AUTO:
+            raise ConfigError("parallel.replica_shares=auto is not resolved yet: the planner "
+                              "resolves it at start-up (ratrain.plan.hetero.resolve)")
+        return self.replica_shares or (self.num_micro_batches,) * self.dp
+
+    def micro_batches_of(self, replica: int) -> int:
+        return self.shares[replica]
+
+    def share_offset(self, replica: int) -> int:
+        """Micro-batches of the step before replica `replica`'s (replica r takes the global
+        micro-batches [offset, offset + share))."""
+        return sum(self.shares[:replica])
+
+    def stage_layers(self):
+        """`layers_per_stage` as given (None: even), refusing an unresolved `auto`."""
+        if self.layers_per_stage == self.AUTO:
+            raise ConfigError("parallel.layers_per_stage=auto is not resolved yet: the planner "
+                              "resolves it at start-up (ratrain.plan.hetero.resolve)")
+        return self.layers_per_stage
+
     def check(self) -> None:
         for key in ("pp", "dp", "micro_batch", "num_micro_batches"):
             _positive(self, "parallel", key)
         _choice(self, "parallel", "placement", self.PLACEMENTS)
-        if self.layers_per_stage is not None:
+        for key in ("layers_per_stage", "replica_shares"):
+            v = getattr(self, key)
+            if isinstance(v, str) and v != self.AUTO:
+                raise ConfigError(f"parallel.{key}={v!r} is not a list of counts or auto: give "
+                                  f"one count per {'stage' if key[0] == 'l' else 'replica'}, "
+                                  "null, or auto")
+        shares = self.replica_shares
+        if isinstance(shares, tuple):
+            if len(shares) != self.dp:
+                raise ConfigError(
+                    f"parallel.replica_shares={list(shares)} has {len(shares)} entries but "
+                    f"parallel.dp={self.dp}: give one micro-batch count per replica")
+            if any(n < 1 for n in shares):
+                raise ConfigError(f"parallel.replica_shares={list(shares)}: every replica "
+                                  "needs at least one micro-batch")
+            if sum(shares) != self.num_micro_batches * self.dp:
+                raise ConfigError(
+                    f"parallel.replica_shares={list(shares)} adds up to {sum(shares)} "
+                    f"micro-batches but the global batch is parallel.num_micro_batches x "
+                    f"parallel.dp = {self.num_micro_batches * self.dp}: make them add up to "
+                    f"{self.num_micro_batches * self.dp}")
+        if isinstance(self.layers_per_stage, tuple):
             if len(self.layers_per_stage) != self.pp:
                 raise ConfigError(
                     f"parallel.layers_per_stage={list(self.layers_per_stage)} has "
@@ -304,6 +362,56 @@ class InitConfig:
             raise ConfigError(f"init.seed={self.seed} must be >= 0")
 
 
+CLASS_VALUES = ("compute_flops", "ddr_bytes", "ddr_bandwidth", "link_bandwidth", "link_latency",
+                "intra_bandwidth", "intra_latency")
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """One class of ranks of a heterogeneous cluster: which ranks belong to it and the platform
+    values in which they differ from the profile (null keeps the profile's).
+
+    name: the class's name (unique), e.g. fast
+    ranks: world ranks of this class, e.g. [0, 1, 2, 3]
+    hosts: node-name patterns of this class (shell patterns on the Slurm node name, else the
+        host name), e.g. ["gpu*", "*-n2"]; ranks takes precedence
+    compute_flops: compute rate per rank in flop/s
+    ddr_bytes: DDR cap per rank in bytes
+    ddr_bandwidth: DDR bandwidth in bytes/s per rank
+    link_bandwidth: bandwidth in bytes/s of the node's network interface
+    link_latency: latency in s of a message between nodes
+    intra_bandwidth: bandwidth in bytes/s between two ranks of one node
+    intra_latency: latency in s of a message inside a node
+    calibrate: measure compute_flops at start-up instead (each rank's sgemm rate, the class
+        taking the slowest of its ranks, agreed on every rank)
+    """
+    name: str = ""
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    compute_flops: float | None = None
+    ddr_bytes: int | None = None
+    ddr_bandwidth: float | None = None
+    link_bandwidth: float | None = None
+    link_latency: float | None = None
+    intra_bandwidth: float | None = None
+    intra_latency: float | None = None
+    calibrate: bool = False
+
+    def check(self, i: int) -> None:
+        where = f"platform.classes[{i}]"
+        if not self.name:
+            raise ConfigError(f"{where}.name is empty: give every class a name")
+        if not self.ranks and not self.hosts:
+            raise ConfigError(f"{where} ({self.name}) has neither ranks nor hosts: say which "
+                              "ranks belong to it")
+        if any(r < 0 for r in self.ranks):
+            raise ConfigError(f"{where}.ranks={list(self.ranks)}: ranks are >= 0")
+        for key in CLASS_VALUES:
+            v = getattr(self, key)
+            if v is not None and v < 0:
+                raise ConfigError(f"{where}.{key}={v} must be >= 0")
+
+
 @dataclass(frozen=True)
 class PlatformConfig:
     """The platform each rank plays (ratrain/shim/profiles); null values keep the profile's.
@@ -321,6 +429,9 @@ class PlatformConfig:
     ranks_per_node: ranks (clusters) a node holds, sharing its interface
     ddr_bandwidth: DDR bandwidth in bytes/s per rank, which paces and prices the memory-bound
         AdamW update and view casts (the profile's `ddr_bandwidth` fact)
+    classes: rank classes of a heterogeneous cluster (see platform.classes[] below): each
+        names its ranks or hosts and the values in which they differ; every rank must belong
+        to exactly one class; empty = every rank is the profile
     """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
@@ -334,8 +445,21 @@ class PlatformConfig:
     intra_latency: float | None = None  # s
     ranks_per_node: int | None = None  # ranks sharing a node and its network interface
     ddr_bandwidth: float | None = None  # bytes/s; overrides the profile's fact
+    classes: tuple[RankClass, ...] = ()
 
     def check(self) -> None:
+        names = [c.name for c in self.classes]
+        for i, c in enumerate(self.classes):
+            c.check(i)
+            if names.index(c.name) != i:
+                raise ConfigError(f"platform.classes: the name {c.name!r} is given twice: "
+                                  "class names are unique")
+        for i, c in enumerate(self.classes):
+            for r in c.ranks:
+                j = next((j for j, d in enumerate(self.classes) if r in d.ranks), i)
+                if j != i:
+                    raise ConfigError(f"platform.classes: rank {r} is in both {self.classes[j].name} "
+                                      f"and {c.name}: give each rank one class")
         for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
                     "intra_bandwidth", "intra_latency", "ddr_bandwidth"):
             v = getattr(self, key)

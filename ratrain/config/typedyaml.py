@@ -76,7 +76,12 @@ def _coerce(tp, value, key: str, source: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key, source)
+        for tp_ in inner[:-1]:  # the first type that takes the value (`[3, 5]` or `auto`)
+            try:
+                return _coerce(tp_, value, key, source)
+            except ConfigError:
+                continue
+        return _coerce(inner[-1], value, key, source)
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()] if value.strip() else []

@@ -17,7 +17,9 @@ overrides single values:
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import socket
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -129,6 +131,76 @@ def resolve_platform(platform_cfg) -> Profile:
     return prof
 
 
+# -- rank classes (`platform.classes`): a heterogeneous cluster ---------------------------------
+
+CLASS_KEYS = ("compute_flops", "ddr_bytes", "link_bandwidth", "link_latency", "intra_bandwidth",
+              "intra_latency")  # profile values a class may set; `ddr_bandwidth` is a fact
+
+
+def node_name() -> str:
+    """This process's node as the class patterns see it: Slurm's node name, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def class_of(platform_cfg, rank: int, host: str | None = None):
+    """The class (`platform.classes` entry) of world rank `rank` on node `host`: the class that
+    lists the rank, else the one whose `hosts` pattern matches the node; None when the config
+    has no classes. A rank in no class, or a node two classes match, is a ProfileError."""
+    classes = tuple(getattr(platform_cfg, "classes", ()) or ())
+    if not classes:
+        return None
+    for c in classes:
+        if rank in c.ranks:
+            return c
+    host = node_name() if host is None else host
+    hits = [c for c in classes if any(fnmatch.fnmatchcase(host, pat) for pat in c.hosts)]
+    if len(hits) > 1:
+        raise ProfileError(f"platform.classes: node {host!r} of rank {rank} matches the hosts "
+                           f"of {hits[0].name} and {hits[1].name}: make the patterns disjoint")
+    if not hits:
+        raise ProfileError(
+            f"platform.classes: rank {rank} (node {host!r}) is in no class: add it to a "
+            f"class's ranks or a hosts pattern ({', '.join(c.name for c in classes)})")
+    return hits[0]
+
+
+def class_map(platform_cfg, hosts) -> tuple[str, ...] | None:
+    """The class name of every world rank, `hosts[r]` being rank r's node (None: no classes)."""
+    if not getattr(platform_cfg, "classes", ()):
+        return None
+    world = len(hosts)
+    for c in platform_cfg.classes:
+        over = [r for r in c.ranks if r >= world]
+        if over:
+            raise ProfileError(f"platform.classes: class {c.name} lists rank {over[0]} but the "
+                               f"world has {world} ranks (0-{world - 1}): remove it")
+    return tuple(class_of(platform_cfg, r, h).name for r, h in enumerate(hosts))
+
+
+def class_profile(platform_cfg, name: str | None) -> Profile:
+    """The profile of a rank of class `name` (None: the config's profile)."""
+    prof = resolve_platform(platform_cfg)
+    if name is None:
+        return prof
+    c = next((c for c in platform_cfg.classes if c.name == name), None)
+    if c is None:
+        raise ProfileError(f"platform.classes has no class {name!r}; classes are "
+                           f"{', '.join(x.name for x in platform_cfg.classes)}")
+    where = f"config: platform.classes.{name}"
+    prof = prof.with_values(**{k: (getattr(c, k), f"{where}.{k}") for k in CLASS_KEYS
+                               if getattr(c, k) is not None})
+    if c.ddr_bandwidth is not None:
+        prof = replace(prof, facts={**prof.facts,
+                                    "ddr_bandwidth": Sourced(c.ddr_bandwidth, f"{where}.ddr_bandwidth")})
+    return replace(prof, name=f"{prof.name}/{name}")
+
+
+def rank_profile(platform_cfg, rank: int, host: str | None = None) -> Profile:
+    """The profile world rank `rank` plays: its class's, or the config's without classes."""
+    c = class_of(platform_cfg, rank, host)
+    return class_profile(platform_cfg, c.name if c is not None else None)
+
+
 def _number(v, where: str):
     """YAML 1.1 reads `4.5e12` as a string: accept it as the number it means."""
     if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -169,11 +241,17 @@ def _parse(data: Any, where: str) -> Profile:
 
 
 __all__ = [
+    "CLASS_KEYS",
     "OPTIONAL_KEYS",
     "Profile",
     "ProfileError",
     "Sourced",
     "available_profiles",
+    "class_map",
+    "class_of",
+    "class_profile",
     "load_profile",
+    "node_name",
+    "rank_profile",
     "resolve_platform",
 ]
