@@ -255,7 +255,8 @@ def eval_layout(cfg: Config, world: int) -> Config:
             "or set parallel.pp / parallel.dp / parallel.micro_batch"
         )
     return replace(cfg, parallel=replace(p, pp=1, dp=world, layers_per_stage=None,
-                                         num_micro_batches=g // (p.micro_batch * world)))
+                                         num_micro_batches=g // (p.micro_batch * world),
+                                         replica_shares=None))
 
 
 @dataclass(frozen=True)

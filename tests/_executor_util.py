@@ -30,7 +30,8 @@ def tiny_config(pp=1, dp=1, m=4, precision="fp32", policy="ratrain", recompute="
 
 
 def global_batch(cfg, step):
-    """(dp*M, B, T) inputs and targets of a step: replica r takes micro-batches [r*M, (r+1)*M)."""
+    """(dp*M, B, T) inputs and targets of a step: replica r takes its share of micro-batches
+    from its offset (`ParallelConfig.share_offset`; [r*M, (r+1)*M) with equal shares)."""
     p, mc = cfg.parallel, cfg.model
     rng = np.random.default_rng(1000 + step)
     ids = rng.integers(0, mc.vocab_size, (p.dp * p.num_micro_batches, p.micro_batch, mc.seq_len + 1))
@@ -46,10 +47,10 @@ def train(cfg, comm=None, steps=None, cap=None, trace=None):
     replica = rank.topo.replica if rank.topo is not None else 0
     results = []
     try:
-        m = cfg.parallel.num_micro_batches
+        lo = cfg.parallel.share_offset(replica)  # this replica's micro-batches (its share)
+        sl = slice(lo, lo + cfg.parallel.micro_batches_of(replica))
         for s in range(steps or cfg.run.steps):
             inputs, targets = global_batch(cfg, s)
-            sl = slice(replica * m, (replica + 1) * m)
             results.append(ex.run_step(s, (inputs[sl], targets[sl])))
         ex.flush()
         ex.final_params = ex.full_params()

@@ -19,7 +19,7 @@ def expected_params(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def stage_bounds(cfg: Config) -> list[list[int]]:
     """[start, stop) of the decoder layers of each pipeline stage of `cfg`."""
-    ranges = stage_layers(cfg.model, cfg.parallel.pp, cfg.parallel.layers_per_stage)
+    ranges = stage_layers(cfg.model, cfg.parallel.pp, cfg.parallel.stage_layers())
     return [[r.start, r.stop] for r in ranges]
 
 

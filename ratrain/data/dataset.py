@@ -10,9 +10,11 @@ Windows
 
 Batches (``TokenDataset``)
     Step ``s`` takes stream positions ``[s*G, (s+1)*G)`` with ``G = micro_batch * num_micro_batches
-    * dp``; replica ``r`` takes the contiguous share ``[s*G + r*M*B, s*G + (r+1)*M*B)`` (``M``
-    micro-batches of ``B`` windows) and micro-batch ``i`` of that replica the ``B`` positions from
-    ``s*G + r*M*B + i*B``. The global batch of a step is therefore the same for every ``dp``.
+    * dp``; replica ``r`` takes the contiguous share ``[s*G + o_r*B, s*G + (o_r+M_r)*B)`` (its
+    ``M_r`` micro-batches of ``B`` windows, ``o_r`` the micro-batches of the replicas before it:
+    ``M_r = num_micro_batches`` and ``o_r = r*M`` unless ``parallel.replica_shares`` gives unequal
+    shares) and micro-batch ``i`` of that replica the ``B`` positions from ``s*G + (o_r+i)*B``.
+    The global batch of a step is therefore the same for every ``dp`` and every split of shares.
     Every batch is a pure function of (file, seq_len, order, seed, layout, step): random access,
     so resuming at step ``s`` replays nothing, and the data state a checkpoint needs is just the
     step (plus order and seed, which are in the config; see ``TokenDataset.state_dict``).
@@ -37,15 +39,24 @@ from ratrain.data.tokens import DataError, dtype_name, open_tokens, scan_max_id
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How a step's windows are shared: ``dp`` replicas x ``num_micro_batches`` x ``micro_batch``."""
+    """How a step's windows are shared: ``dp`` replicas x ``num_micro_batches`` x ``micro_batch``,
+    or replica r taking ``shares[r]`` micro-batches (adding up to ``num_micro_batches x dp``)."""
 
     dp: int = 1
     micro_batch: int = 1
     num_micro_batches: int = 1
+    shares: tuple[int, ...] | None = None  # micro-batches per replica (None: num_micro_batches)
 
-    @property
-    def replica_windows(self) -> int:
-        return self.micro_batch * self.num_micro_batches
+    def micro_batches_of(self, replica: int) -> int:
+        return self.shares[replica] if self.shares else self.num_micro_batches
+
+    def replica_windows(self, replica: int) -> int:
+        return self.micro_batch * self.micro_batches_of(replica)
+
+    def replica_start(self, replica: int) -> int:
+        """Windows of the step before replica `replica`'s share."""
+        before = sum(self.shares[:replica]) if self.shares else replica * self.num_micro_batches
+        return self.micro_batch * before
 
     @property
     def global_batch(self) -> int:
@@ -55,6 +66,11 @@ class BatchLayout:
         for key in ("dp", "micro_batch", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise DataError(f"parallel.{key}={getattr(self, key)} must be >= 1")
+        if self.shares is not None and (len(self.shares) != self.dp or min(self.shares) < 1 or
+                                        sum(self.shares) != self.num_micro_batches * self.dp):
+            raise DataError(f"parallel.replica_shares={list(self.shares)} must give each of "
+                            f"dp={self.dp} replicas >= 1 micro-batch, adding up to "
+                            f"{self.num_micro_batches * self.dp}")
 
 
 class TokenDataset:
@@ -79,6 +95,7 @@ class TokenDataset:
         dp: int = 1,
         micro_batch: int = 1,
         num_micro_batches: int = 1,
+        shares: tuple[int, ...] | None = None,
         dtype: str | None = None,
         check_ids: bool = True,
         label: str = "data.tokens",
@@ -88,7 +105,8 @@ class TokenDataset:
             raise DataError(f"data.order={order!r} is not one of: sequential, shuffled")
         if seq_len < 1:
             raise DataError(f"model.seq_len={seq_len} must be >= 1")
-        self.layout = BatchLayout(dp, micro_batch, num_micro_batches)
+        self.layout = BatchLayout(dp, micro_batch, num_micro_batches,
+                                  tuple(shares) if shares is not None else None)
         self.layout.check()
         self.path, self.dtype, self.meta, self.num_tokens = open_tokens(path, dtype, label)
         self.seq_len, self.order, self.seed, self.vocab_size = seq_len, order, int(seed), vocab_size
@@ -130,7 +148,8 @@ class TokenDataset:
         return cls(
             path, m.seq_len, m.vocab_size, order="sequential" if eval else d.order, seed=d.seed,
             dp=p.dp, micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
-            check_ids=check_ids, label="data.eval_tokens" if eval else "data.tokens",
+            shares=p.shares if p.replica_shares is not None else None, check_ids=check_ids,
+            label="data.eval_tokens" if eval else "data.tokens",
             from_hf=cfg.init.from_hf,
         )
 
@@ -184,16 +203,20 @@ class TokenDataset:
         num_micro_batches: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Replica `replica`'s share of step `step`: ``(inputs, targets)``, each int64 of shape
-        ``(num_micro_batches, micro_batch, seq_len)``. Layout arguments default to the dataset's."""
-        lay = BatchLayout(
-            self.layout.dp if dp is None else dp,
-            self.layout.micro_batch if micro_batch is None else micro_batch,
-            self.layout.num_micro_batches if num_micro_batches is None else num_micro_batches,
-        )
+        ``(M_r, micro_batch, seq_len)`` (M_r: the replica's micro-batches). Layout arguments
+        default to the dataset's (giving any of them drops its shares: equal ones)."""
+        lay = self.layout
+        if (dp, micro_batch, num_micro_batches) != (None, None, None):
+            lay = BatchLayout(
+                lay.dp if dp is None else dp,
+                lay.micro_batch if micro_batch is None else micro_batch,
+                lay.num_micro_batches if num_micro_batches is None else num_micro_batches,
+            )
         self._check(step, replica, lay)
-        start = step * lay.global_batch + replica * lay.replica_windows
-        w = self._read(start, lay.replica_windows)  # (M*B, T+1)
-        w = w.reshape(lay.num_micro_batches, lay.micro_batch, self.seq_len + 1)  # (M, B, T+1)
+        start = step * lay.global_batch + lay.replica_start(replica)
+        w = self._read(start, lay.replica_windows(replica))  # (M_r*B, T+1)
+        w = w.reshape(lay.micro_batches_of(replica), lay.micro_batch,
+                      self.seq_len + 1)  # (M_r, B, T+1)
         return np.ascontiguousarray(w[..., :-1]), np.ascontiguousarray(w[..., 1:])
 
     def micro_batch(self, step: int, replica: int, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -201,10 +224,10 @@ class TokenDataset:
         ``(inputs, targets)``, each int64 of shape ``(micro_batch, seq_len)``."""
         lay = self.layout
         self._check(step, replica, lay)
-        if not 0 <= i < lay.num_micro_batches:
-            raise DataError(f"micro-batch {i} is outside [0, num_micro_batches="
-                            f"{lay.num_micro_batches})")
-        start = step * lay.global_batch + replica * lay.replica_windows + i * lay.micro_batch
+        if not 0 <= i < lay.micro_batches_of(replica):
+            raise DataError(f"micro-batch {i} is outside [0, {lay.micro_batches_of(replica)}) "
+                            f"of replica {replica}")
+        start = step * lay.global_batch + lay.replica_start(replica) + i * lay.micro_batch
         w = self._read(start, lay.micro_batch)  # (B, T+1)
         return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
 
@@ -255,7 +278,8 @@ def eval_batches(
         seq = TokenDataset(
             dataset.path, dataset.seq_len, dataset.vocab_size, order="sequential",
             dp=dataset.layout.dp, micro_batch=dataset.layout.micro_batch,
-            num_micro_batches=dataset.layout.num_micro_batches, dtype=dtype_name(dataset.dtype),
+            num_micro_batches=dataset.layout.num_micro_batches, shares=dataset.layout.shares,
+            dtype=dtype_name(dataset.dtype),
             check_ids=False,
         )
     return [seq.batch_for_step(b, replica) for b in range(num_batches)]

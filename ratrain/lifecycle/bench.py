@@ -89,7 +89,8 @@ def _batch(cfg, step, replica):
     p, mc = cfg.parallel, cfg.model
     rng = np.random.default_rng(step)
     ids = rng.integers(0, mc.vocab_size, (p.dp * p.num_micro_batches, p.micro_batch, mc.seq_len + 1))
-    ids = ids[replica * p.num_micro_batches:(replica + 1) * p.num_micro_batches]
+    lo = p.share_offset(replica)  # replica's micro-batches of the global batch
+    ids = ids[lo:lo + p.micro_batches_of(replica)]
     return ids[..., :-1].copy(), ids[..., 1:].copy()
 
 

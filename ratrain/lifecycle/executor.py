@@ -32,8 +32,10 @@ segment, and the next step's view is cast from the own master segment and ring a
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
 (`WaitView`). Whole blocks for checkpoints: `lifecycle.fullstate`.
 
-Loss scaling: `head_backward` is seeded with loss_scale / (num_micro_batches * dp), gradients
-are summed over replicas, the norm is taken on unscaled gradients, a non-finite norm skips the
+Loss scaling: `head_backward` is seeded with loss_scale / (micro-batches of the global batch:
+num_micro_batches * dp, or the sum of `parallel.replica_shares` when replicas take unequal
+shares, each running its own plan of its own micro-batch count), gradients are summed over
+replicas, the norm is taken on unscaled gradients, a non-finite norm skips the
 step on every rank (fp32 too) and halves the scale in fp16.
 
 Memory: activations are tracked in the ledger per micro-batch and block
@@ -129,7 +131,15 @@ class Executor:
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
         # global block order, for the norm partials
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
-        self.facts = FactsLayout(len(self.global_index), self.dp, self.num_micro_batches, self.world)
+        # every replica's micro-batches (unequal under `parallel.replica_shares`)
+        self.shares = (cfg.parallel.shares if cfg.parallel.replica_shares is not None
+                       else (self.num_micro_batches,) * self.dp)
+        if len(self.shares) != self.dp or self.shares[self.replica] != self.num_micro_batches:
+            raise ValueError(f"rank {self.rank}: the plan runs {self.num_micro_batches} "
+                             f"micro-batches, parallel.replica_shares gives replica "
+                             f"{self.replica} of {list(self.shares)}: build the plan with "
+                             f"PipelinePlan.from_config(cfg, replica={self.replica})")
+        self.facts = FactsLayout(len(self.global_index), self.dp, self.shares, self.world)
         self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -238,7 +248,8 @@ class Executor:
         for b in made:
             self.materialize_now(b)
         p2p = self.mailbox.p2p if self.mailbox is not None else None
-        losses = np.zeros(len(batches) * self.num_micro_batches * self.dp, np.float64)
+        nl, before = self.facts.nl, sum(self.shares[:self.replica])
+        losses = np.zeros(len(batches) * nl, np.float64)
         for k, (inputs, targets) in enumerate(batches):
             for mb in range(self.num_micro_batches):
                 x = None
@@ -252,7 +263,7 @@ class Executor:
                 if self.stage < self.pp - 1:
                     p2p.isend_forward(y).result()
                 else:
-                    losses[(k * self.dp + self.replica) * self.num_micro_batches + mb] = loss
+                    losses[k * nl + before + mb] = loss
         for b in made:
             self.state.drop_view(b)
         losses = self._allreduce_world(losses)
@@ -331,7 +342,7 @@ class Executor:
 
     def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
-        dscale = self.scaler.scale / (self.num_micro_batches * self.dp)
+        dscale = self.scaler.scale / self.facts.nl  # the mean over the global batch
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
         if dx is not None:  # the input gradient, for the previous stage
             self.ledger.free(dx)

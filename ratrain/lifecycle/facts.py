@@ -6,7 +6,7 @@ over the world, in which every entry has exactly one non-zero contributor, so th
 and the same on every rank whatever the collective's order:
 
     [ sums of squares: (global block, dp segment), segment q written by replica q  | nb entries
-      losses: (replica, micro-batch), written by the last stage                     | nl entries
+      losses: global micro-batch (replica r's from its offset), by the last stage   | nl entries
       peak DDR bytes: one per world rank ]                                          | world
 
 Every rank then reads the partials and losses in this fixed order, so the norm is independent
@@ -24,7 +24,7 @@ import numpy as np
 class FactsLayout:
     blocks: int  # blocks of the whole model
     dp: int
-    num_micro_batches: int  # per replica
+    shares: tuple[int, ...]  # micro-batches of each replica
     world: int
 
     @property
@@ -33,7 +33,8 @@ class FactsLayout:
 
     @property
     def nl(self) -> int:
-        return self.num_micro_batches * self.dp
+        """Micro-batches of the global batch."""
+        return sum(self.shares)
 
     def vector(self) -> np.ndarray:
         return np.zeros(self.nb + self.nl + self.world, np.float64)
@@ -42,7 +43,7 @@ class FactsLayout:
         vec[global_block * self.dp + replica] = value
 
     def put_loss(self, vec, replica: int, mb: int, loss: float) -> None:
-        vec[self.nb + replica * self.num_micro_batches + mb] = loss
+        vec[self.nb + sum(self.shares[:replica]) + mb] = loss
 
     def put_peak(self, vec, rank: int, nbytes: int) -> None:
         vec[self.nb + self.nl + rank] = nbytes

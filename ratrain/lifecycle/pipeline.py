@@ -2,6 +2,7 @@
 
     plan = PipelinePlan.from_config(cfg)              # the config's policy and layout
     plan = PipelinePlan.from_config(cfg, "1f1b-bare", pp=8, dp=4, m=16)  # the planner's
+    plan = PipelinePlan.from_config(cfg, replica=2)  # replica 2's (its own replica_shares)
     plan.stages[s]                                    # stage s's `StageInfo`
     plan.step_list(s, carry=False), plan.flush_list(s)
     plan.steps(2)                                     # out[k][stage], as one replica runs them
@@ -48,7 +49,9 @@ def resolve_policy(schedule, policy=None) -> Policy:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """One replica's pipeline under one policy: every stage's description and lists."""
+    """One replica's pipeline under one policy: every stage's description and lists (replicas
+    of unequal shares have plans of unequal micro-batch counts; the gradient collectives of
+    each block come in the same order on every replica, so they still pair)."""
 
     policy: Policy
     dp: int
@@ -90,15 +93,16 @@ class PipelinePlan:
 
     @classmethod
     def from_config(cls, cfg, policy=None, *, pp: int | None = None, dp: int | None = None,
-                    m: int | None = None, layers_per_stage=_CONFIG,
+                    m: int | None = None, layers_per_stage=_CONFIG, replica: int = 0,
                     validate: bool = True) -> PipelinePlan:
-        """The plan of `cfg` (its `parallel` layout unless `pp`/`dp`/`m` micro-batches or
-        `layers_per_stage` are given; `policy`: see `resolve_policy`)."""
+        """The plan of replica `replica` of `cfg` (its `parallel` layout, its micro-batches by
+        `replica_shares`, unless `pp`/`dp`/`m` micro-batches or `layers_per_stage` are given;
+        `policy`: see `resolve_policy`)."""
         par = cfg.parallel
         return cls.of_model(
             cfg.model, resolve_policy(cfg.schedule, policy), par.pp if pp is None else pp,
-            par.dp if dp is None else dp, par.num_micro_batches if m is None else m,
-            cfg.precision, par.layers_per_stage if layers_per_stage is _CONFIG else layers_per_stage,
+            par.dp if dp is None else dp, par.micro_batches_of(replica) if m is None else m,
+            cfg.precision, par.stage_layers() if layers_per_stage is _CONFIG else layers_per_stage,
             validate)
 
     # -- what the plan holds ---------------------------------------------------------------

@@ -6,7 +6,9 @@ context -> engine -> executor -> recompute.
     rank.close()
 
 Every part comes from the config. The pipeline's plan (`lifecycle.pipeline.PipelinePlan`:
-policy, stages, step lists, validated) is made first, pure. The platform profile (`platform.*`) gives the DDR cap of the
+policy, stages, step lists, validated; this replica's micro-batch count) is made first, pure.
+The platform profile (`platform.*`; the rank's class's under `platform.classes`, which
+`shim.platform.rank_profile` finds from the rank or its node) gives the DDR cap of the
 ledger, the link throttle of the communication engine in two tiers (inside a node, and the
 node's interface, whose slots the node's ranks share) and the compute pacer (both only under
 `platform.emulate`, where one host's ranks are also cut into nodes of the profile's
@@ -41,7 +43,7 @@ from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
-from ratrain.shim.platform import Profile, resolve_platform
+from ratrain.shim.platform import Profile, rank_profile
 
 PROFILE_CAP = object()  # build_rank(cap=...): the profile's DDR cap (the default)
 
@@ -118,7 +120,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
     p = cfg.parallel
     stage, _ = coords(comm.Get_rank(), p.pp, p.dp, p.placement)
     largest = max(block_params(cfg.model, b.role) for b in
-                  stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage))
+                  stage_blocks(cfg.model, p.pp, stage, p.stage_layers()))
     topo = Topology(comm, p.pp, p.dp, p.placement,
                     profile.ranks_per_node if profile.emulate else None,
                     shm_bytes=GRAD_BYTES_PER_PARAM * largest)
@@ -148,9 +150,11 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     if world > 1 and (comm is None or comm.Get_size() != world):
         got = 1 if comm is None else comm.Get_size()
         raise ValueError(f"pp={p.pp} x dp={p.dp} needs a communicator of {world} ranks, got {got}")
-    plan = PipelinePlan.from_config(cfg, validate=validate)  # pure: before any buffer
-    profile = resolve_platform(cfg.platform)
     rank_id = comm.Get_rank() if comm is not None else 0
+    _, my_replica = coords(rank_id, p.pp, p.dp, p.placement)
+    # pure: before any buffer (this replica's micro-batches under `parallel.replica_shares`)
+    plan = PipelinePlan.from_config(cfg, replica=my_replica, validate=validate)
+    profile = rank_profile(cfg.platform, rank_id)  # its class's under `platform.classes`
     ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
     topo = engine = slots = None
     stage = replica = 0
@@ -159,7 +163,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         stage, replica = topo.stage, topo.replica
     try:
         shards = plan.shards
-        state = StageState(stage_blocks(cfg.model, p.pp, stage, p.layers_per_stage),
+        state = StageState(stage_blocks(cfg.model, p.pp, stage, p.stage_layers()),
                            cfg.precision, ledger, xp, cfg.init.seed,
                            shard=(replica, shards) if shards > 1 else None)
         if load is not None:

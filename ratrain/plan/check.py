@@ -24,7 +24,8 @@ from ratrain.config import Config, ConfigError
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan.memory import fit_recompute, stage_peaks
 from ratrain.plan.steps import recompute_for
-from ratrain.shim.platform import resolve_platform
+from ratrain.comm.topology import coords
+from ratrain.shim.platform import class_of, rank_profile, resolve_platform
 
 
 def _gib(n: float) -> str:
@@ -39,6 +40,8 @@ class RunPlan:
     peaks: tuple[int, ...]  # predicted peak bytes per stage
     layers: tuple[int, ...]  # layers per stage
     full: tuple[int, ...] | None  # recompute auto: layers fully recomputed per stage
+    cap_key: str = "platform.ddr_bytes"  # where the cap comes from (a class's own)
+    placement: str = "pp"
 
     def over(self, stage: int) -> bool:
         return self.cap is not None and self.peaks[stage] > self.cap
@@ -47,7 +50,7 @@ class RunPlan:
               local_ranks: int = 1) -> None:
         """Raise ConfigError when rank `rank`'s stage does not fit the cap (its peak times
         `tolerance` over it); with no cap, when `local_ranks` such peaks exceed `available`."""
-        stage = rank % self.pp  # rank = replica * pp + stage (comm.topology)
+        stage, _ = coords(rank, self.pp, self.dp, self.placement)
         peak = tolerance * self.peaks[stage]
         if self.cap is None and available is not None and peak * local_ranks > available:
             raise ConfigError(
@@ -60,7 +63,7 @@ class RunPlan:
             raise ConfigError(
                 f"rank {rank} (stage {stage}, {self.layers[stage]} layers) is predicted to need "
                 f"{_gib(self.peaks[stage])}, over the DDR cap of {_gib(self.cap)} "
-                "(platform.ddr_bytes): set schedule.recompute=auto (or full), raise parallel.pp, "
+                f"({self.cap_key}): set schedule.recompute=auto (or full), raise parallel.pp, "
                 "lower parallel.micro_batch, or use schedule.policy=ratrain with dp > 1 (sharded "
                 "optimizer state)"
             )
@@ -88,11 +91,22 @@ def available_memory() -> int | None:
     return None
 
 
-def run_plan(cfg: Config) -> RunPlan:
-    """The predicted per-stage peaks of `cfg` as it would run (see the module doc)."""
+def run_plan(cfg: Config, rank: int | None = None) -> RunPlan:
+    """The predicted per-stage peaks of `cfg` as it would run (see the module doc): of replica
+    0 against the profile's cap, or with `rank`, of that rank's replica (its micro-batches)
+    against its class's cap (`platform.classes`)."""
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
-    cap = resolve_platform(cfg.platform).ddr_bytes
-    plan = PipelinePlan.from_config(cfg)
+    replica, cap_key = 0, "platform.ddr_bytes"
+    if rank is None:
+        cap = resolve_platform(cfg.platform).ddr_bytes
+    else:
+        _, replica = coords(rank, p.pp, p.dp, p.placement)
+        cap = rank_profile(cfg.platform, rank).ddr_bytes
+        cls = class_of(cfg.platform, rank)
+        if cls is not None and cls.ddr_bytes is not None:
+            i = [c.name for c in cfg.platform.classes].index(cls.name)
+            cap_key = f"platform.classes[{i}].ddr_bytes of class {cls.name}"
+    plan = PipelinePlan.from_config(cfg, replica=replica)
     blocks = plan.blocks
     full = None
     if s.recompute == "auto":
@@ -101,7 +115,8 @@ def run_plan(cfg: Config) -> RunPlan:
     else:
         peaks = stage_peaks(plan, m, p.micro_batch, recompute_for(blocks, s.recompute))
     layers = tuple(sum(1 for b in names if b.startswith("layers.")) for names in blocks)
-    return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full)
+    return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full,
+                   cap_key, p.placement)
 
 
 __all__ = ["RunPlan", "available_memory", "run_plan"]

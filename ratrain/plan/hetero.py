@@ -127,6 +127,22 @@ def split_shares(cfg, classes, layers) -> tuple[int, ...]:
     return tuple(shares)
 
 
+def with_measured_rates(cfg, classes, rates):
+    """`cfg` with each `calibrate` class's compute_flops set to the slowest measured rate of its
+    ranks (`rates[r]`: world rank r's flop/s, `classes[r]` its class), and calibrate off: the
+    resolved config says what was used."""
+    out = []
+    for c in cfg.platform.classes:
+        if c.calibrate:
+            mine = [rates[r] for r, name in enumerate(classes) if name == c.name]
+            if not mine:
+                raise ValueError(f"platform.classes: class {c.name} has calibrate: true but no "
+                                 "rank: give it ranks or hosts that match, or drop it")
+            c = replace(c, compute_flops=float(min(mine)), calibrate=False)
+        out.append(c)
+    return replace(cfg, platform=replace(cfg.platform, classes=tuple(out)))
+
+
 def resolve(cfg, classes):
     """`cfg` with `parallel.layers_per_stage: auto` and `replica_shares: auto` replaced by the
     counts this module chooses for ranks of `classes` (`shim.platform.class_map`; None: no
@@ -145,4 +161,4 @@ def resolve(cfg, classes):
 
 
 __all__ = ["grid_rates", "rank_rates", "replica_seconds", "resolve", "role_seconds",
-           "split_layers", "split_shares", "stage_seconds"]
+           "split_layers", "split_shares", "stage_seconds", "with_measured_rates"]

@@ -1,6 +1,8 @@
 """Start-up of a run: every check of the input before any work, on every rank, agreed.
 
-`startup(args, comm)` resolves the config and checks it against the world, the data, a Hugging
+`startup(args, comm)` resolves the config and checks it against the world, finds every rank's
+class (`platform.classes`: measured where a class says `calibrate`) and resolves what the
+config leaves to the planner (`parallel.layers_per_stage` / `replica_shares`: auto), then checks the data, a Hugging
 Face import, the memory plan (`plan.check`: against the DDR cap, or the node's memory without
 one), the checkpoint to resume (and whether the run is finished already), the room for the next
 checkpoint, and takes the run directory's lock; each check runs through `agree`, so a bad input
@@ -19,7 +21,10 @@ from ratrain.checkpoint.space import room_problem
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.hf import check_hf, import_model_section
+from ratrain.exec.context import sgemm_rate
 from ratrain.plan.check import available_memory, run_plan
+from ratrain.plan.hetero import resolve, with_measured_rates
+from ratrain.shim.platform import class_map, node_name
 from ratrain.job.runctl import check_writable, lock_dirs
 
 
@@ -72,7 +77,7 @@ def check_memory(cfg: Config, rank: int) -> None:
     memory this node has for its ranks (`plan.check`; refused only beyond the plan's error)."""
     from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
 
-    run_plan(cfg).check(rank, tolerance=0.9, available=available_memory(),
+    run_plan(cfg, rank).check(rank, tolerance=0.9, available=available_memory(),
                         local_ranks=local_ranks() or 1)
 
 
@@ -88,9 +93,34 @@ def finished_message(cfg: Config, resume: str | None) -> str | None:
             "run.steps to train on, or set checkpoint.resume=never to start over")
 
 
+def rank_classes(cfg: Config, comm):
+    """The class of every world rank (`platform.classes`; None without classes), each rank's
+    node named by itself; with `calibrate` classes, their compute rates measured here (each
+    rank's sgemm rate, a class taking its slowest rank's), the same config on every rank.
+    Then the planner's counts for `parallel.*: auto` (`plan.hetero.resolve`)."""
+    hosts = comm.allgather(node_name()) if comm.Get_size() > 1 else [node_name()]
+    classes = agree(comm, class_map, cfg.platform, hosts)
+    if any(c.calibrate for c in cfg.platform.classes):
+        rate = measured_rate(cfg)  # every rank, at the same point
+        rates = comm.allgather(rate) if comm.Get_size() > 1 else [rate]
+        cfg = agree(comm, with_measured_rates, cfg, classes, rates)
+    return agree(comm, resolve, cfg, classes), classes
+
+
+def measured_rate(cfg: Config) -> float:
+    """This rank's sgemm rate in flop/s (best of three), at `run.threads` or its share of the
+    node's cores, measured while the node's other ranks measure theirs (as they will compute)."""
+    from ratrain.comm.progress import cores, local_ranks  # loads MPI (loaded already here)
+
+    threads = cfg.run.threads or max(1, cores() // (local_ranks() or 1))
+    rate = sgemm_rate(threads)
+    return max(rate() for _ in range(3))
+
+
 def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     agree(comm, cfg.check_world, comm.Get_size())
+    cfg, _ = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
     cfg = agree(comm, record_tokenizer, cfg, data_paths)
     if cfg.init.from_hf:
@@ -123,4 +153,4 @@ def _no_room(root: str, cfg: Config) -> None:
 
 
 __all__ = ["Setup", "StartupError", "agree", "check_memory", "finished_message",
-           "resolve_config", "startup"]
+           "rank_classes", "resolve_config", "startup"]
