@@ -62,7 +62,7 @@ def test_auto_and_lists_parse_and_unresolved_auto_is_refused_where_used():
     cfg = cfg_of({"layers_per_stage": "auto", "replica_shares": "auto"})
     assert cfg.parallel.auto == ("layers_per_stage", "replica_shares")
     with pytest.raises(ConfigError, match="replica_shares=auto is not resolved"):
-        cfg.parallel.shares
+        cfg.parallel.micro_batches_of(0)
     with pytest.raises(ConfigError, match="replica_shares=auto is not resolved"):
         PipelinePlan.from_config(cfg)
     with pytest.raises(ConfigError, match="layers_per_stage=auto is not resolved"):

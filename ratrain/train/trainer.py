@@ -355,6 +355,10 @@ class Trainer:
         print(
             f"ratrain: {m.num_params() / 1e6:.2f}M params ({m.layers} layers, hidden {m.hidden}), "
             f"pp={p.pp} dp={p.dp} micro_batch={p.micro_batch} x {p.num_micro_batches}, "
+            + (f"layers per stage {list(p.layers_per_stage)}, " if p.layers_per_stage else "")
+            + (f"replica shares {list(p.replica_shares)}, " if p.replica_shares else "")
+            + (f"rank classes {', '.join(c.name for c in cfg.platform.classes)}, "
+               if cfg.platform.classes else "") +
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "

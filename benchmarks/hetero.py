@@ -1,0 +1,153 @@
+"""Issue 21's targets: plans of one mixed-cluster job, measured interleaved in one run, beside
+the simulator's prediction of each.
+
+    python benchmarks/hetero.py --config jobs/mixed.yaml [--plan NAME:KEY=VAL;KEY=VAL ...]
+        [--ranks 8] [--rounds 3] [--steps 6] [--skip 2] [--launcher "CMD ..."] [--record NAME]
+
+Each `--plan` is a name and the `--set` overrides that make it from the job (`auto` keys are
+resolved by the planner for the ranks' classes, as the trainer does at start-up). Without
+`--plan`, the planner's own two: its best asymmetric plan and its best symmetric one
+(`ratrain.plan.hetero.best_plans`). The plans run under one `mpirun -n RANKS` (or the
+`--launcher` prefix, e.g. `scripts/cluster.sh run --name hx --` for emulated nodes), each a few
+steps of the job as the trainer wires it (`lifecycle.bench`'s `_job_run`: DDR cap, link
+throttle, compute and DDR pacing per rank class), in `--rounds` rotated rounds; the median step
+gives tokens/s. Printed, one JSON object per plan: its layout, measured and predicted tokens/s
+(the simulator's step x time_scale), and their ratio; then a summary with each plan's speed
+over the first's (`--record NAME` writes it as docs/records/NAME.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from record import write_record  # noqa: E402 - after the path above
+
+
+def plan_sets(spec: str) -> tuple[str, list[str]]:
+    name, _, sets = spec.partition(":")
+    return name, [s for s in sets.split(";") if s.strip()]
+
+
+def worker(args) -> None:
+    """Every rank: resolve each plan for the ranks' classes, run them in rotated rounds; rank 0
+    prints one JSON object per plan."""
+    from mpi4py import MPI  # the benchmark's ranks
+
+    from ratrain.config import load_config
+    from ratrain.lifecycle.bench import _job_run
+    from ratrain.plan.hetero import predict
+    from ratrain.train.startup import rank_classes
+
+    comm = MPI.COMM_WORLD
+    plans = json.loads(Path(args.worker).read_text())
+    cfgs, classes = {}, None
+    for name, sets in plans.items():
+        cfg = load_config(args.config, [*sets, f"run.steps={args.steps}"])
+        cfg.check_world(comm.Get_size())
+        cfgs[name], classes = rank_classes(cfg, comm)
+    runs: dict[str, list[dict]] = {name: [] for name in cfgs}
+    names = list(cfgs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(_job_run(cfgs[name], comm, args.steps, args.skip))
+    if comm.Get_rank() != 0:
+        return
+    for name, rs in runs.items():
+        cfg = cfgs[name]
+        p = cfg.parallel
+        step = statistics.median(x["step_s"] for x in rs)
+        tokens = p.global_batch * cfg.model.seq_len
+        pred = predict(cfg, classes)
+        print(json.dumps({
+            "case": name, "pp": p.pp, "dp": p.dp, "placement": p.placement,
+            "layers": list(p.layers_per_stage or []), "shares": list(p.shares),
+            "policy": cfg.schedule.policy, "step_s": round(step, 4),
+            "rounds": [x["step_s"] for x in rs], "tokens_per_s": round(tokens / step, 2),
+            "predicted_tokens_per_s": round(pred, 2),
+            "measured_over_predicted": round(tokens / step / pred, 3),
+            "host_busy": max(x["host_busy"] for x in rs), "overruns": rs[-1]["overruns"],
+        }), flush=True)
+
+
+def default_plans(config: str, sets: list[str], ranks: int) -> dict[str, list[str]]:
+    """The planner's best asymmetric and best symmetric plans for the job's classes."""
+    from ratrain.config import load_config
+    from ratrain.plan.hetero import best_plans
+
+    cfg = load_config(config, sets)
+    return {name: [*sets, *over] for name, over in best_plans(cfg, ranks).items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--plan", action="append", default=[])
+    ap.add_argument("--set", action="append", default=[], help="overrides of every plan")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--launcher", default="", help="instead of mpirun -n RANKS --oversubscribe")
+    ap.add_argument("--record", default="")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.plan:
+        plans = {n: [*args.set, *s] for n, s in map(plan_sets, args.plan)}
+    else:
+        plans = default_plans(args.config, args.set, args.ranks)
+    load_before = round(os.getloadavg()[0], 2)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(plans, f)
+    py = sys.executable
+    mpirun = os.environ.get("MPIRUN", str(Path(py).with_name("mpirun")))
+    launch = (shlex.split(args.launcher) + ["-n", str(args.ranks)] if args.launcher
+              else [mpirun, "-n", str(args.ranks), "--oversubscribe"])
+    cmd = [*launch, py, str(Path(__file__).resolve()), "--config", args.config,
+           "--rounds", str(args.rounds), "--steps", str(args.steps), "--skip", str(args.skip),
+           "--worker", f.name]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    os.unlink(f.name)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or len(rows) != len(plans):
+        sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
+        print(f"error: the measurement exited {out.returncode}", file=sys.stderr)
+        return 1
+    first = rows[0]
+    summary: dict = {}
+    for r in rows:
+        print(json.dumps(r))
+        for k in ("tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted",
+                  "host_busy", "step_s"):
+            summary[f"{r['case']}.{k}"] = r[k]
+        summary[f"{r['case']}.plan"] = (f"pp{r['pp']}xdp{r['dp']} {r['placement']} layers "
+                                        f"{r['layers'] or 'even'} shares {r['shares']} "
+                                        f"{r['policy']}")
+    for r in rows[1:]:
+        summary[f"{first['case']}_over_{r['case']}"] = round(
+            first["tokens_per_s"] / r["tokens_per_s"], 3)
+        summary[f"{first['case']}_over_{r['case']}_predicted"] = round(
+            first["predicted_tokens_per_s"] / r["predicted_tokens_per_s"], 3)
+    print(json.dumps(summary))
+    if args.record:
+        command = "python benchmarks/hetero.py " + shlex.join(argv if argv is not None
+                                                               else sys.argv[1:])
+        write_record(args.record, command, summary, load_before)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
