@@ -141,3 +141,15 @@ def test_facts_place_losses_by_global_micro_batch():
         lay.put_loss(vec, r, mb, loss)
     assert lay.nl == 4 and lay.mean_loss(vec) == 3.0
     assert vec[lay.nb + 3] == 6.0
+
+
+def test_hosts_take_slurm_node_lists_and_shell_patterns():
+    from ratrain.shim.platform import expand_hostlist, host_matches
+
+    assert expand_hostlist("cn[08-10,12]") == ["cn08", "cn09", "cn10", "cn12"]
+    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    assert host_matches("cn09", "cn[08-10]") and not host_matches("cn11", "cn[08-10]")
+    assert not host_matches("cn9", "cn[08-10]")  # the padding is part of the name
+    assert host_matches("rtc-n2", "*-n2") and host_matches("gpu3", "gpu[0-9]")
+    cfg = cfg_of(classes=[FAST, {"name": "old", "hosts": ["cn[01-02]"]}])
+    assert class_map(cfg.platform, ["x", "x", "cn01", "cn02"])[2:] == ("old", "old")

@@ -373,8 +373,9 @@ class RankClass:
 
     name: the class's name (unique), e.g. fast
     ranks: world ranks of this class, e.g. [0, 1, 2, 3]
-    hosts: node-name patterns of this class (shell patterns on the Slurm node name, else the
-        host name), e.g. ["gpu*", "*-n2"]; ranks takes precedence
+    hosts: the nodes of this class, matched on the Slurm node name (else the host name): Slurm
+        node lists or shell patterns, e.g. ["cn[001-016]", "gpu*", "*-n2"]; ranks takes
+        precedence
     compute_flops: compute rate per rank in flop/s
     ddr_bytes: DDR cap per rank in bytes
     ddr_bandwidth: DDR bandwidth in bytes/s per rank

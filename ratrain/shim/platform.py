@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import socket
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -142,6 +143,32 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+_HOSTLIST = re.compile(r"\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\]")
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's node list notation as names: `node[01-03,07]` -> node01, node02, node03, node07
+    (ranges keep their zero padding; several bracket groups multiply)."""
+    m = _HOSTLIST.search(text)
+    if m is None:
+        return [text]
+    names = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            names.append(f"{i:0{len(lo)}d}")
+    head, tail = text[:m.start()], text[m.end():]
+    return [head + n + rest for n in names for rest in expand_hostlist(tail)]
+
+
+def host_matches(host: str, pattern: str) -> bool:
+    """Whether node `host` is one of `pattern`: a Slurm node list (`node[01-04]`, as `scontrol
+    show hostnames` expands it) or else a shell pattern (`gpu*`, `*-n2`)."""
+    if _HOSTLIST.search(pattern) and not any(c in pattern for c in "*?"):
+        return host in expand_hostlist(pattern)
+    return fnmatch.fnmatchcase(host, pattern)
+
+
 def class_of(platform_cfg, rank: int, host: str | None = None):
     """The class (`platform.classes` entry) of world rank `rank` on node `host`: the class that
     lists the rank, else the one whose `hosts` pattern matches the node; None when the config
@@ -153,7 +180,7 @@ def class_of(platform_cfg, rank: int, host: str | None = None):
         if rank in c.ranks:
             return c
     host = node_name() if host is None else host
-    hits = [c for c in classes if any(fnmatch.fnmatchcase(host, pat) for pat in c.hosts)]
+    hits = [c for c in classes if any(host_matches(host, pat) for pat in c.hosts)]
     if len(hits) > 1:
         raise ProfileError(f"platform.classes: node {host!r} of rank {rank} matches the hosts "
                            f"of {hits[0].name} and {hits[1].name}: make the patterns disjoint")
@@ -250,6 +277,8 @@ __all__ = [
     "class_map",
     "class_of",
     "class_profile",
+    "expand_hostlist",
+    "host_matches",
     "load_profile",
     "node_name",
     "rank_profile",
