@@ -43,7 +43,7 @@ from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
 from ratrain.shim.pacing import Pacer
-from ratrain.shim.platform import Profile, rank_profile
+from ratrain.shim.platform import Profile, class_profile, rank_profile
 
 PROFILE_CAP = object()  # build_rank(cap=...): the profile's DDR cap (the default)
 
@@ -62,14 +62,18 @@ class Rank:
     executor: Executor
     slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
 
-    def peak_flops(self) -> float:
-        """This rank's peak compute rate in flop/s, for MFU: the platform's (`compute_flops`,
-        in emulated time under `time_scale`), or on a profile without one (`host`) the
-        measured sgemm rate at the rank's thread count (best of three)."""
-        if self.profile.compute_flops:
-            return self.profile.compute_flops / self.profile.time_scale
+    def peak_flops(self, classes=None) -> float:
+        """The job's peak compute rate in flop/s, for MFU: every rank's platform rate
+        (`compute_flops`, in emulated time under `time_scale`; each rank its class's, `classes`
+        naming every world rank's), or on a profile without one (`host`) this rank's measured
+        sgemm rate at its thread count (best of three) times the world."""
+        world = self.cfg.parallel.world_size
+        rates = ([class_profile(self.cfg.platform, c).compute_flops for c in classes]
+                 if classes is not None else [self.profile.compute_flops] * world)
+        if all(rates):
+            return sum(rates) / self.profile.time_scale
         rate = sgemm_rate(self.ctx.threads)
-        return max(rate() for _ in range(3))
+        return max(rate() for _ in range(3)) * world
 
     def close(self) -> None:
         teardown(self.engine, self.slots, self.topo)

@@ -65,6 +65,7 @@ class Setup:
     data_paths: object
     resume: str | None
     finished: str | None = None  # a message: the run is already done, nothing to train
+    classes: tuple | None = None  # every world rank's class (`platform.classes`), or None
     locks: list = field(default_factory=list)  # RunLock of run.dir (and checkpoint.dir), rank 0
 
     def release(self) -> None:
@@ -120,7 +121,7 @@ def measured_rate(cfg: Config) -> float:
 def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     agree(comm, cfg.check_world, comm.Get_size())
-    cfg, _ = rank_classes(cfg, comm)
+    cfg, classes = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
     cfg = agree(comm, record_tokenizer, cfg, data_paths)
     if cfg.init.from_hf:
@@ -130,16 +131,16 @@ def startup(args, comm) -> Setup:
     agree(comm, lambda: comm.Get_rank() == 0 and check_writable(cfg.run.dir, "run.dir"))
     resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     if getattr(args, "dry_run", False):  # the plan is the dry run's own report
-        return Setup(cfg, data_paths, None)
+        return Setup(cfg, data_paths, None, classes=classes)
     agree(comm, check_memory, cfg, comm.Get_rank())
     done = agree(comm, finished_message, cfg, resume)
     if done:
-        return Setup(cfg, data_paths, resume, finished=done)
+        return Setup(cfg, data_paths, resume, finished=done, classes=classes)
     root = checkpoint_root(cfg.checkpoint, cfg.run.dir)
     if cfg.checkpoint.interval and cfg.checkpoint.on_error == "stop":
         agree(comm, lambda: comm.Get_rank() == 0 and _no_room(root, cfg))
     locks = agree(comm, lambda: [] if comm.Get_rank() else lock_dirs(cfg.run.dir, root, _note))
-    return Setup(cfg, data_paths, resume, locks=locks)
+    return Setup(cfg, data_paths, resume, locks=locks, classes=classes)
 
 
 def _note(msg: str) -> None:

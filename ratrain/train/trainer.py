@@ -76,6 +76,7 @@ class Trainer:
         self.start_step = 0
         self.resume_state = None
         self.resumed = bool(setup.resume)
+        self.classes = setup.classes  # every world rank's class (`platform.classes`), or None
         self.this_rank = build_rank(cfg, comm if comm.Get_size() > 1 else None,  # a `Rank`
                                     watchdog_s=cfg.comm.timeout or None,
                                     load=lambda state: self._load_weights(state, setup.resume))
@@ -144,7 +145,7 @@ class Trainer:
         if self.writes_metrics:
             with writing("metrics.jsonl", cfg.run.dir):
                 self.metrics = MetricsWriter(cfg.run.dir, cfg.run.steps)
-            self.peak = self.this_rank.peak_flops() * cfg.parallel.world_size  # every rank's, for MFU
+            self.peak = self.this_rank.peak_flops(self.classes)  # every rank's, for MFU
             if cfg.run.tensorboard:
                 with writing("tensorboard/", cfg.run.dir):
                     self.tb = TensorBoard(cfg.run.dir)
