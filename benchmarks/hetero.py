@@ -50,11 +50,11 @@ def worker(args) -> None:
 
     comm = MPI.COMM_WORLD
     plans = json.loads(Path(args.worker).read_text())
-    cfgs, classes = {}, None
+    cfgs, classes = {}, {}
     for name, sets in plans.items():
         cfg = load_config(args.config, [*sets, f"run.steps={args.steps}"])
         cfg.check_world(comm.Get_size())
-        cfgs[name], classes = rank_classes(cfg, comm)
+        cfgs[name], classes[name] = rank_classes(cfg, comm)
     runs: dict[str, list[dict]] = {name: [] for name in cfgs}
     names = list(cfgs)
     for r in range(args.rounds):
@@ -67,7 +67,7 @@ def worker(args) -> None:
         p = cfg.parallel
         step = statistics.median(x["step_s"] for x in rs)
         tokens = p.global_batch * cfg.model.seq_len
-        pred = predict(cfg, classes)
+        pred = predict(cfg, classes[name])
         print(json.dumps({
             "case": name, "pp": p.pp, "dp": p.dp, "placement": p.placement,
             "layers": list(p.layers_per_stage or []), "shares": list(p.shares),
@@ -133,6 +133,7 @@ def main(argv=None) -> int:
         for k in ("tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted",
                   "host_busy", "step_s"):
             summary[f"{r['case']}.{k}"] = r[k]
+        summary[f"{r['case']}.within_10pct"] = abs(r["measured_over_predicted"] - 1) <= 0.1
         summary[f"{r['case']}.plan"] = (f"pp{r['pp']}xdp{r['dp']} {r['placement']} layers "
                                         f"{r['layers'] or 'even'} shares {r['shares']} "
                                         f"{r['policy']}")
