@@ -6,8 +6,11 @@ the simulator's prediction of each.
 
 Each `--plan` is a name and the `--set` overrides that make it from the job (`auto` keys are
 resolved by the planner for the ranks' classes, as the trainer does at start-up). Without
-`--plan`, the planner's own two: its best asymmetric plan and its best symmetric one
-(`ratrain.plan.hetero.best_plans`). The plans run under one `mpirun -n RANKS` (or the
+`--plan`, the planner's own two, chosen on the ranks where their classes are known (by rank or
+by node): its best plan (`asymmetric`) and its best symmetric one (`symmetric`)
+(`ratrain.plan.hetero.best_plans`); with `--versus-uniform`, its best plan (`mixed`) and its
+best plan for a uniform cluster of the same total compute (`uniform`,
+`ratrain.plan.hetero.uniform_like`). The plans run under one `mpirun -n RANKS` (or the
 `--launcher` prefix, e.g. `scripts/cluster.sh run --name hx --` for emulated nodes), each a few
 steps of the job as the trainer wires it (`lifecycle.bench`'s `_job_run`: DDR cap, link
 throttle, compute and DDR pacing per rank class), in `--rounds` rotated rounds; the median step
@@ -39,22 +42,42 @@ def plan_sets(spec: str) -> tuple[str, list[str]]:
 
 
 def worker(args) -> None:
-    """Every rank: resolve each plan for the ranks' classes, run them in rotated rounds; rank 0
-    prints one JSON object per plan."""
+    """Every rank: the plans (given, or the planner's for the ranks' classes, found here where
+    the classes are known: by rank or by node), run in rotated rounds; rank 0 prints one JSON
+    object per plan."""
+    from dataclasses import replace
+
     from mpi4py import MPI  # the benchmark's ranks
 
     from ratrain.config import load_config
     from ratrain.lifecycle.bench import _job_run
-    from ratrain.plan.hetero import predict
+    from ratrain.plan.hetero import best_plans, predict, uniform_like
     from ratrain.train.startup import rank_classes
 
     comm = MPI.COMM_WORLD
-    plans = json.loads(Path(args.worker).read_text())
+    job = json.loads(Path(args.worker).read_text())
     cfgs, classes = {}, {}
-    for name, sets in plans.items():
-        cfg = load_config(args.config, [*sets, f"run.steps={args.steps}"])
+
+    def add(name, cfg, cl=None):
+        cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
         cfg.check_world(comm.Get_size())
-        cfgs[name], classes[name] = rank_classes(cfg, comm)
+        cfgs[name], classes[name] = rank_classes(cfg, comm) if cl is None else (cfg, cl)
+
+    if job["mode"] == "given":
+        for name, sets in job["plans"].items():
+            add(name, load_config(args.config, sets))
+    else:
+        base, cl = rank_classes(load_config(args.config, job["sets"]), comm)
+        def plans_of(c, classes_):  # planned once, on rank 0, for every rank
+            return comm.bcast(best_plans(c, classes_) if comm.Get_rank() == 0 else None)
+
+        best = plans_of(base, cl)
+        add("mixed" if job["mode"] == "versus-uniform" else "asymmetric", best["asymmetric"], cl)
+        if job["mode"] == "versus-uniform":
+            uni, ucl = rank_classes(uniform_like(base, cl), comm)
+            add("uniform", plans_of(uni, ucl)["symmetric"], ucl)
+        else:
+            add("symmetric", best["symmetric"], cl)
     runs: dict[str, list[dict]] = {name: [] for name in cfgs}
     names = list(cfgs)
     for r in range(args.rounds):
@@ -79,15 +102,6 @@ def worker(args) -> None:
         }), flush=True)
 
 
-def default_plans(config: str, sets: list[str], ranks: int) -> dict[str, list[str]]:
-    """The planner's best asymmetric and best symmetric plans for the job's classes."""
-    from ratrain.config import load_config
-    from ratrain.plan.hetero import best_plans
-
-    cfg = load_config(config, sets)
-    return {name: [*sets, *over] for name, over in best_plans(cfg, ranks).items()}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -98,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--launcher", default="", help="instead of mpirun -n RANKS --oversubscribe")
+    ap.add_argument("--versus-uniform", action="store_true",
+                    help="the planner's plan against a uniform cluster of the same total compute")
     ap.add_argument("--record", default="")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -106,11 +122,13 @@ def main(argv=None) -> int:
         return 0
     if args.plan:
         plans = {n: [*args.set, *s] for n, s in map(plan_sets, args.plan)}
+        job = {"mode": "given", "plans": plans}
     else:
-        plans = default_plans(args.config, args.set, args.ranks)
+        job = {"mode": "versus-uniform" if args.versus_uniform else "planner", "sets": args.set}
+        plans = ["", ""]  # two: the planner's pair
     load_before = round(os.getloadavg()[0], 2)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(plans, f)
+        json.dump(job, f)
     py = sys.executable
     mpirun = os.environ.get("MPIRUN", str(Path(py).with_name("mpirun")))
     launch = (shlex.split(args.launcher) + ["-n", str(args.ranks)] if args.launcher

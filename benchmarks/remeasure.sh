@@ -7,7 +7,7 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle checkpoint faults slurm timing (the
+# PARTS (default all): bench parity comm lifecycle hetero checkpoint faults slurm timing (the
 # wall-clock tests, `pytest --timing -m timing`, which need the quiet host). A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
 # figures) holds its exit_status and the table says so.
@@ -19,7 +19,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle checkpoint faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero checkpoint faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -61,6 +61,22 @@ for part in $PARTS; do
   lifecycle)  # ~4 min: jobs/bench-lifecycle.yaml, 3 policies x 3 rounds on 8 ranks
     rec lifecycle -- "${MPI[@]}" -n 8 "$PY" -m ratrain.lifecycle.bench time \
       --config jobs/bench-lifecycle.yaml --rounds "$(s 1 3)" --steps "$(s 3 5)" --skip "$(s 1 2)" ;;
+  hetero)  # ~20 min: jobs/mixed.yaml, the planner's plan against the best symmetric one on 8
+    # ranks of one host and on 2 emulated nodes (root), and against a uniform cluster of the
+    # same total compute; each beside the simulator
+    H=("$PY" benchmarks/hetero.py --config jobs/mixed.yaml --rounds "$(s 1 3)" --steps "$(s 2 4)"
+       --skip 1)
+    [ "$SMOKE" = 1 ] && H+=(--set parallel.num_micro_batches=3)
+    rec hetero-one-host -- "${H[@]}"
+    rec hetero-same-flops -- "${H[@]}" --versus-uniform
+    NODES='platform.classes=[{name: full, hosts: ["*-n1"]}, {name: half, hosts: ["*-n2"], compute_flops: 2.25e12}]'
+    if scripts/cluster.sh up --nodes 2 --slots 4 --rate 1gbit --name hx; then
+      MPIRUN=$MPIRUN rec hetero-two-nodes -- "${H[@]}" --set "$NODES" \
+        --launcher "scripts/cluster.sh run --name hx --"
+      scripts/cluster.sh down --name hx
+    else
+      failed+=(hetero-two-nodes)
+    fi ;;
   checkpoint)  # ~1 min: a save against plain h5py, interleaved
     rec checkpoint-save --ratio "save_over_h5py=save.median_s:h5py.median_s" -- \
       "$PY" benchmarks/bench_checkpoint.py --reps "$(s 1 5)" --dir "$WORK" ;;
@@ -87,7 +103,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle checkpoint faults slurm timing)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero checkpoint faults slurm timing)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

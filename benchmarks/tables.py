@@ -52,6 +52,21 @@ TABLES = {
          "(oversubscribed)", [("pp2x2_ratio", "pp2 x dp2", ".3f"), ("pp1x4_ratio", "dp4", ".3f")]),
         ("board_step_2r", "whole steps with the board / without, 2 ranks (a rank a core)",
          [("pp1x2_ratio", "dp2", ".3f"), ("pp2x1_ratio", "pp2", ".3f")]),
+        ("hetero-one-host", "jobs/mixed.yaml on 8 ranks of one host (4 at half the rate): the "
+         "planner's plan against the best symmetric one, interleaved",
+         [("asymmetric_over_symmetric", "speed-up", ".3f"),
+          ("asymmetric.measured_over_predicted", "asymmetric measured / simulated", ".3f"),
+          ("symmetric.measured_over_predicted", "symmetric measured / simulated", ".3f"),
+          ("asymmetric.plan", "plan", ""), ("symmetric.plan", "symmetric", "")]),
+        ("hetero-two-nodes", "the same on 2 emulated nodes (root; one class per node)",
+         [("asymmetric_over_symmetric", "speed-up", ".3f"),
+          ("asymmetric.measured_over_predicted", "asymmetric measured / simulated", ".3f"),
+          ("symmetric.measured_over_predicted", "symmetric measured / simulated", ".3f")]),
+        ("hetero-same-flops", "the mixed cluster against a uniform one of the same total "
+         "compute (8 ranks at 0.75x MT-3000), each its planner's plan",
+         [("mixed_over_uniform", "mixed / uniform", ".3f"),
+          ("mixed.measured_over_predicted", "mixed measured / simulated", ".3f"),
+          ("uniform.measured_over_predicted", "uniform measured / simulated", ".3f")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",
