@@ -27,6 +27,7 @@ import sys
 import time
 
 from ratrain.config import ConfigError, load_config
+from ratrain.plan import hetero
 from ratrain.plan.calibrate import calibrate, fit_compute_rate
 from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.search import (
@@ -39,6 +40,7 @@ from ratrain.plan.search import (
     scaling,
     search,
 )
+from ratrain.shim.platform import class_map, class_profile
 
 GIB = 2**30
 
@@ -70,7 +72,14 @@ def _parse(argv):
                     help="clusters per node, sharing its interface (default: the profile's)")
     ap.add_argument("--placement", default="both", choices=("pp", "dp", "both"),
                     help="which grid axis stays inside a node (default: plan both)")
+    ap.add_argument("--mixed", type=float, default=None, metavar="F",
+                    help="plan a mixed cluster: the first half of the ranks at the profile's "
+                    "compute rate, the second half at F times it, beside a uniform cluster of "
+                    "the same total compute (a config with platform.classes is planned as one "
+                    "without this flag)")
     args = ap.parse_args(argv)
+    if args.mixed is not None and args.mixed <= 0:
+        ap.error("--mixed must be > 0")
     if args.policy != "all" and args.policy not in POLICY_NAMES:
         ap.error(f"--policy {args.policy!r} is not one of {', '.join(POLICY_NAMES)}, all")
     if args.top < 1:
@@ -106,6 +115,10 @@ def main(argv=None) -> int:
         cost = cost.with_rates(cost.rates.with_("ranks_per_node", args.ranks_per_node,
                                                 "--ranks-per-node"))
     t0 = time.perf_counter()
+    if args.mixed is not None or cfg.platform.classes:
+        code = _print_mixed(cfg, args)
+        print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
+        return code
     clusters = args.clusters or cfg.parallel.world_size
     cap = int(args.cap_gib * GIB) if args.cap_gib is not None else cap_bytes(cfg)
     policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
@@ -141,6 +154,77 @@ def main(argv=None) -> int:
     if args.memory_table:
         _print_memory(cfg, cap, clusters)
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _runs(values) -> str:
+    """[40, 40, 20, 20] -> "40 x2, 20 x2" (a long list of shares or layers, read at a glance)."""
+    out: list[list] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return ", ".join(f"{v}" if n == 1 else f"{v} x{n}" for v, n in out)
+
+
+def _mixed_row(label: str, cand, base: float | None = None) -> str:
+    p = cand.cfg.parallel
+    layers = _runs(p.layers_per_stage) if p.layers_per_stage else "even"
+    shares = _runs(p.shares)
+    vs = f"  ({cand.tokens_per_s / base:.3f}x)" if base else ""
+    return (f"  {label:<22} pp {p.pp} x dp {p.dp} ({p.placement}), {cand.cfg.schedule.policy}, "
+            f"layers per stage [{layers}], micro-batches per replica [{shares}]: "
+            f"{cand.tokens_per_s:,.0f} tokens/s{vs}")
+
+
+def _print_mixed(cfg, args) -> int:
+    """A mixed cluster: the planner's partition beside the best symmetric plan (and, with
+    `--mixed`, beside a uniform cluster of the same total compute), predicted by the simulator
+    with each rank at its class's rates (`plan.hetero`)."""
+    world = cfg.parallel.world_size
+    if args.clusters not in (None, world):
+        print(f"error: --clusters {args.clusters}: a mixed cluster is planned on the config's "
+              f"parallel.pp x parallel.dp = {world} ranks", file=sys.stderr)
+        return 2
+    policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
+    try:
+        if args.mixed is not None:
+            cfg = hetero.halves(cfg, args.mixed)
+        classes = class_map(cfg.platform, [""] * world)  # by rank: no node is known here
+        ranked = [c for c in hetero.candidates(cfg, classes, policies) if c.fits]
+        uniform = hetero.uniform_like(cfg, classes) if args.mixed is not None else None
+        uni = ([c for c in hetero.candidates(uniform, ("uniform",) * world, policies) if c.fits]
+               if uniform is not None else None)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = cfg.model
+    print(f"model: {args.config}  {m.num_params() / 1e9:.2f}B parameters, {m.layers} layers, "
+          f"seq {m.seq_len}, {cfg.precision}; {world} clusters, global batch "
+          f"{cfg.parallel.global_batch} sequences"
+          + (f"; tokens/s in this host's time (platform.time_scale {cfg.platform.time_scale:g})"
+             if cfg.platform.time_scale != 1 else ""))
+    for c in cfg.platform.classes:
+        prof = class_profile(cfg.platform, c.name)
+        n = sum(1 for x in classes if x == c.name)
+        print(f"  class {c.name}: {n} ranks, {prof.compute_flops:.4g} flop/s, DDR "
+              f"{_gib(prof.ddr_bytes) if prof.ddr_bytes else 'no cap'} GiB")
+    if not ranked:
+        print("  nothing fits under the classes' DDR caps")
+        return 1
+    sym = next((c for c in ranked if c.symmetric), None)
+    print("\n== the planner's partition beside the best symmetric plan (predicted) ==")
+    print(_mixed_row("planner's choice:", ranked[0]))
+    if sym is not None:
+        print(_mixed_row("best symmetric:", sym))
+        print(f"  choice / symmetric: {ranked[0].tokens_per_s / sym.tokens_per_s:.3f}x")
+    if uni:
+        rate = uniform.platform.classes[0].compute_flops
+        print(f"\n== a uniform cluster of the same total compute ({world} ranks at "
+              f"{rate:.4g} flop/s) ==")
+        print(_mixed_row("its best plan:", uni[0]))
+        print(f"  mixed / uniform: {ranked[0].tokens_per_s / uni[0].tokens_per_s:.3f}x")
     return 0
 
 

@@ -19,11 +19,17 @@ class's DDR cap is refused before any work (`plan.check`).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ratrain.comm.topology import coords
+from ratrain.config.sections import RankClass
 from ratrain.exec.spec import block_flops_per_token, stage_layers
-from ratrain.plan.cost import DEFAULT_MEM_BANDWIDTH
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.plan.cost import DEFAULT_MEM_BANDWIDTH, CostModel, Rates
+from ratrain.plan.memory import fit_recompute, stage_peaks
+from ratrain.plan.search import POLICY_NAMES, candidate_pps
+from ratrain.plan.simulate import simulate
+from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import class_profile
 
 ROLE_ORDER = ("embed", "layer", "head")
@@ -127,6 +133,176 @@ def split_shares(cfg, classes, layers) -> tuple[int, ...]:
     return tuple(shares)
 
 
+# -- the simulator's view of a mixed cluster -----------------------------------------------------
+
+
+def grid_classes(cfg, classes) -> list[list[str | None]]:
+    """`names[stage][replica]`: the class of each grid position under `parallel.placement`."""
+    p = cfg.parallel
+    names = [[None] * p.dp for _ in range(p.pp)]
+    for r in range(p.world_size):
+        s, q = coords(r, p.pp, p.dp, p.placement)
+        names[s][q] = classes[r] if classes is not None else None
+    return names
+
+
+def class_costs(cfg, names) -> list[CostModel]:
+    """One cost model per stage: `names[s]`'s class rates (compute, DDR) over the config's."""
+    base = CostModel.from_config(cfg)
+    cache: dict = {}
+    for n in names:
+        if n not in cache:
+            cache[n] = base.with_rates(Rates.from_profile(class_profile(cfg.platform, n)))
+    return [cache[n] for n in names]
+
+
+def replica_step_s(cfg, names, replica: int, steps: int = 3) -> float:
+    """The simulated step (platform seconds) of replica `replica`'s pipeline, its stages at
+    the rates of classes `names[s]`, with its own micro-batch count."""
+    plan = PipelinePlan.from_config(cfg, replica=replica, validate=False)
+    rec = recompute_for(plan.blocks, cfg.schedule.recompute)
+    return simulate(plan, class_costs(cfg, names), rec, steps=steps).step_s
+
+
+def predict_step_s(cfg, classes, steps: int = 3) -> float:
+    """The simulated step of `cfg` on ranks of `classes`: its slowest replica's (each replica
+    simulated with its own classes and share; a faster one waits for it at the gradient
+    collectives). Replicas alike in classes and share are simulated once."""
+    p = cfg.parallel
+    grid = grid_classes(cfg, classes)
+    seen: dict = {}
+    for q in range(p.dp):
+        key = (tuple(grid[s][q] for s in range(p.pp)), p.micro_batches_of(q))
+        if key not in seen:
+            seen[key] = replica_step_s(cfg, key[0], q, steps)
+    return max(seen.values())
+
+
+def predict(cfg, classes) -> float:
+    """Tokens per second of wall-clock time `cfg` trains at on ranks of `classes`, as this host
+    runs it under emulation (the simulated platform step x `platform.time_scale`)."""
+    step = predict_step_s(cfg, classes) * cfg.platform.time_scale
+    return cfg.parallel.global_batch * cfg.model.seq_len / step
+
+
+# -- the search ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cfg: object  # a concrete Config: layout, policy, layers per stage and shares
+    symmetric: bool  # even layers and equal shares
+    tokens_per_s: float  # predicted, wall-clock under the config's time_scale (0: does not fit)
+    fits: bool
+
+    def describe(self) -> str:
+        p = self.cfg.parallel
+        layers = list(p.layers_per_stage) if p.layers_per_stage else "even"
+        shares = list(p.replica_shares) if p.replica_shares else f"{p.num_micro_batches} each"
+        return (f"pp {p.pp} x dp {p.dp} ({p.placement} placement), layers {layers}, "
+                f"micro-batches {shares}, {self.cfg.schedule.policy}")
+
+
+def stage_caps(cfg, classes) -> list[int | None]:
+    """Each stage's DDR cap: the smallest of its ranks' classes' caps."""
+    caps = []
+    for names in grid_classes(cfg, classes):
+        got = [class_profile(cfg.platform, n).ddr_bytes for n in set(names)]
+        caps.append(None if any(c is None for c in got) else min(got))
+    return caps
+
+
+def fits(cfg, classes) -> bool:
+    """Whether every stage fits its cap, with the largest share's micro-batches in flight."""
+    p = cfg.parallel
+    big = max(range(p.dp), key=p.micro_batches_of)
+    plan = PipelinePlan.from_config(cfg, replica=big, validate=False)
+    caps = stage_caps(cfg, classes)
+    if cfg.schedule.recompute == "auto":
+        known = [c for c in caps if c is not None]
+        _, peaks, _ = fit_recompute(plan, cfg.model, p.micro_batch, min(known) if known else None)
+    else:
+        peaks = stage_peaks(plan, cfg.model, p.micro_batch,
+                            recompute_for(plan.blocks, cfg.schedule.recompute))
+    return all(c is None or pk <= c for pk, c in zip(peaks, caps))
+
+
+def candidates(cfg, classes, policies=POLICY_NAMES) -> list[Candidate]:
+    """Every layout of `cfg`'s ranks keeping its global batch and micro-batch size (pp x dp,
+    both placements, `policies`), each symmetric (even layers, equal shares) and cut to the
+    classes (`split_layers`, `split_shares`), fastest first."""
+    p = cfg.parallel
+    world, windows = p.world_size, p.global_batch // p.micro_batch
+    out, seen = [], set()
+    for pp in candidate_pps(cfg.model.layers, world, (p.pp,)):
+        dp = world // pp
+        if pp * dp != world or windows % dp:
+            continue
+        for placement in ("pp", "dp") if pp > 1 and dp > 1 else (p.placement,):
+            for policy in policies:
+                lay = replace(p, pp=pp, dp=dp, num_micro_batches=windows // dp,
+                              placement=placement, layers_per_stage=None, replica_shares=None)
+                sym = replace(cfg, parallel=lay,
+                              schedule=replace(cfg.schedule, policy=policy))
+                auto = replace(sym, parallel=replace(lay, layers_per_stage=lay.AUTO,
+                                                     replica_shares=lay.AUTO))
+                for c, symmetric in ((sym, True), (resolve(auto, classes), False)):
+                    key = (c.parallel, policy)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    ok = fits(c, classes)
+                    out.append(Candidate(c, symmetric or _even(c), predict(c, classes) if ok
+                                         else 0.0, ok))
+    return sorted(out, key=lambda c: -c.tokens_per_s)
+
+
+def _even(cfg) -> bool:
+    """Whether a resolved plan came out symmetric anyway (a uniform cluster)."""
+    p = cfg.parallel
+    even = tuple(len(r) for r in stage_layers(cfg.model, p.pp))
+    return ((p.layers_per_stage is None or tuple(p.layers_per_stage) == even)
+            and len(set(p.shares)) == 1)
+
+
+def best_plans(cfg, classes, policies=POLICY_NAMES) -> dict:
+    """The planner's choice for `cfg`'s ranks of `classes` (`asymmetric`: the fastest plan that
+    fits) and the fastest symmetric plan (`symmetric`), as concrete configs; a ValueError
+    naming the cap when none fits."""
+    ranked = [c for c in candidates(cfg, classes, policies) if c.fits]
+    if not ranked:
+        raise ValueError("no layout of parallel.pp x parallel.dp fits every stage under its "
+                         "class's DDR cap (platform.classes[].ddr_bytes, platform.ddr_bytes): "
+                         "raise the caps, lower parallel.micro_batch, or set "
+                         "schedule.recompute=auto")
+    sym = [c for c in ranked if c.symmetric]
+    return {"asymmetric": ranked[0].cfg, "symmetric": (sym or ranked)[0].cfg}
+
+
+def halves(cfg, factor: float):
+    """`cfg` on a mixed cluster: the first half of its ranks at the profile's compute rate
+    (class `base`), the second half at `factor` times it (class `x<factor>`)."""
+    world, rate = cfg.parallel.world_size, class_profile(cfg.platform, None).compute_flops
+    if not rate:
+        raise ValueError(f"platform profile {cfg.platform.profile!r} has no compute_flops to "
+                         "scale: set platform.compute_flops or use platform.profile=mt3000")
+    half = world // 2
+    return replace(cfg, platform=replace(cfg.platform, classes=(
+        RankClass(name="base", ranks=tuple(range(half))),
+        RankClass(name=f"x{factor:g}", ranks=tuple(range(half, world)),
+                  compute_flops=float(rate) * factor))))
+
+
+def uniform_like(cfg, classes):
+    """`cfg` on a uniform cluster of the same total compute: one class holding every rank at
+    the mean of the ranks' compute rates (their other values the profile's)."""
+    rates = [class_profile(cfg.platform, n).compute_flops for n in classes]
+    one = RankClass(name="uniform", ranks=tuple(range(len(classes))),
+                    compute_flops=float(sum(rates)) / len(rates))
+    return replace(cfg, platform=replace(cfg.platform, classes=(one,)),
+                   parallel=replace(cfg.parallel, layers_per_stage=None, replica_shares=None))
+
+
 def with_measured_rates(cfg, classes, rates):
     """`cfg` with each `calibrate` class's compute_flops set to the slowest measured rate of its
     ranks (`rates[r]`: world rank r's flop/s, `classes[r]` its class), and calibrate off: the
@@ -160,5 +336,7 @@ def resolve(cfg, classes):
                                          replica_shares=shares))
 
 
-__all__ = ["grid_rates", "rank_rates", "replica_seconds", "resolve", "role_seconds",
-           "split_layers", "split_shares", "stage_seconds", "with_measured_rates"]
+__all__ = ["Candidate", "best_plans", "candidates", "class_costs", "fits", "grid_classes",
+           "grid_rates", "halves", "predict", "predict_step_s", "rank_rates", "replica_seconds",
+           "replica_step_s", "resolve", "role_seconds", "split_layers", "split_shares",
+           "stage_caps", "stage_seconds", "uniform_like", "with_measured_rates"]

@@ -121,7 +121,8 @@ def simulate(
     `lifecycle.pipeline.PipelinePlan`; its dp replicas run in lockstep).
 
     `recompute[s]`: layer -> "none" | "selective" | "full"; `cost`: a `CostModel` (or the same
-    methods); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
+    methods), or one per stage (a mixed cluster: each stage's compute and DDR-bound work at its
+    own rates; the links and collectives are the first's); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
     `step_lists`: lists to play instead of the plan's own (`step_lists[k][s]`, a test's
     doctored ones). The step time is that of the last step, measured between the moments the
     last rank finished the step before and this one (the whole run for one step).
@@ -131,14 +132,15 @@ def simulate(
     blocks, shards, dp = plan.blocks, plan.shards, plan.dp
     step_lists = plan.steps(steps) if step_lists is None else step_lists
     pp = len(blocks)
+    costs = list(cost) if isinstance(cost, (list, tuple)) else [cost] * pp
     recompute = recompute or [{} for _ in range(pp)]
     ranks = []
     for s in range(pp):
         items: list = []
         for k, lists in enumerate(step_lists):
-            items += events.items(lists[s], s, blocks[s], recompute[s], cost, k, shards)
+            items += events.items(lists[s], s, blocks[s], recompute[s], costs[s], k, shards)
         ranks.append(events.RankState(s, items, blocks[s]))
-    sim = events.Sim(ranks, cost, dp, send_mode, timeline)
+    sim = events.Sim(ranks, costs[0], dp, send_mode, timeline)
     sim.run()
 
     last = len(step_lists) - 1
