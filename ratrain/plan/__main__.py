@@ -3,7 +3,7 @@
     python -m ratrain.plan --config jobs/llama2-7b.yaml [--clusters 1024] [--policy all] [--top 5]
         [--global-batch SEQS] [--cap-gib 20] [--set platform.compute_flops=8e12 ...]
         [--calibrate RUN_DIR] [--match-tokens-per-s 112790] [--scaling 64,128,256,512,1024]
-        [--memory-table] [--ranks-per-node K] [--placement pp|dp|both]
+        [--memory-table] [--ranks-per-node K] [--placement pp|dp|both] [--mixed F]
 
 Prints the platform rates with their sources, per policy the fastest layouts that fit the DDR
 cap (step time, tokens/s, peak DDR vs cap, recomputed layers, exposed communication, bubble), a
@@ -14,6 +14,12 @@ the policies, and with `--memory-table` which pipeline depths fit under the cap.
 interface of the profile's `link_bandwidth`; the profile's `ranks_per_node` by default, 4 for
 mt3000); `--placement` says which grid axis stays inside a node (`both`, the default, plans
 each layout with both and shows the better per policy, with its placement).
+
+A config with `platform.classes` (a mixed cluster), or `--mixed F` (the first half of the ranks
+at the profile's rate, the second half at F times it), is planned by `plan.hetero` instead: the
+classes, the planner's partition (layout, placement, policy, layers per stage, micro-batches per
+replica) beside the best symmetric plan on the same ranks, each with its predicted tokens/s, and
+with `--mixed` beside a uniform cluster of the same total compute.
 
 `--match-tokens-per-s X` fits the compute rate so that the config's own layout under `ratrain`
 predicts X tokens/s at `--clusters` (a calibration, e.g. to a published figure); everything else
