@@ -187,6 +187,20 @@ class NodeLayout:
     def same_node(self, s: int, t: int) -> bool:
         return self.node[s] == self.node[t]
 
+    def groups(self, groups) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(node, copies) of the simulator's ranks when replicas come in `groups` (tuples of
+        replicas alike, each played by its first): for rank `g * pp + s`, the node of group g's
+        first replica's stage s, and how many of the group's stage-s ranks share that node. One
+        group of every replica gives `node` and `copies`."""
+        g, k = grid(self.pp, self.dp, self.placement), self.ranks_per_node
+        node, copies = [], []
+        for reps in groups:
+            for s in range(self.pp):
+                mine = int(g[reps[0], s]) // k
+                node.append(mine)
+                copies.append(sum(1 for q in reps if int(g[q, s]) // k == mine))
+        return tuple(node), tuple(copies)
+
 
 # --------------------------------------------------------------------------------------------
 # The model

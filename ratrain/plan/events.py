@@ -40,8 +40,8 @@ class _Item:
 class _Flatten:
     """One rank's actions of one step as timed items (see `_items`)."""
 
-    def __init__(self, stage, blocks, recompute, cost, step, shards):
-        self.stage, self.blocks, self.recompute = stage, blocks, recompute
+    def __init__(self, stage, blocks, recompute, cost, step, shards, rank):
+        self.stage, self.rank, self.blocks, self.recompute = stage, rank, blocks, recompute
         self.cost, self.step, self.shards = cost, step, shards
         self.out: list[_Item] = []
         self.table = dispatch_table("simulate", {
@@ -85,12 +85,12 @@ class _Flatten:
 
     def _send(self, a):
         d = "f" if isinstance(a, sched.SendForward) else "b"
-        peer = self.stage + (1 if d == "f" else -1)
-        self._add("send", a, key=(self.step, d, a.mb, self.stage), peer=peer)
+        peer = self.rank + (1 if d == "f" else -1)
+        self._add("send", a, key=(self.step, d, a.mb, self.rank), peer=peer)
 
     def _recv(self, a):
         d = "f" if isinstance(a, sched.RecvForward) else "b"
-        src = self.stage - (1 if d == "f" else -1)
+        src = self.rank - (1 if d == "f" else -1)
         self._add("recv", a, key=(self.step, d, a.mb, src))
 
     def _update(self, a):
@@ -102,10 +102,14 @@ class _Flatten:
             self._add("gather", a, blocks=(a.block,))
 
 
-def items(actions, stage: int, blocks, recompute, cost, step: int, shards: int = 1) -> list[_Item]:
+def items(actions, stage: int, blocks, recompute, cost, step: int, shards: int = 1,
+          rank: int | None = None) -> list[_Item]:
     """Timed items of one rank's step: busy spans (compute, updates, view casts; consecutive
-    ones merged), messages, engine submissions, waits, the norm barrier, and an end mark."""
-    flat = _Flatten(stage, blocks, recompute, cost, step, shards)
+    ones merged), messages, engine submissions, waits, the norm barrier, and an end mark.
+    `rank`: the simulator's index of the rank (`group * pp + stage`; default `stage`), which
+    names its messages' peers."""
+    flat = _Flatten(stage, blocks, recompute, cost, step, shards,
+                    stage if rank is None else rank)
     for a in actions:
         flat.table[type(a)](a)
     flat.out.append(_Item("end", step=step))
@@ -163,8 +167,8 @@ class _Link:
 
 
 class RankState:
-    def __init__(self, stage: int, items: list[_Item], blocks=()):
-        self.stage, self.items, self.pc = stage, items, 0
+    def __init__(self, stage: int, items: list[_Item], blocks=(), group: int = 0):
+        self.stage, self.group, self.items, self.pc = stage, group, items, 0
         self.blocks = tuple(blocks)  # the stage's block names
         self.blocked_since: float | None = None
         self.busy: dict[int, dict[str, float]] = {}  # step -> category -> s
@@ -172,7 +176,9 @@ class RankState:
         self.end: dict[int, float] = {}  # step -> time its items finished
         self.engine_q: list[tuple[int, str, str]] = []  # (step, block, allreduce|scatter|gather)
         self.engine_busy = False
+        self.engine_ready = False  # its head collective waits for the other groups
         self.engine_s = 0.0
+        self.collectives = 0  # collectives started (they pair across groups in this order)
         self.synced: set[tuple[int, str]] = set()
         self.gathered: dict[str, int] = {}  # block -> view all-gathers finished
         self.views_used: dict[str, int] = {}  # block -> WaitViews passed
@@ -180,16 +186,28 @@ class RankState:
 
 
 class Sim:
-    def __init__(self, ranks, cost, dp: int, send_mode: str, timeline: bool):
+    """Every simulated rank's items against each other. Ranks are `group * pp + stage`: one
+    group (the default) is one replica standing for all in lockstep; several are replicas
+    unlike in speed or share (`groups`: the replicas each stands for, its first played), each
+    rank with its own cost model (`costs`), a data-parallel collective starting when every
+    group's rank of the stage has reached it."""
+
+    def __init__(self, ranks, cost, dp: int, send_mode: str, timeline: bool, costs=None,
+                 groups=None):
         self.ranks, self.cost, self.dp, self.send_mode = ranks, cost, dp, send_mode
-        rates = cost.rates
-        self.layout = cost.nodes(len(ranks), dp)
-        # each rank's own intra-node link; one interface per node that replica 0 occupies
-        self.intra = [_Link(self, rates.intra_bandwidth) for _ in ranks]
-        self.nics = {n: _Link(self, rates.link_bandwidth) for n in set(self.layout.node)}
+        self.pp = len({rk.stage for rk in ranks})
+        self.costs = list(costs) if costs is not None else [cost] * len(ranks)
+        self.layout = cost.nodes(self.pp, dp)
+        self.node, self.copies = self.layout.groups(groups or (tuple(range(dp)),))
+        # each rank's own intra-node link; one interface per node its ranks occupy
+        self.intra = [_Link(self, c.rates.intra_bandwidth) for c in self.costs]
+        self.nics = {}
+        for r, n in enumerate(self.node):
+            self.nics.setdefault(n, _Link(self, self.costs[r].rates.link_bandwidth))
         # the chunk of each stage's data-parallel staging, as the runtime sizes it
-        self.chunk = [cost.staging_chunk(rk.blocks, *self.layout.runs[s])
-                      for s, rk in enumerate(ranks)]
+        self.chunk = [cost.staging_chunk(rk.blocks, *self.layout.runs[rk.stage])
+                      for rk in ranks]
+        self.members = [[r for r, x in enumerate(ranks) if x.stage == s] for s in range(self.pp)]
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -227,18 +245,18 @@ class Sim:
     # -- messages ---------------------------------------------------------------------------
 
     def _transfer(self, t: float, key: tuple, src: int) -> None:
-        """A pipeline message from stage `src`: on its intra-node link when the neighbour is on
+        """A pipeline message from rank `src`: on its intra-node link when the neighbour is on
         the same node, else through its node's interface together with the same message of the
-        other replicas of `src` on that node (`copies`)."""
+        other replicas of its group and stage on that node (`copies`)."""
         self.sent[key] = t
-        rates, lay = self.cost.rates, self.layout
+        rates = self.costs[src].rates
         dst = src + (1 if key[1] == "f" else -1)
         nbytes = self.cost.activation_bytes
-        if lay.same_node(src, dst):
+        if self.node[src] == self.node[dst]:
             lat, link = rates.intra_latency, self.intra[src]
         else:
-            lat, link = rates.link_latency, self.nics[lay.node[src]]
-            nbytes *= lay.copies[src]
+            lat, link = rates.link_latency, self.nics[self.node[src]]
+            nbytes *= self.copies[src]
 
         def on_wire(t2):
             link.add(t2, nbytes, on_done)
@@ -252,43 +270,67 @@ class Sim:
     # -- the engine ---------------------------------------------------------------------------
 
     def _engine_next(self, t: float, r: int) -> None:
-        """The next collective of rank r's engine: its latency, then its bytes on the rank's
-        intra-node link and on the node's interface at once (`CostModel.collective_terms`)."""
+        """The next collective of rank r's engine, once every group's rank of its stage has
+        reached it: its latency (the largest of theirs), then its bytes on each one's
+        intra-node link and on each of their nodes' interfaces at once
+        (`CostModel.collective_terms`); done for all when the last bytes are."""
         rk = self.ranks[r]
-        if rk.engine_busy or not rk.engine_q:
+        if rk.engine_busy or rk.engine_ready or not rk.engine_q:
             return
-        step, block, op = rk.engine_q.pop(0)
-        rk.engine_busy = True
+        rk.engine_ready = True
+        members = self.members[rk.stage]
+        if not all(self.ranks[m].engine_ready for m in members):
+            return  # the last to arrive starts it
+        heads = {self.ranks[m].engine_q[0] + (self.ranks[m].collectives,) for m in members}
+        if len(heads) > 1:
+            raise RuntimeError(f"simulated collectives do not pair across replicas at stage "
+                               f"{rk.stage}: {sorted(heads)}")
+        step, block, op = rk.engine_q[0]
         role = block_role(block)
-        nodes, local = self.layout.runs[r]
+        nodes, local = self.layout.runs[rk.stage]
         if op == "gather":  # the block's view
             coll, nbytes = "allgather", self.cost.view_bytes(role)
         else:
             coll = "reduce_scatter" if op == "scatter" else "allreduce"
             nbytes = self.cost.grad_bytes(role)
-        lat, intra, nic = self.cost.collective_terms(coll, nbytes, nodes, local, self.chunk[r])
-        start, left = t, [2]
+        terms = {m: self.costs[m].collective_terms(coll, nbytes, nodes, local, self.chunk[m])
+                 for m in members}
+        nics = {self.node[m]: terms[m][2] for m in reversed(members)}  # once per node
+        for m in members:
+            x = self.ranks[m]
+            x.engine_q.pop(0)
+            x.engine_busy, x.engine_ready = True, False
+            x.collectives += 1
+        start, left = t, [len(members) + len(nics)]
 
         def on_wire(t2):
-            self.intra[r].add(t2, intra, on_done)
-            self.nics[self.layout.node[r]].add(t2, nic, on_done)
+            for m in members:
+                self.intra[m].add(t2, terms[m][1], on_done)
+            for n, nbytes in nics.items():
+                self.nics[n].add(t2, nbytes, on_done)
 
         def on_done(t3):
             left[0] -= 1
             if left[0]:
                 return
-            rk.engine_busy = False
-            rk.engine_s += t3 - start
-            if op == "gather":
-                n = rk.gathered.get(block, 0)
-                rk.gathered[block] = n + 1
-                self.wake(("view", r, block, n))
-            else:
-                rk.synced.add((step, block))
-                self.wake(("sync", r, step, block))
-            self._engine_next(t3, r)
+            for m in members:
+                self._engine_done(t3, m, start, step, block, op)
+            for m in members:
+                self._engine_next(t3, m)
 
-        self.at(t + lat, on_wire)
+        self.at(t + max(x[0] for x in terms.values()), on_wire)
+
+    def _engine_done(self, t: float, r: int, start: float, step: int, block: str, op: str):
+        rk = self.ranks[r]
+        rk.engine_busy = False
+        rk.engine_s += t - start
+        if op == "gather":
+            n = rk.gathered.get(block, 0)
+            rk.gathered[block] = n + 1
+            self.wake(("view", r, block, n))
+        else:
+            rk.synced.add((step, block))
+            self.wake(("sync", r, step, block))
 
     # -- the main thread ----------------------------------------------------------------------
 
@@ -394,7 +436,8 @@ class Sim:
 
     def _norm_cost(self) -> float:
         nodes, local = self.layout.world_runs
-        return self.cost.collective_time("allreduce", NORM_BYTES, nodes, local)
+        return max(c.collective_time("allreduce", NORM_BYTES, nodes, local)
+                   for c in {id(c): c for c in self.costs}.values())
 
     def _arrive_norm(self, t: float, r: int, step: int) -> None:
         rk = self.ranks[r]

@@ -25,10 +25,10 @@ from ratrain.comm.topology import coords
 from ratrain.config.sections import RankClass
 from ratrain.exec.spec import block_flops_per_token, stage_layers
 from ratrain.lifecycle.pipeline import PipelinePlan
-from ratrain.plan.cost import DEFAULT_MEM_BANDWIDTH, CostModel, Rates
+from ratrain.plan.cost import DEFAULT_MEM_BANDWIDTH
 from ratrain.plan.memory import fit_recompute, stage_peaks
 from ratrain.plan.search import POLICY_NAMES, candidate_pps
-from ratrain.plan.simulate import simulate
+from ratrain.plan.simulate import simulate_config
 from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import class_profile
 
@@ -146,41 +146,33 @@ def grid_classes(cfg, classes) -> list[list[str | None]]:
     return names
 
 
-def class_costs(cfg, names) -> list[CostModel]:
-    """One cost model per stage: `names[s]`'s class rates (compute, DDR) over the config's."""
-    base = CostModel.from_config(cfg)
-    cache: dict = {}
-    for n in names:
-        if n not in cache:
-            cache[n] = base.with_rates(Rates.from_profile(class_profile(cfg.platform, n)))
-    return [cache[n] for n in names]
-
-
-def replica_step_s(cfg, names, replica: int, steps: int = 3) -> float:
-    """The simulated step (platform seconds) of replica `replica`'s pipeline, its stages at
-    the rates of classes `names[s]`, with its own micro-batch count."""
-    plan = PipelinePlan.from_config(cfg, replica=replica, validate=False)
-    rec = recompute_for(plan.blocks, cfg.schedule.recompute)
-    return simulate(plan, class_costs(cfg, names), rec, steps=steps).step_s
+def recompute_layers(cfg, classes) -> list[int] | None:
+    """`schedule.recompute: auto`: per stage, the fewest layers fully recomputed that fit (the
+    largest share's micro-batches in flight, under the smallest cap of the ranks' classes);
+    None for any other setting (the simulator takes it as it is)."""
+    if cfg.schedule.recompute != "auto":
+        return None
+    p = cfg.parallel
+    big = max(range(p.dp), key=p.micro_batches_of)
+    plan = PipelinePlan.from_config(cfg, replica=big, validate=False)
+    known = [c for c in stage_caps(cfg, classes) if c is not None]
+    counts, _, _ = fit_recompute(plan, cfg.model, p.micro_batch, min(known) if known else None)
+    return counts
 
 
 def predict_step_s(cfg, classes, steps: int = 3) -> float:
-    """The simulated step of `cfg` on ranks of `classes`: its slowest replica's (each replica
-    simulated with its own classes and share; a faster one waits for it at the gradient
-    collectives). Replicas alike in classes and share are simulated once."""
-    p = cfg.parallel
-    grid = grid_classes(cfg, classes)
-    seen: dict = {}
-    for q in range(p.dp):
-        key = (tuple(grid[s][q] for s in range(p.pp)), p.micro_batches_of(q))
-        if key not in seen:
-            seen[key] = replica_step_s(cfg, key[0], q, steps)
-    return max(seen.values())
+    """The simulated step (platform seconds) of `cfg` on ranks of `classes`: the whole grid,
+    each rank at its class's rates, each replica with its own share, a block's gradient
+    collective waiting for every replica (`plan.simulate.simulate_config`; replicas alike are
+    played once)."""
+    return simulate_config(cfg, recompute_layers=recompute_layers(cfg, classes), steps=steps,
+                           with_memory=False, classes=classes, validate=False).step_s
 
 
 def predict(cfg, classes) -> float:
-    """Tokens per second of wall-clock time `cfg` trains at on ranks of `classes`, as this host
-    runs it under emulation (the simulated platform step x `platform.time_scale`)."""
+    """Tokens per second of wall-clock time `cfg` (concrete: nothing on `auto`) trains at on
+    ranks of `classes`, as this host runs it under emulation (the simulated platform step x
+    `platform.time_scale`: the units of the run's metrics.jsonl)."""
     step = predict_step_s(cfg, classes) * cfg.platform.time_scale
     return cfg.parallel.global_batch * cfg.model.seq_len / step
 
@@ -336,7 +328,7 @@ def resolve(cfg, classes):
                                          replica_shares=shares))
 
 
-__all__ = ["Candidate", "best_plans", "candidates", "class_costs", "fits", "grid_classes",
+__all__ = ["Candidate", "best_plans", "candidates", "fits", "grid_classes",
            "grid_rates", "halves", "predict", "predict_step_s", "rank_rates", "replica_seconds",
-           "replica_step_s", "resolve", "role_seconds", "split_layers", "split_shares",
+           "recompute_layers", "resolve", "role_seconds", "split_layers", "split_shares",
            "stage_caps", "stage_seconds", "uniform_like", "with_measured_rates"]

@@ -38,12 +38,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ratrain.comm.topology import grid
 from ratrain.config import Config
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import events
-from ratrain.plan.cost import CostModel
+from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.memory import stage_peaks
 from ratrain.plan.steps import recompute_for
+from ratrain.shim.platform import class_map, class_profile
 
 SEND_MODES = ("eager", "rendezvous")
 
@@ -66,6 +68,7 @@ class RankStats:
     bubble_s: float = 0.0  # the rest: waiting for other stages
     peak_bytes: int = 0
     comm_total_s: float = 0.0  # engine busy time (hidden or not)
+    group: int = 0  # the replicas it stands for (`simulate_grid`'s groups)
 
     @property
     def busy_s(self) -> float:
@@ -106,6 +109,16 @@ class SimResult:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Group:
+    """Replicas alike (the same class at every stage, the same micro-batch count), played by
+    one simulated pipeline: `plan` (its micro-batches), `costs` (one per stage, its class's)."""
+
+    replicas: tuple[int, ...]
+    plan: PipelinePlan
+    costs: tuple
+
+
 def simulate(
     plan,
     cost,
@@ -121,49 +134,120 @@ def simulate(
     `lifecycle.pipeline.PipelinePlan`; its dp replicas run in lockstep).
 
     `recompute[s]`: layer -> "none" | "selective" | "full"; `cost`: a `CostModel` (or the same
-    methods), or one per stage (a mixed cluster: each stage's compute and DDR-bound work at its
-    own rates; the links and collectives are the first's); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
+    methods), or one per stage (each stage's compute, DDR-bound work and links at its own
+    rates); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
     `step_lists`: lists to play instead of the plan's own (`step_lists[k][s]`, a test's
     doctored ones). The step time is that of the last step, measured between the moments the
     last rank finished the step before and this one (the whole run for one step).
     """
+    costs = tuple(cost) if isinstance(cost, (list, tuple)) else (cost,) * len(plan.blocks)
+    group = Group(tuple(range(plan.dp)), plan, costs)
+    return simulate_grid([group], recompute, tokens_per_step, send_mode, mem, timeline, steps,
+                         step_lists)
+
+
+def simulate_grid(
+    groups,
+    recompute: list[dict[str, str]] | None = None,
+    tokens_per_step: int = 0,
+    send_mode: str = "eager",
+    mem=None,
+    timeline: bool = False,
+    steps: int = 2,
+    step_lists=None,
+) -> SimResult:
+    """Simulate the whole pp x dp grid as `groups` of replicas alike (`Group`; `grid_groups`
+    makes them from a config and its ranks' classes): each group's pipeline with its own
+    micro-batches and its ranks' rates, a block's data-parallel collective starting when every
+    group's rank of that stage has submitted it (a fast replica waits for the slow one), the
+    global facts a barrier of every rank. One group of every replica is `simulate`'s lockstep
+    replica. `step_lists`: one group's doctored lists (see `simulate`). Ranks of the result:
+    `group * pp + stage`."""
     if send_mode not in SEND_MODES:
         raise ValueError(f"send_mode={send_mode!r} is not one of {', '.join(SEND_MODES)}")
-    blocks, shards, dp = plan.blocks, plan.shards, plan.dp
-    step_lists = plan.steps(steps) if step_lists is None else step_lists
-    pp = len(blocks)
-    costs = list(cost) if isinstance(cost, (list, tuple)) else [cost] * pp
+    first = groups[0].plan
+    blocks, shards, dp, pp = first.blocks, first.shards, first.dp, len(first.blocks)
     recompute = recompute or [{} for _ in range(pp)]
-    ranks = []
-    for s in range(pp):
-        items: list = []
-        for k, lists in enumerate(step_lists):
-            items += events.items(lists[s], s, blocks[s], recompute[s], costs[s], k, shards)
-        ranks.append(events.RankState(s, items, blocks[s]))
-    sim = events.Sim(ranks, costs[0], dp, send_mode, timeline)
+    ranks, costs, lists_of = [], [], []
+    for g, grp in enumerate(groups):
+        lists = grp.plan.steps(steps) if step_lists is None else step_lists
+        lists_of.append(lists)
+        for s in range(pp):
+            items: list = []
+            for k, step in enumerate(lists):
+                items += events.items(step[s], s, blocks[s], recompute[s], grp.costs[s], k,
+                                      shards, rank=g * pp + s)
+            ranks.append(events.RankState(s, items, blocks[s], group=g))
+            costs.append(grp.costs[s])
+    sim = events.Sim(ranks, costs[0], dp, send_mode, timeline, costs,
+                     [grp.replicas for grp in groups])
     sim.run()
 
-    last = len(step_lists) - 1
+    last = len(lists_of[0]) - 1
     end = max(rk.end[last] for rk in ranks)
     begin = max(rk.end[last - 1] for rk in ranks) if last > 0 else 0.0
     step_s = end - begin
-    peaks = stage_peaks(plan, *mem, recompute, steps) if mem is not None else None
+    peaks = ([stage_peaks(grp.plan, *mem, recompute, steps) for grp in groups]
+             if mem is not None else None)
     stats = []
-    for s, rk in enumerate(ranks):
+    for rk in ranks:
         busy = rk.busy.get(last, {})
         st = RankStats(
-            stage=s,
+            stage=rk.stage,
             compute_s=busy.get("compute", 0.0) + busy.get("recompute", 0.0),
             recompute_s=busy.get("recompute", 0.0),
             update_s=busy.get("update", 0.0),
             view_s=busy.get("view", 0.0),
             comm_exposed_s=rk.comm.get(last, 0.0),
-            comm_total_s=rk.engine_s / len(step_lists),
-            peak_bytes=peaks[s] if peaks is not None else 0,
+            comm_total_s=rk.engine_s / len(lists_of[0]),
+            peak_bytes=peaks[rk.group][rk.stage] if peaks is not None else 0,
+            group=rk.group,
         )
         st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s)
         stats.append(st)
     return SimResult(step_s, tokens_per_step, stats, sim.timeline or [])
+
+
+def config_classes(cfg: Config):
+    """The class of every world rank from the config's explicit `ranks` lists (None: no
+    classes); a class given by `hosts` only needs the ranks' nodes (`shim.platform.class_map`,
+    passed as `classes=`)."""
+    if not cfg.platform.classes:
+        return None
+    return class_map(cfg.platform, [""] * cfg.parallel.world_size)
+
+
+def grid_groups(cfg: Config, classes=None, cost: CostModel | None = None,
+                policy: str | None = None, validate: bool = True) -> list[Group]:
+    """The replicas of `cfg`'s grid grouped by what they are (each stage's class under
+    `parallel.placement`, and the replica's micro-batches), each with its plan and one cost
+    model per stage: `cost` (default the config's) at the rates of the stage's class (`classes`:
+    every world rank's class name, None: every rank the profile)."""
+    p = cfg.parallel
+    base = cost or CostModel.from_config(cfg)
+    g = grid(p.pp, p.dp, p.placement)
+    names = classes if classes is not None else (None,) * p.world_size
+    by: dict = {}
+    for q in range(p.dp):
+        key = (tuple(names[int(g[q, s])] for s in range(p.pp)), p.micro_batches_of(q))
+        by.setdefault(key, []).append(q)
+    costs: dict = {None: base}
+
+    def cost_of(name):
+        if name not in costs:
+            rates = Rates.from_profile(class_profile(cfg.platform, name))
+            keep = base.rates
+            costs[name] = base.with_rates(rates.with_(
+                "ranks_per_node", keep.ranks_per_node, keep.source("ranks_per_node")))
+        return costs[name]
+
+    return [Group(tuple(qs), PipelinePlan.from_config(cfg, policy, replica=qs[0],
+                                                      validate=validate),
+                  tuple(cost_of(n) for n in key[0]))
+            for key, qs in by.items()]
+
+
+_CLASSES = object()
 
 
 def simulate_config(
@@ -174,17 +258,22 @@ def simulate_config(
     steps: int = 2,
     send_mode: str = "eager",
     with_memory: bool = True,
+    classes=_CLASSES,
+    validate: bool = True,
 ) -> SimResult:
-    """Simulate `cfg`'s layout under `policy` (default: the config's) with its recompute setting
-    (`auto` = none unless `recompute_layers` gives per-stage counts of fully recomputed
-    layers)."""
-    cost = cost or CostModel.from_config(cfg)
+    """Simulate `cfg`'s layout (its layers per stage and replica shares) under `policy`
+    (default: the config's) with its recompute setting (`auto` = none unless
+    `recompute_layers` gives per-stage counts of fully recomputed layers), on ranks of
+    `classes` (every world rank's class name; default `config_classes`). Replicas alike are
+    played once (`grid_groups`): a uniform cluster with equal shares is one lockstep replica."""
     m, p = cfg.model, cfg.parallel
-    plan = PipelinePlan.from_config(cfg, policy)
-    recompute = recompute_for(plan.blocks, cfg.schedule.recompute, recompute_layers)
+    groups = grid_groups(cfg, config_classes(cfg) if classes is _CLASSES else classes,
+                         cost, policy, validate)
+    recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute, recompute_layers)
     mem = (m, p.micro_batch) if with_memory else None
     tokens = p.global_batch * m.seq_len
-    return simulate(plan, cost, recompute, tokens, send_mode, mem, steps=steps)
+    return simulate_grid(groups, recompute, tokens, send_mode, mem, steps=steps)
 
 
-__all__ = ["RankStats", "SEND_MODES", "SimResult", "simulate", "simulate_config"]
+__all__ = ["Group", "RankStats", "SEND_MODES", "SimResult", "config_classes", "grid_groups",
+           "simulate", "simulate_config", "simulate_grid"]
