@@ -177,6 +177,10 @@ class RankState:
         self.engine_q: list[tuple[int, str, str]] = []  # (step, block, allreduce|scatter|gather)
         self.engine_busy = False
         self.engine_ready = False  # its head collective waits for the other groups
+        self.ready_at = 0.0  # since when
+        # (ready, start) of each collective that waited for the other replicas: a wait on the
+        # engine in such a span is imbalance, not communication
+        self.held: list[tuple[float, float]] = []
         self.engine_s = 0.0
         self.collectives = 0  # collectives started (they pair across groups in this order)
         self.synced: set[tuple[int, str]] = set()
@@ -277,7 +281,7 @@ class Sim:
         rk = self.ranks[r]
         if rk.engine_busy or rk.engine_ready or not rk.engine_q:
             return
-        rk.engine_ready = True
+        rk.engine_ready, rk.ready_at = True, t
         members = self.members[rk.stage]
         if not all(self.ranks[m].engine_ready for m in members):
             return  # the last to arrive starts it
@@ -298,6 +302,8 @@ class Sim:
         nics = {self.node[m]: terms[m][2] for m in reversed(members)}  # once per node
         for m in members:
             x = self.ranks[m]
+            if t > x.ready_at:
+                x.held.append((x.ready_at, t))
             x.engine_q.pop(0)
             x.engine_busy, x.engine_ready = True, False
             x.collectives += 1
@@ -334,11 +340,14 @@ class Sim:
 
     # -- the main thread ----------------------------------------------------------------------
 
-    def _unblock(self, rk: RankState, t: float, step: int, comm_from: float | None) -> None:
-        """Account a finished wait: the part after `comm_from` is exposed communication."""
+    def _unblock(self, rk: RankState, t: float, step: int, comm_from: float | None,
+                 held=()) -> None:
+        """Account a finished wait: the part after `comm_from` is exposed communication, but
+        for the spans in `held` (a collective waiting for the other replicas: imbalance)."""
         t0 = rk.blocked_since if rk.blocked_since is not None else t
         if comm_from is not None:
-            rk.comm[step] = rk.comm.get(step, 0.0) + max(0.0, t - max(t0, comm_from))
+            idle = sum(max(0.0, min(t, b) - max(t0, a)) for a, b in held if b > t0)
+            rk.comm[step] = rk.comm.get(step, 0.0) + max(0.0, t - max(t0, comm_from) - idle)
         rk.blocked_since = None
 
     def _block(self, rk: RankState, t: float, key, r: int) -> None:
@@ -408,7 +417,7 @@ class Sim:
             self._block(rk, t, ("view", r, b, n), r)
             return False
         rk.views_used[b] = n + 1
-        self._unblock(rk, t, it.step, -math.inf)
+        self._unblock(rk, t, it.step, -math.inf, rk.held)
         return True
 
     def _wait(self, t, r, rk, it) -> bool:
@@ -416,7 +425,7 @@ class Sim:
         if missing:
             self._block(rk, t, ("sync", r, it.step, missing[0]), r)
             return False
-        self._unblock(rk, t, it.step, -math.inf)
+        self._unblock(rk, t, it.step, -math.inf, rk.held)
         return True
 
     def _norm(self, t, r, rk, it) -> bool:

@@ -1,0 +1,140 @@
+"""The simulator on the whole pp x dp grid (`plan.simulate.simulate_grid`): replicas grouped by
+their stages' classes and their share, each rank at its class's rates, a block's gradient
+collective starting when every replica's rank of the stage has submitted it. No MPI."""
+
+import pytest
+
+from ratrain.config import config_from_dict
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.plan import hetero
+from ratrain.plan.simulate import grid_groups, simulate, simulate_config
+from ratrain.plan.steps import recompute_for
+from ratrain.shim.platform import class_map
+
+MODEL = {"vocab_size": 256, "hidden": 64, "layers": 8, "heads": 2, "kv_heads": 2,
+         "ffn_hidden": 172, "seq_len": 64}
+RATE = 4.5e12
+
+
+def config(pp, dp, m, classes=(), placement="pp", policy="ratrain", shares=None):
+    return config_from_dict({
+        "model": MODEL, "precision": "fp16",
+        "parallel": {"pp": pp, "dp": dp, "micro_batch": 4, "num_micro_batches": m,
+                     "placement": placement, "replica_shares": shares},
+        "schedule": {"policy": policy},
+        "platform": {"profile": "mt3000", "emulate": True, "time_scale": 100.0,
+                     "classes": list(classes)},
+    })
+
+
+def ranks_of(cfg):
+    return class_map(cfg.platform, [""] * cfg.parallel.world_size)
+
+
+@pytest.mark.parametrize("policy", ["baseline-1f1b", "megatron-1f1b", "ratrain"])
+def test_replicas_alike_in_two_groups_play_as_the_lockstep_replica(policy):
+    # two classes with the profile's values: the grid plays two groups of replicas (pp
+    # placement: replicas 0-1 in class a, 2-3 in b) and must time them as one
+    alike = [{"name": "a", "ranks": [0, 1, 2, 3]}, {"name": "b", "ranks": [4, 5, 6, 7]}]
+    cfg = config(2, 4, 4, alike, policy=policy)
+    grid = simulate_config(cfg, steps=3, with_memory=False)
+    assert len(grid.ranks) == 4 and {r.group for r in grid.ranks} == {0, 1}
+    lockstep = simulate_config(config(2, 4, 4, policy=policy), steps=3, with_memory=False)
+    assert len(lockstep.ranks) == 2
+    assert grid.step_s == pytest.approx(lockstep.step_s, rel=1e-12)
+    assert grid.tokens_per_s == pytest.approx(lockstep.tokens_per_s, rel=1e-12)
+
+
+def test_a_fast_replica_waits_for_the_slow_one_at_the_gradient_sync():
+    # pure data parallel, equal shares: the step is the slow replicas' alone
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    res = simulate_config(config(1, 8, 3, mixed), steps=3, with_memory=False)
+    slow = simulate_config(config(1, 8, 3, [{"name": "slow", "ranks": list(range(8)),
+                                             "compute_flops": RATE / 2}]),
+                           steps=3, with_memory=False)
+    assert res.step_s == pytest.approx(slow.step_s, rel=1e-9)
+    fast, late = (next(r for r in res.ranks if r.group == g) for g in (0, 1))
+    assert fast.compute_s < 0.55 * late.compute_s  # half the flop time, the same gathers
+    # idle, waiting for them: at the first collective, then through every collective, which
+    # overlaps the slow ranks' backward but not the fast ranks' (exposed for them)
+    idle = [r.bubble_s + r.comm_exposed_s for r in (fast, late)]
+    assert idle[0] > idle[1] + 0.4 * late.compute_s and fast.bubble_s > 0.2 * late.compute_s
+
+
+@pytest.mark.parametrize("policy", ["baseline-1f1b", "ratrain"])
+def test_the_grid_is_no_faster_than_any_of_its_replicas_alone(policy):
+    # pp 2 x dp 2, pp placement: replica 0 is ranks 0-1, replica 1 ranks 2-3; the slow ranks
+    # are replica 0's stage 0 and replica 1's stage 1, so each stage's collectives wait for a
+    # different replica
+    crossed = [{"name": "slow", "ranks": [0, 3], "compute_flops": RATE / 2},
+               {"name": "fast", "ranks": [1, 2]}]
+    cfg = config(2, 2, 4, crossed, policy=policy)
+    grid = simulate_config(cfg, steps=3, with_memory=False).step_s
+    alone = []
+    for grp in grid_groups(cfg, ranks_of(cfg)):
+        rec = recompute_for(grp.plan.blocks, "none")
+        alone.append(simulate(grp.plan, list(grp.costs), rec, steps=3).step_s)
+    assert len(alone) == 2 and alone[0] != alone[1]
+    assert grid >= max(alone) * (1 - 1e-12)
+
+
+def test_unequal_shares_four_fast_four_slow_pure_data_parallel():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    sym = config(1, 8, 12, mixed)
+    asym = config(1, 8, 12, mixed, shares=[16, 16, 16, 16, 8, 8, 8, 8])
+    a, s = (simulate_config(c, steps=3, with_memory=False) for c in (asym, sym))
+    assert a.tokens_per_step == s.tokens_per_step
+    assert 1.35 < a.tokens_per_s / s.tokens_per_s <= 1.5  # compute alone: 6 / 4
+    # every group played with its own micro-batches: fast ranks compute 16 at full rate, slow
+    # 8 at half, about the same time (the embedding's gathers at the same DDR rate)
+    fast, slow = (next(r for r in a.ranks if r.group == g) for g in (0, 1))
+    assert fast.compute_s == pytest.approx(slow.compute_s, rel=0.1)
+
+
+def test_unequal_shares_of_a_uniform_cluster_are_played_per_share():
+    cfg = config(2, 4, 4, shares=[5, 5, 3, 3])
+    res = simulate_config(cfg, steps=3, with_memory=False)
+    groups = grid_groups(cfg)
+    assert [g.replicas for g in groups] == [(0, 1), (2, 3)]
+    assert [g.plan.num_micro_batches for g in groups] == [5, 3]
+    even5 = simulate_config(config(2, 4, 5), steps=3, with_memory=False)
+    assert res.step_s == pytest.approx(even5.step_s, rel=1e-9)  # the larger share sets it
+
+
+def test_predict_is_the_grid_step_in_this_hosts_time():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    cfg = config(2, 4, 4, mixed, placement="dp")
+    res = simulate_config(cfg, steps=3, with_memory=False)
+    want = res.tokens_per_step / (res.step_s * cfg.platform.time_scale)
+    assert hetero.predict(cfg, ranks_of(cfg)) == pytest.approx(want, rel=1e-12)
+
+
+def test_groups_follow_the_placement():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    # dp placement: stage 0 is ranks 0-3 (fast), stage 1 ranks 4-7: every replica alike
+    cfg = config(2, 4, 4, mixed, placement="dp")
+    (only,) = grid_groups(cfg, ranks_of(cfg))
+    assert only.replicas == (0, 1, 2, 3)
+    assert [c.rates.compute_flops for c in only.costs] == [RATE, RATE / 2]
+    # pp placement: replicas 0-1 fast, 2-3 slow
+    cfg = config(2, 4, 4, mixed, placement="pp")
+    assert [g.replicas for g in grid_groups(cfg, ranks_of(cfg))] == [(0, 1), (2, 3)]
+
+
+def test_a_class_map_that_misses_a_rank_is_refused():
+    cfg = config(1, 4, 2, [{"name": "a", "ranks": [0, 1, 2]}])
+    with pytest.raises(Exception, match="rank 3"):
+        simulate_config(cfg, with_memory=False)
+
+
+def test_the_plans_of_each_group_validate():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    cfg = config(2, 4, 4, mixed, shares=[6, 6, 2, 2])
+    for g in grid_groups(cfg, ranks_of(cfg)):
+        assert isinstance(g.plan, PipelinePlan)
+        g.plan.validate()
