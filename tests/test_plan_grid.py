@@ -138,3 +138,28 @@ def test_the_plans_of_each_group_validate():
     for g in grid_groups(cfg, ranks_of(cfg)):
         assert isinstance(g.plan, PipelinePlan)
         g.plan.validate()
+
+
+def test_the_planners_moves_keep_the_model_and_the_batch():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    cfg = config(2, 4, 4, mixed, placement="pp", shares=[5, 5, 3, 3])
+    cfg = config_from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
+                                                          "layers_per_stage": [4, 4]}})
+    moves = hetero.neighbours(cfg, ranks_of(cfg))
+    layers = {c.parallel.layers_per_stage for c in moves} - {(4, 4)}
+    shares = {c.parallel.replica_shares for c in moves} - {(5, 5, 3, 3)}
+    assert layers and all(sum(x) == 8 and min(x) >= 1 for x in layers)
+    assert shares == {(4, 4, 4, 4), (6, 6, 2, 2)}  # one micro-batch per replica, kind to kind
+
+
+def test_refining_with_the_simulator_never_loses():
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 2}]
+    cfg = config(1, 8, 3, mixed, shares=[3] * 8)  # the symmetric start: far from the best
+    classes = ranks_of(cfg)
+    start = hetero.Candidate(cfg, True, hetero.predict(cfg, classes), True)
+    better = hetero.refined(start, classes)
+    assert better.tokens_per_s > 1.2 * start.tokens_per_s
+    assert better.cfg.parallel.replica_shares == (4, 4, 4, 4, 2, 2, 2, 2)
+    assert hetero.predict(better.cfg, classes) == better.tokens_per_s

@@ -163,21 +163,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _runs(values) -> str:
-    """[40, 40, 20, 20] -> "40 x2, 20 x2" (a long list of shares or layers, read at a glance)."""
-    out: list[list] = []
-    for v in values:
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([v, 1])
-    return ", ".join(f"{v}" if n == 1 else f"{v} x{n}" for v, n in out)
-
-
 def _mixed_row(label: str, cand, base: float | None = None) -> str:
     p = cand.cfg.parallel
-    layers = _runs(p.layers_per_stage) if p.layers_per_stage else "even"
-    shares = _runs(p.shares)
+    layers = hetero.runs(p.layers_per_stage) if p.layers_per_stage else "even"
+    shares = hetero.runs(p.shares)
     vs = f"  ({cand.tokens_per_s / base:.3f}x)" if base else ""
     return (f"  {label:<22} pp {p.pp} x dp {p.dp} ({p.placement}), {cand.cfg.schedule.policy}, "
             f"layers per stage [{layers}], micro-batches per replica [{shares}]: "

@@ -189,10 +189,22 @@ class Candidate:
 
     def describe(self) -> str:
         p = self.cfg.parallel
-        layers = list(p.layers_per_stage) if p.layers_per_stage else "even"
-        shares = list(p.replica_shares) if p.replica_shares else f"{p.num_micro_batches} each"
+        layers = f"[{runs(p.layers_per_stage)}]" if p.layers_per_stage else "even"
+        shares = (f"[{runs(p.replica_shares)}]" if p.replica_shares
+                  else f"{p.num_micro_batches} each")
         return (f"pp {p.pp} x dp {p.dp} ({p.placement} placement), layers {layers}, "
                 f"micro-batches {shares}, {self.cfg.schedule.policy}")
+
+
+def runs(values) -> str:
+    """[40, 40, 20, 20] -> "40 x2, 20 x2" (a long list of shares or layers, read at a glance)."""
+    out: list[list] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return ", ".join(f"{v}" if n == 1 else f"{v} x{n}" for v, n in out)
 
 
 def stage_caps(cfg, classes) -> list[int | None]:
@@ -219,10 +231,11 @@ def fits(cfg, classes) -> bool:
     return all(c is None or pk <= c for pk, c in zip(peaks, caps))
 
 
-def candidates(cfg, classes, policies=POLICY_NAMES) -> list[Candidate]:
+def candidates(cfg, classes, policies=POLICY_NAMES, refine: bool = True) -> list[Candidate]:
     """Every layout of `cfg`'s ranks keeping its global batch and micro-batch size (pp x dp,
     both placements, `policies`), each symmetric (even layers, equal shares) and cut to the
-    classes (`split_layers`, `split_shares`), fastest first."""
+    classes (`split_layers`, `split_shares`), fastest first; with `refine`, the fastest cut
+    one also improved by the simulator (`refined`)."""
     p = cfg.parallel
     world, windows = p.world_size, p.global_batch // p.micro_batch
     out, seen = [], set()
@@ -246,7 +259,65 @@ def candidates(cfg, classes, policies=POLICY_NAMES) -> list[Candidate]:
                     ok = fits(c, classes)
                     out.append(Candidate(c, symmetric or _even(c), predict(c, classes) if ok
                                          else 0.0, ok))
-    return sorted(out, key=lambda c: -c.tokens_per_s)
+    out.sort(key=lambda c: -c.tokens_per_s)
+    best = next((c for c in out if c.fits and not c.symmetric), None)
+    if best is not None and refine:
+        better = refined(best, classes)
+        if better is not best:
+            out.append(better)
+            out.sort(key=lambda c: -c.tokens_per_s)
+    return out
+
+
+def neighbours(cfg, classes) -> list:
+    """Configs one move from `cfg`: a layer from its slowest stage (`stage_seconds` at the
+    stage's slowest rank) to a neighbouring stage, or one micro-batch from every replica of
+    one kind (the same class at every stage) to every replica of another kind as many."""
+    p = cfg.parallel
+    layers = list(p.layers_per_stage or (len(r) for r in stage_layers(cfg.model, p.pp)))
+    rates = grid_rates(cfg, classes)
+    slow = max(range(p.pp), key=lambda s: max(stage_seconds(cfg, s, layers[s], r)
+                                              for r in rates[s]))
+    out = []
+    for to in (slow - 1, slow + 1):
+        if 0 <= to < p.pp and layers[slow] > 1:
+            moved = list(layers)
+            moved[slow] -= 1
+            moved[to] += 1
+            out.append(replace(cfg, parallel=replace(p, layers_per_stage=tuple(moved))))
+    names = grid_classes(cfg, classes)
+    kinds: dict = {}
+    for q in range(p.dp):
+        kinds.setdefault(tuple(names[s][q] for s in range(p.pp)), []).append(q)
+    shares = list(p.shares)
+    for a in kinds.values():
+        for b in kinds.values():
+            if a is b or len(a) != len(b) or min(shares[q] for q in a) < 2:
+                continue
+            moved = list(shares)
+            for q in a:
+                moved[q] -= 1
+            for q in b:
+                moved[q] += 1
+            out.append(replace(cfg, parallel=replace(p, replica_shares=tuple(moved))))
+    return out
+
+
+def refined(cand: Candidate, classes, rounds: int = 4) -> Candidate:
+    """`cand` improved by the simulator: the fastest fitting `neighbours`, while one is
+    faster (at most `rounds` moves; `split_layers` and `split_shares` weigh compute only,
+    the simulator the links, the collectives and the pipeline's bubbles as well)."""
+    for _ in range(rounds):
+        best = cand
+        for c in neighbours(cand.cfg, classes):
+            if fits(c, classes):
+                v = predict(c, classes)
+                if v > best.tokens_per_s * (1 + 1e-9):
+                    best = Candidate(c, _even(c), v, True)
+        if best is cand:
+            break
+        cand = best
+    return cand
 
 
 def _even(cfg) -> bool:
@@ -328,7 +399,7 @@ def resolve(cfg, classes):
                                          replica_shares=shares))
 
 
-__all__ = ["Candidate", "best_plans", "candidates", "fits", "grid_classes",
-           "grid_rates", "halves", "predict", "predict_step_s", "rank_rates", "replica_seconds",
-           "recompute_layers", "resolve", "role_seconds", "split_layers", "split_shares",
-           "stage_caps", "stage_seconds", "uniform_like", "with_measured_rates"]
+__all__ = ["Candidate", "best_plans", "candidates", "fits", "grid_classes", "grid_rates",
+           "halves", "neighbours", "predict", "predict_step_s", "rank_rates", "recompute_layers",
+           "refined", "replica_seconds", "resolve", "runs", "role_seconds", "split_layers",
+           "split_shares", "stage_caps", "stage_seconds", "uniform_like", "with_measured_rates"]
