@@ -1,9 +1,16 @@
 """A discrete-event simulator of training steps at scales no machine here can run.
 
-Input: the per-rank action lists `ratrain.lifecycle` builds (one pipeline = one replica; the
-data-parallel replicas run the same lists in lockstep, so one replica stands for all) and a cost
-model (`ratrain.plan.cost.CostModel`, or anything with the same methods). Output: the step time,
-tokens/s, and per rank the busy time (compute, recompute, update, view), the exposed
+Input: the per-rank action lists `ratrain.lifecycle` builds (one pipeline = one replica) and a
+cost model (`ratrain.plan.cost.CostModel`, or anything with the same methods). On a uniform
+cluster with equal shares the data-parallel replicas run the same lists in lockstep, so one
+replica stands for all (`simulate`). On a mixed cluster (`platform.classes`) or with unequal
+`parallel.replica_shares`, the whole pp x dp grid is played (`simulate_grid`): the replicas
+grouped by what they are (each stage's class, the replica's micro-batches; `grid_groups`), one
+pipeline per group with its own lists and each rank at its class's rates (compute, DDR, links),
+a block's data-parallel collective starting only when every group's rank of that stage has
+submitted it (a fast replica waits for the slow one: imbalance, not communication, in its
+figures). One group of every replica is the lockstep case, the same code. Output: the step
+time, tokens/s, and per rank the busy time (compute, recompute, update, view), the exposed
 communication, the bubble, and the peak memory.
 
 What is modelled, per rank:
@@ -21,7 +28,7 @@ What is modelled, per rank:
 - the rank's outgoing link is shared (processor sharing) by its concurrent flows: a pipeline
   message sent during a gradient all-reduce slows both down;
 - `GradNorm` is a barrier of every rank (the global gradient norm and overflow flag need every
-  stage), followed by one small all-reduce over the world.
+  stage, and on the grid every replica), followed by one small all-reduce over the world.
 
 Memory does not depend on timing (a rank's allocations follow its own list order), so the peak is
 a walk over each rank's lists by the lifecycle's memory model (`lifecycle.memory.simulate_peak`,
@@ -31,6 +38,8 @@ The items each action becomes and the event loop that plays them are in `plan.ev
 
     res = simulate_config(cfg)                      # the config's layout, policy and recompute
     res.step_s, res.tokens_per_s, res.ranks[0].bubble_s, res.peak_bytes
+    res = simulate_config(cfg, classes=class_map(cfg.platform, hosts))  # ranks by node
+    res.step_s * cfg.platform.time_scale            # the step in this host's time (emulation)
 """
 
 from __future__ import annotations
