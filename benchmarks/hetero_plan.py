@@ -17,7 +17,7 @@ import json
 from ratrain.config import load_config
 from ratrain.plan.hetero import candidates, halves, uniform_like
 from ratrain.plan.search import POLICY_NAMES
-from ratrain.shim.platform import class_map
+from ratrain.plan.simulate import config_classes
 
 JOBS = ("jobs/llama2-7b.yaml", "jobs/baichuan2-13b.yaml", "jobs/qwen2.5-32b.yaml",
         "jobs/llama2-70b.yaml")
@@ -26,7 +26,7 @@ JOBS = ("jobs/llama2-7b.yaml", "jobs/baichuan2-13b.yaml", "jobs/qwen2.5-32b.yaml
 def plan(job: str, factor: float, policies) -> dict:
     cfg = halves(load_config(job), factor)
     world = cfg.parallel.world_size
-    classes = class_map(cfg.platform, [""] * world)
+    classes = config_classes(cfg)
     ranked = [c for c in candidates(cfg, classes, policies) if c.fits]
     sym = next(c for c in ranked if c.symmetric)
     uni = [c for c in candidates(uniform_like(cfg, classes), ("uniform",) * world, policies)

@@ -163,3 +163,21 @@ def test_refining_with_the_simulator_never_loses():
     assert better.tokens_per_s > 1.2 * start.tokens_per_s
     assert better.cfg.parallel.replica_shares == (4, 4, 4, 4, 2, 2, 2, 2)
     assert hetero.predict(better.cfg, classes) == better.tokens_per_s
+
+
+@pytest.mark.parametrize("policy", ["baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe"])
+def test_unequal_shares_pair_their_collectives_under_every_policy(policy):
+    # a replica with fewer micro-batches than stages still meets the others at every collective
+    cfg = config(4, 2, 4, policy=policy, shares=[7, 1])
+    res = simulate_config(cfg, steps=3, with_memory=False)
+    assert {r.group for r in res.ranks} == {0, 1}
+    assert res.step_s >= simulate_config(config(4, 2, 7, policy=policy), steps=3,
+                                         with_memory=False).step_s * (1 - 1e-12)
+
+
+def test_classes_named_by_node_need_the_ranks_nodes():
+    cfg = config(1, 2, 2, [{"name": "a", "hosts": ["n1*"]}, {"name": "b", "hosts": ["n2*"]}])
+    with pytest.raises(ValueError, match=r"name their ranks by node \(hosts\)"):
+        simulate_config(cfg, with_memory=False)
+    named = simulate_config(cfg, with_memory=False, classes=class_map(cfg.platform, ["n1", "n2"]))
+    assert named.step_s > 0

@@ -46,7 +46,8 @@ from ratrain.plan.search import (
     scaling,
     search,
 )
-from ratrain.shim.platform import class_map, class_profile
+from ratrain.plan.simulate import config_classes
+from ratrain.shim.platform import class_profile
 
 GIB = 2**30
 
@@ -186,7 +187,7 @@ def _print_mixed(cfg, args) -> int:
     try:
         if args.mixed is not None:
             cfg = hetero.halves(cfg, args.mixed)
-        classes = class_map(cfg.platform, [""] * world)  # by rank: no node is known here
+        classes = config_classes(cfg)  # by rank: no node is known here
         ranked = [c for c in hetero.candidates(cfg, classes, policies) if c.fits]
         uniform = hetero.uniform_like(cfg, classes) if args.mixed is not None else None
         uni = ([c for c in hetero.candidates(uniform, ("uniform",) * world, policies) if c.fits]

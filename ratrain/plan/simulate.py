@@ -223,7 +223,14 @@ def config_classes(cfg: Config):
     passed as `classes=`)."""
     if not cfg.platform.classes:
         return None
-    return class_map(cfg.platform, [""] * cfg.parallel.world_size)
+    world = cfg.parallel.world_size
+    listed = {r for c in cfg.platform.classes for r in c.ranks}
+    by_host = [c.name for c in cfg.platform.classes if c.hosts]
+    if by_host and not listed >= set(range(world)):
+        raise ValueError(f"platform.classes: {', '.join(by_host)} name their ranks by node "
+                         "(hosts), which the planner does not know: list the ranks of every "
+                         "class (platform.classes[].ranks) to plan them here")
+    return class_map(cfg.platform, [""] * world)
 
 
 def grid_groups(cfg: Config, classes=None, cost: CostModel | None = None,
