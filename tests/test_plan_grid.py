@@ -181,3 +181,20 @@ def test_classes_named_by_node_need_the_ranks_nodes():
         simulate_config(cfg, with_memory=False)
     named = simulate_config(cfg, with_memory=False, classes=class_map(cfg.platform, ["n1", "n2"]))
     assert named.step_s > 0
+
+
+def test_a_fast_stage_takes_no_more_layers_than_its_cap_holds():
+    # dp placement: stage 0 is ranks 0-3 (fast), stage 1 ranks 4-7 (at a quarter the rate)
+    mixed = [{"name": "fast", "ranks": [0, 1, 2, 3]},
+             {"name": "slow", "ranks": [4, 5, 6, 7], "compute_flops": RATE / 4}]
+    cfg = config(2, 4, 4, mixed, placement="dp")
+    free = hetero.split_layers(cfg, ranks_of(cfg))
+    assert free[0] >= 6
+    cap = hetero.state_bytes(cfg, 0, 4)  # masters and moments of 4 layers and the embedding
+    assert hetero.state_bytes(cfg, 0, 5) > cap
+    capped = config(2, 4, 4, [{**mixed[0], "ddr_bytes": cap}, mixed[1]], placement="dp")
+    assert hetero.split_layers(capped, ranks_of(capped)) == (4, 4)
+    # no split fits: the fastest regardless, which the memory check then refuses by name
+    none = config(2, 4, 4, [{**mixed[0], "ddr_bytes": 1000}, {**mixed[1], "ddr_bytes": 1000}],
+                  placement="dp")
+    assert hetero.split_layers(none, ranks_of(none)) == free

@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 
 from ratrain.comm.topology import coords
 from ratrain.config.sections import RankClass
-from ratrain.exec.spec import block_flops_per_token, stage_layers
-from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
+from ratrain.exec.spec import block_flops_per_token, block_params, stage_layers
+from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
 from ratrain.plan.cost import DEFAULT_MEM_BANDWIDTH
 from ratrain.plan.memory import fit_recompute, stage_peaks
 from ratrain.plan.search import POLICY_NAMES, candidate_pps
@@ -85,14 +86,43 @@ def stage_seconds(cfg, stage: int, layers: int, rate) -> float:
     return t
 
 
+def state_bytes(cfg, stage: int, layers: int) -> int:
+    """Bytes of stage `stage`'s fp32 masters and AdamW moments when it holds `layers` layers
+    (this replica's segment of each block when the policy shards them): what no recomputation
+    frees."""
+    p, m = cfg.parallel, cfg.model
+    shards = resolve_policy(cfg.schedule).shards(p.dp)
+    roles = ["layer"] * layers + (["embed"] if stage == 0 else []) + (
+        ["head"] if stage == p.pp - 1 else [])
+    return STATE_BYTES_PER_PARAM * sum(shard_size(block_params(m, r), shards) for r in roles)
+
+
 def split_layers(cfg, classes) -> tuple[int, ...]:
     """Layers per stage minimising the slowest stage's time per micro-batch, each stage timed
-    at its slowest replica's rate (exact: dynamic programming over contiguous splits)."""
-    p, n = cfg.parallel, cfg.model.layers
+    at its slowest replica's rate (exact: dynamic programming over contiguous splits), no
+    stage holding more state than its classes' smallest DDR cap (`state_bytes`; when no split
+    fits, the fastest regardless, for the memory check to refuse by name)."""
+    p = cfg.parallel
     grid = grid_rates(cfg, classes)
+    caps = stage_caps(cfg, classes)
+    for capped in (True, False):
+        out = _split(cfg, grid, caps if capped else [None] * p.pp)
+        if out is not None:
+            return out
+    raise AssertionError("unreachable: every split has a finite time")
+
+
+def _split(cfg, grid, caps) -> tuple[int, ...] | None:
+    p, n = cfg.parallel, cfg.model.layers
+
+    memo: dict = {}
 
     def cost(s: int, k: int) -> float:
-        return max(stage_seconds(cfg, s, k, rate) for rate in grid[s])
+        if (s, k) not in memo:
+            over = caps[s] is not None and state_bytes(cfg, s, k) > caps[s]
+            memo[s, k] = (float("inf") if over
+                          else max(stage_seconds(cfg, s, k, rate) for rate in grid[s]))
+        return memo[s, k]
 
     # best[s][j]: the least max-time of stages s.. holding the last j layers
     inf = float("inf")
@@ -105,6 +135,8 @@ def split_layers(cfg, classes) -> tuple[int, ...]:
                 v = max(cost(s, k), best[s + 1][j - k])
                 if v < best[s][j] - 1e-15 * v:  # ties: the earlier stage takes fewer
                     best[s][j], take[s][j] = v, k
+    if best[0][n] == inf:
+        return None
     out, j = [], n
     for s in range(p.pp):
         out.append(take[s][j])
@@ -401,5 +433,6 @@ def resolve(cfg, classes):
 
 __all__ = ["Candidate", "best_plans", "candidates", "fits", "grid_classes", "grid_rates",
            "halves", "neighbours", "predict", "predict_step_s", "rank_rates", "recompute_layers",
-           "refined", "replica_seconds", "resolve", "runs", "role_seconds", "split_layers",
-           "split_shares", "stage_caps", "stage_seconds", "uniform_like", "with_measured_rates"]
+           "refined", "replica_seconds", "resolve", "role_seconds", "runs", "split_layers",
+           "split_shares", "stage_caps", "stage_seconds", "state_bytes", "uniform_like",
+           "with_measured_rates"]
