@@ -128,31 +128,22 @@ class Group:
     costs: tuple
 
 
-def simulate(
-    plan,
-    cost,
-    recompute: list[dict[str, str]] | None = None,
-    tokens_per_step: int = 0,
-    send_mode: str = "eager",
-    mem=None,
-    timeline: bool = False,
-    steps: int = 2,
-    step_lists=None,
-) -> SimResult:
-    """Simulate `steps` consecutive steps of one replica's pipeline, `plan` (a
+def simulate(plan, cost, recompute: list[dict[str, str]] | None = None,
+             tokens_per_step: int = 0, send_mode: str = "eager", **kw) -> SimResult:
+    """Simulate consecutive steps of one replica's pipeline, `plan` (a
     `lifecycle.pipeline.PipelinePlan`; its dp replicas run in lockstep).
 
     `recompute[s]`: layer -> "none" | "selective" | "full"; `cost`: a `CostModel` (or the same
     methods), or one per stage (each stage's compute, DDR-bound work and links at its own
-    rates); `mem`: (model, micro_batch) for peak memory figures (`plan.memory`), or None;
-    `step_lists`: lists to play instead of the plan's own (`step_lists[k][s]`, a test's
-    doctored ones). The step time is that of the last step, measured between the moments the
-    last rank finished the step before and this one (the whole run for one step).
+    rates); `kw`: `simulate_grid`'s (`mem`: (model, micro_batch) for peak memory figures
+    (`plan.memory`), or None; `timeline`; `steps`, default 2; `step_lists`: lists to play
+    instead of the plan's own, `step_lists[k][s]`, a test's doctored ones). The step time is
+    that of the last step, measured between the moments the last rank finished the step
+    before and this one (the whole run for one step).
     """
     costs = tuple(cost) if isinstance(cost, (list, tuple)) else (cost,) * len(plan.blocks)
     group = Group(tuple(range(plan.dp)), plan, costs)
-    return simulate_grid([group], recompute, tokens_per_step, send_mode, mem, timeline, steps,
-                         step_lists)
+    return simulate_grid([group], recompute, tokens_per_step, send_mode, **kw)
 
 
 def simulate_grid(
