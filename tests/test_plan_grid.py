@@ -32,14 +32,19 @@ def ranks_of(cfg):
 
 
 @pytest.mark.parametrize("policy", ["baseline-1f1b", "megatron-1f1b", "ratrain"])
-def test_replicas_alike_in_two_groups_play_as_the_lockstep_replica(policy):
-    # two classes with the profile's values: the grid plays two groups of replicas (pp
-    # placement: replicas 0-1 in class a, 2-3 in b) and must time them as one
-    alike = [{"name": "a", "ranks": [0, 1, 2, 3]}, {"name": "b", "ranks": [4, 5, 6, 7]}]
-    cfg = config(2, 4, 4, alike, policy=policy)
+@pytest.mark.parametrize("placement,a", [("pp", [0, 1, 2, 3]), ("dp", [0, 1, 4, 5])])
+def test_replicas_alike_in_two_groups_play_as_the_lockstep_replica(policy, placement, a):
+    # two classes with the profile's values: the grid plays two groups of replicas (replicas
+    # 0-1 in class a, 2-3 in b) and must time them as one. Nodes of 4 ranks (mt3000): with pp
+    # placement each group on its node; with dp placement every stage on its own node, the
+    # groups' pipeline messages sharing its interface
+    alike = [{"name": "a", "ranks": a}, {"name": "b", "ranks": sorted(set(range(8)) - set(a))}]
+    cfg = config(2, 4, 4, alike, placement=placement, policy=policy)
     grid = simulate_config(cfg, steps=3, with_memory=False)
     assert len(grid.ranks) == 4 and {r.group for r in grid.ranks} == {0, 1}
-    lockstep = simulate_config(config(2, 4, 4, policy=policy), steps=3, with_memory=False)
+    assert [g.replicas for g in grid_groups(cfg, ranks_of(cfg))] == [(0, 1), (2, 3)]
+    lockstep = simulate_config(config(2, 4, 4, placement=placement, policy=policy), steps=3,
+                               with_memory=False)
     assert len(lockstep.ranks) == 2
     assert grid.step_s == pytest.approx(lockstep.step_s, rel=1e-12)
     assert grid.tokens_per_s == pytest.approx(lockstep.tokens_per_s, rel=1e-12)
