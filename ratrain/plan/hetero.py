@@ -13,8 +13,14 @@ the head weighed by their own flops, the embedding's gather by its bytes at the 
 at the rate of the rank that holds them. Layers go to stages so that the slowest stage (over
 its replicas) is as fast as it can be (an exact min-max over contiguous splits); micro-batches
 go to replicas so that the slowest replica (its slowest stage, times its micro-batches) is as
-fast as it can be (greedy, exact for min-max). Memory is checked after: a stage over its
-class's DDR cap is refused before any work (`plan.check`).
+fast as it can be (greedy, exact for min-max). No stage takes more layers than its
+classes' smallest DDR cap holds of masters and moments (`state_bytes`); the rest of memory is
+checked after: a stage over its class's DDR cap is refused before any work (`plan.check`).
+
+The planner (`candidates`, `best_plans`) scores every layout by the simulator on the whole
+grid (`predict`: `plan.simulate.simulate_config` with the ranks' classes, in this host's time),
+and moves its best cut plan a layer or a micro-batch per replica at a time while the
+simulator finds it faster (`refined`): the splits above weigh compute alone.
 """
 
 from __future__ import annotations
