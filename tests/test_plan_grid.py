@@ -7,6 +7,7 @@ import pytest
 from ratrain.config import config_from_dict
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import hetero
+from ratrain.plan.__main__ import main as plan_main
 from ratrain.plan.simulate import grid_groups, simulate, simulate_config
 from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import class_map
@@ -203,3 +204,12 @@ def test_a_fast_stage_takes_no_more_layers_than_its_cap_holds():
     none = config(2, 4, 4, [{**mixed[0], "ddr_bytes": 1000}, {**mixed[1], "ddr_bytes": 1000}],
                   placement="dp")
     assert hetero.split_layers(none, ranks_of(none)) == free
+
+
+def test_the_command_refuses_classes_it_cannot_place(tmp_path, capsys):
+    cfg = config(1, 2, 2, [{"name": "a", "hosts": ["n1*"]}, {"name": "b", "hosts": ["n2*"]}])
+    job = tmp_path / "byhost.yaml"
+    job.write_text(cfg.to_yaml())
+    assert plan_main(["--config", str(job), "--policy", "ratrain"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "platform.classes[].ranks" in err[0]
