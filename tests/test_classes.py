@@ -153,3 +153,11 @@ def test_hosts_take_slurm_node_lists_and_shell_patterns():
     assert host_matches("rtc-n2", "*-n2") and host_matches("gpu3", "gpu[0-9]")
     cfg = cfg_of(classes=[FAST, {"name": "old", "hosts": ["cn[01-02]"]}])
     assert class_map(cfg.platform, ["x", "x", "cn01", "cn02"])[2:] == ("old", "old")
+
+
+def test_ranks_take_ranges():
+    cfg = cfg_of(classes=[{"name": "a", "ranks": "0-1"}, {"name": "b", "ranks": "2,3"}])
+    assert [c.ranks for c in cfg.platform.classes] == [(0, 1), (2, 3)]
+    for bad, msg in (("0-x", "is not a list of ranks or of ranges"), ("3-1", "runs backwards")):
+        with pytest.raises(ConfigError, match=msg):
+            cfg_of(classes=[{"name": "a", "ranks": bad}])

@@ -366,13 +366,30 @@ CLASS_VALUES = ("compute_flops", "ddr_bytes", "ddr_bandwidth", "link_bandwidth",
                 "intra_bandwidth", "intra_latency")
 
 
+def rank_ranges(text: str, name: str = "") -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8): a class's ranks written as ranges."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        if not (lo.strip().isdigit() and (not dash or hi.strip().isdigit())):
+            raise ConfigError(f"platform.classes ({name or 'a class'}): ranks={text!r} is not a "
+                              "list of ranks or of ranges: write e.g. [0, 1] or \"0-511\"")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ConfigError(f"platform.classes ({name or 'a class'}): ranks={text!r}: the "
+                              f"range {part} runs backwards: write {last}-{first}")
+        out += range(first, last + 1)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class RankClass:
     """One class of ranks of a heterogeneous cluster: which ranks belong to it and the platform
     values in which they differ from the profile (null keeps the profile's).
 
     name: the class's name (unique), e.g. fast
-    ranks: world ranks of this class, e.g. [0, 1, 2, 3]
+    ranks: world ranks of this class, e.g. [0, 1, 2, 3], or ranges as a string, e.g. "0-511"
+        or "0-3,8"
     hosts: the nodes of this class, matched on the Slurm node name (else the host name): Slurm
         node lists or shell patterns, e.g. ["cn[001-016]", "gpu*", "*-n2"]; ranks takes
         precedence
@@ -387,7 +404,7 @@ class RankClass:
         taking the slowest of its ranks, agreed on every rank)
     """
     name: str = ""
-    ranks: tuple[int, ...] = ()
+    ranks: tuple[int, ...] | str = ()
     hosts: tuple[str, ...] = ()
     compute_flops: float | None = None
     ddr_bytes: int | None = None
@@ -397,6 +414,10 @@ class RankClass:
     intra_bandwidth: float | None = None
     intra_latency: float | None = None
     calibrate: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ranks, str):  # "0-511" or "0-3,8": the ranks it spans
+            object.__setattr__(self, "ranks", rank_ranges(self.ranks, self.name))
 
     def check(self, i: int) -> None:
         where = f"platform.classes[{i}]"
