@@ -61,7 +61,7 @@ for part in $PARTS; do
   lifecycle)  # ~4 min: jobs/bench-lifecycle.yaml, 3 policies x 3 rounds on 8 ranks
     rec lifecycle -- "${MPI[@]}" -n 8 "$PY" -m ratrain.lifecycle.bench time \
       --config jobs/bench-lifecycle.yaml --rounds "$(s 1 3)" --steps "$(s 3 5)" --skip "$(s 1 2)" ;;
-  hetero)  # ~20 min: jobs/mixed.yaml, the planner's plan against the best symmetric one on 8
+  hetero)  # ~30 min: jobs/mixed.yaml, the planner's plan against the best symmetric one on 8
     # ranks of one host and on 2 emulated nodes (root), and against a uniform cluster of the
     # same total compute; each beside the simulator
     H=("$PY" benchmarks/hetero.py --config jobs/mixed.yaml --rounds "$(s 1 3)" --steps "$(s 2 4)"
@@ -76,7 +76,10 @@ for part in $PARTS; do
       scripts/cluster.sh down --name hx
     else
       failed+=(hetero-two-nodes)
-    fi ;;
+    fi
+    # simulated, not timed: the paper's four models on a mixed cluster of 1024 (~10 min)
+    if [ "$SMOKE" = 1 ]; then P=(--jobs jobs/llama2-7b.yaml --policies ratrain); else P=(); fi
+    rec hetero-plan -- "$PY" benchmarks/hetero_plan.py "${P[@]}" ;;
   checkpoint)  # ~1 min: a save against plain h5py, interleaved
     rec checkpoint-save --ratio "save_over_h5py=save.median_s:h5py.median_s" -- \
       "$PY" benchmarks/bench_checkpoint.py --reps "$(s 1 5)" --dir "$WORK" ;;

@@ -67,6 +67,17 @@ TABLES = {
          [("mixed_over_uniform", "mixed / uniform", ".3f"),
           ("mixed.measured_over_predicted", "mixed measured / simulated", ".3f"),
           ("uniform.measured_over_predicted", "uniform measured / simulated", ".3f")]),
+        ("hetero-plan", "the paper's four models on 1024 clusters, half at MT-3000's rate and "
+         "half at twice it (simulated): the planner's plan against the best symmetric one and "
+         "against a uniform cluster of the same compute",
+         [("llama2-7b.mixed_over_symmetric", "7B vs symmetric", ".3f"),
+          ("llama2-7b.mixed_over_uniform", "7B vs uniform", ".3f"),
+          ("baichuan2-13b.mixed_over_symmetric", "13B vs symmetric", ".3f"),
+          ("baichuan2-13b.mixed_over_uniform", "13B vs uniform", ".3f"),
+          ("qwen2.5-32b.mixed_over_symmetric", "32B vs symmetric", ".3f"),
+          ("qwen2.5-32b.mixed_over_uniform", "32B vs uniform", ".3f"),
+          ("llama2-70b.mixed_over_symmetric", "70B vs symmetric", ".3f"),
+          ("llama2-70b.mixed_over_uniform", "70B vs uniform", ".3f")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",
