@@ -18,6 +18,8 @@ import yaml
 
 from ratrain.train import main
 from tests._executor_util import tiny_config, train
+from tests._mpi_job import TINY as _TINY
+from tests._mpi_job import tiny_job
 
 mpi = pytest.importorskip("mpi4py.MPI")
 COMM = mpi.COMM_WORLD
@@ -85,32 +87,12 @@ def test_policies_stay_bitwise_equal_under_an_asymmetric_partition(precision, mp
 
 # -- the trainer: rank classes at start-up ------------------------------------------------------
 
-TINY = """
-model: {vocab_size: 64, hidden: 32, layers: 4, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}
-parallel: {micro_batch: 2, num_micro_batches: 3}
-optim: {lr: 1.0e-2, warmup_steps: 2}
-checkpoint: {resume: never}
-run: {steps: 3, log_interval: 1, threads: 1}
-"""
-
-
-def shared_dir(tmp_path_factory, name):
-    path = str(tmp_path_factory.mktemp(name)) if COMM.rank == 0 else None
-    return COMM.bcast(path, root=0)
+TINY = _TINY.replace("num_micro_batches: 4", "num_micro_batches: 3")
 
 
 @pytest.fixture()
 def job(tmp_path_factory):
-    d = shared_dir(tmp_path_factory, "hetero")
-    if COMM.rank == 0:
-        from ratrain.data import write_tokens
-
-        rng = np.random.default_rng(0)
-        write_tokens(os.path.join(d, "t.bin"), rng.integers(0, 64, 20000), vocab_size=64)
-        with open(os.path.join(d, "job.yaml"), "w") as f:
-            f.write(TINY + f"data: {{tokens: {d}/t.bin}}\n")
-    COMM.Barrier()
-    return d
+    return tiny_job(COMM, tmp_path_factory, "hetero", TINY)
 
 
 def classes(fast_ranks, slow_ranks, **slow):

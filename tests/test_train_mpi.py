@@ -5,40 +5,17 @@
 
 import os
 
-import numpy as np
 import pytest
 
 from ratrain.train import main
+from tests._mpi_job import tiny_job
 
 mpi = pytest.importorskip("mpi4py.MPI")
 COMM = mpi.COMM_WORLD
 
-TINY = """
-model: {vocab_size: 64, hidden: 32, layers: 4, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}
-parallel: {micro_batch: 2, num_micro_batches: 4}
-optim: {lr: 1.0e-2, warmup_steps: 2}
-checkpoint: {resume: never}
-run: {steps: 3, log_interval: 1, threads: 1}
-"""
-
-
-def shared_dir(tmp_path_factory, name):
-    path = str(tmp_path_factory.mktemp(name)) if COMM.rank == 0 else None
-    return COMM.bcast(path, root=0)
-
-
 @pytest.fixture()
 def job(tmp_path_factory):
-    d = shared_dir(tmp_path_factory, "job")
-    if COMM.rank == 0:
-        from ratrain.data import write_tokens
-
-        rng = np.random.default_rng(0)
-        write_tokens(os.path.join(d, "t.bin"), rng.integers(0, 64, 20000), vocab_size=64)
-        with open(os.path.join(d, "job.yaml"), "w") as f:
-            f.write(TINY + f"data: {{tokens: {d}/t.bin}}\n")
-    COMM.Barrier()
-    return d
+    return tiny_job(COMM, tmp_path_factory)
 
 
 @pytest.mark.mpi(min_size=2)
