@@ -39,36 +39,19 @@ from ratrain.plan.simulate import simulate_config
 from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import class_profile
 
-ROLE_ORDER = ("embed", "layer", "head")
-
-
-def rank_rates(cfg, classes) -> list[tuple[float, float]]:
-    """(compute flop/s, DDR bytes/s) of every world rank from its class (`classes[r]`, None:
-    no classes). A profile without a compute rate counts as 1 flop/s (only ratios matter)."""
-    world = cfg.parallel.world_size
-    names = classes if classes is not None else (None,) * world
-    cache: dict = {}
-    out = []
-    for name in names:
-        if name not in cache:
-            prof = class_profile(cfg.platform, name)
-            fact = prof.fact("ddr_bandwidth")
-            cache[name] = (float(prof.compute_flops or 1.0),
-                           float(fact.value) if fact is not None and fact.value
-                           else DEFAULT_MEM_BANDWIDTH)
-        out.append(cache[name])
-    return out
+def class_rates(cfg, name) -> tuple[float, float]:
+    """(compute flop/s, DDR bytes/s) of a rank of class `name` (None: the profile's). A profile
+    without a compute rate counts as 1 flop/s (only ratios matter)."""
+    prof = class_profile(cfg.platform, name)
+    fact = prof.fact("ddr_bandwidth")
+    return (float(prof.compute_flops or 1.0),
+            float(fact.value) if fact is not None and fact.value else DEFAULT_MEM_BANDWIDTH)
 
 
 def grid_rates(cfg, classes) -> list[list[tuple[float, float]]]:
-    """`rates[stage][replica]` of the grid under `parallel.placement`."""
-    p = cfg.parallel
-    rates = rank_rates(cfg, classes)
-    grid = [[None] * p.dp for _ in range(p.pp)]
-    for r, rate in enumerate(rates):
-        s, q = coords(r, p.pp, p.dp, p.placement)
-        grid[s][q] = rate
-    return grid
+    """`rates[stage][replica]` of the grid under `parallel.placement` (`grid_classes`)."""
+    rates = {n: class_rates(cfg, n) for n in set(classes or (None,))}
+    return [[rates[n] for n in row] for row in grid_classes(cfg, classes)]
 
 
 def role_seconds(cfg, role: str, rate: tuple[float, float]) -> float:
@@ -184,18 +167,26 @@ def grid_classes(cfg, classes) -> list[list[str | None]]:
     return names
 
 
+def _largest_share_plan(cfg):
+    """The plan of the replica with the most micro-batches (the most in flight: memory)."""
+    p = cfg.parallel
+    return PipelinePlan.from_config(cfg, replica=max(range(p.dp), key=p.micro_batches_of),
+                                    validate=False)
+
+
+def _fit_auto(cfg, plan, caps):
+    """`fit_recompute` of `plan` under the smallest of the stages' caps: (counts, peaks, fits)."""
+    known = [c for c in caps if c is not None]
+    return fit_recompute(plan, cfg.model, cfg.parallel.micro_batch, min(known) if known else None)
+
+
 def recompute_layers(cfg, classes) -> list[int] | None:
     """`schedule.recompute: auto`: per stage, the fewest layers fully recomputed that fit (the
     largest share's micro-batches in flight, under the smallest cap of the ranks' classes);
     None for any other setting (the simulator takes it as it is)."""
     if cfg.schedule.recompute != "auto":
         return None
-    p = cfg.parallel
-    big = max(range(p.dp), key=p.micro_batches_of)
-    plan = PipelinePlan.from_config(cfg, replica=big, validate=False)
-    known = [c for c in stage_caps(cfg, classes) if c is not None]
-    counts, _, _ = fit_recompute(plan, cfg.model, p.micro_batch, min(known) if known else None)
-    return counts
+    return _fit_auto(cfg, _largest_share_plan(cfg), stage_caps(cfg, classes))[0]
 
 
 def predict_step_s(cfg, classes, steps: int = 3) -> float:
@@ -256,15 +247,11 @@ def stage_caps(cfg, classes) -> list[int | None]:
 
 def fits(cfg, classes) -> bool:
     """Whether every stage fits its cap, with the largest share's micro-batches in flight."""
-    p = cfg.parallel
-    big = max(range(p.dp), key=p.micro_batches_of)
-    plan = PipelinePlan.from_config(cfg, replica=big, validate=False)
-    caps = stage_caps(cfg, classes)
+    plan, caps = _largest_share_plan(cfg), stage_caps(cfg, classes)
     if cfg.schedule.recompute == "auto":
-        known = [c for c in caps if c is not None]
-        _, peaks, _ = fit_recompute(plan, cfg.model, p.micro_batch, min(known) if known else None)
+        peaks = _fit_auto(cfg, plan, caps)[1]
     else:
-        peaks = stage_peaks(plan, cfg.model, p.micro_batch,
+        peaks = stage_peaks(plan, cfg.model, cfg.parallel.micro_batch,
                             recompute_for(plan.blocks, cfg.schedule.recompute))
     return all(c is None or pk <= c for pk, c in zip(peaks, caps))
 
@@ -437,8 +424,8 @@ def resolve(cfg, classes):
                                          replica_shares=shares))
 
 
-__all__ = ["Candidate", "best_plans", "candidates", "fits", "grid_classes", "grid_rates",
-           "halves", "neighbours", "predict", "predict_step_s", "rank_rates", "recompute_layers",
+__all__ = ["Candidate", "best_plans", "candidates", "class_rates", "fits", "grid_classes",
+           "grid_rates", "halves", "neighbours", "predict", "predict_step_s", "recompute_layers",
            "refined", "replica_seconds", "resolve", "role_seconds", "runs", "split_layers",
            "split_shares", "stage_caps", "stage_seconds", "state_bytes", "uniform_like",
            "with_measured_rates"]
