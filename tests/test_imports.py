@@ -32,7 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "ratrain"
 
 LAYERS = {
-    "ratrain": 0, "ratrain.fileio": 0, "ratrain.fastpath": 0,
+    "ratrain": 0, "ratrain.fileio": 0, "ratrain.fastpath": 0, "ratrain.device": 0,
     "ratrain.config": 1,
     "ratrain.shim": 2, "ratrain.job": 2,
     "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,

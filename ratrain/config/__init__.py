@@ -8,8 +8,8 @@ an unknown section or key, a value of the wrong type, or an impossible combinati
 
 The package: the sections, one dataclass each with its keys documented (`sections`), and here
 `Config`, which holds them, and the loading (YAML through `typedyaml`'s strict loader,
-`--set` overrides, the shipped jobs). May import: PyYAML; nothing else of
-ratrain (every package reads its config).
+`--set` overrides, the shipped jobs). May import: PyYAML, `ratrain.device` (the
+names of `run.device`); nothing else of ratrain (every package reads its config).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from ratrain.config.typedyaml import ConfigError
+from ratrain.device.select import DEVICES
 
 # --------------------------------------------------------------------------------------------
 # Sections (deliberately plain: each a frozen dataclass of typed fields with their defaults, so
@@ -537,6 +538,9 @@ class RunConfig:
     trace: write trace.json (Chrome trace events; Perfetto) at the end
     threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
         affinity, shared by the node's ranks that have the same cores)
+    device: where each rank computes: cpu (numpy), gpu (cupy on card local_rank % visible
+        cards; needs the gpu extra, see README "GPU ranks"), or standin (the CPU stand-in of a
+        device: numpy with cupy's refusals, for testing the device paths without a GPU)
     tensorboard: also log scalars to <run.dir>/tensorboard (needs the tensorboard extra:
         tensorboardX)
     time_limit: seconds of wall clock from start-up the run may use; it stops at a step boundary
@@ -551,6 +555,7 @@ class RunConfig:
     log_interval: int = 1
     trace: bool = False
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
+    device: str = "cpu"  # cpu | gpu | standin
     tensorboard: bool = False
     # seconds of wall clock from start-up the run may use (0 = no limit): it stops at a step
     # boundary early enough to write a checkpoint, then exits 75 (run again to continue)
@@ -571,6 +576,9 @@ class RunConfig:
         _positive(self, "run", "log_interval")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
+        if self.device not in DEVICES:
+            raise ConfigError(f"run.device={self.device!r} is not a device: use one of "
+                              f"{', '.join(DEVICES)}")
         if os.sep in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name={self.name!r} must be a plain name (no {os.sep!r})")
         for key in ("time_limit", "stop_grace"):

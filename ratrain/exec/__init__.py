@@ -8,7 +8,8 @@ recompute choices (`layers`), the execution context of threads, dtypes and RoPE 
 clipping, the LR schedule and loss scaling (`optim`).
 
 May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (the `FastPath`
-switch of the fused kernels) and third-party numerics
+switch of the fused kernels), `ratrain.device` (the array module's transfers and syncs) and
+third-party numerics
 (numpy, threadpoolctl; cupy when given as `xp`). Never MPI, comm, lifecycle or plan: buffers are
 allocated through a ledger passed in, never imported.
 """

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ratrain.config import OptimConfig
+from ratrain.device import module_of
 from ratrain.exec import fused
 from ratrain.exec.profile import timed
 
@@ -61,20 +62,38 @@ def decays(name: str, cfg: OptimConfig, spec=None) -> bool:
 
 
 @timed("grad norm")
-def block_sq_norm(grad_flat, xp=None) -> float:
-    """Sum of squares of a block's fp32 gradient, accumulated in float64 (a Python float).
+def block_sq_norm(grad_flat, xp=None):
+    """Sum of squares of a block's fp32 gradient, accumulated in float64: a Python float on
+    the host, a 0-d float64 array on a device (no host sync: the executor downloads a step's
+    sums together).
 
-    Deterministic: the block is summed in fixed chunks in order, so every rank holding the
-    block computes the same value. inf / nan in the gradient make the result non-finite.
+    Deterministic: the block is summed in fixed chunks in order (on cupy, one fused reduction
+    kernel, whose order is fixed by the size), so every rank holding the block computes the
+    same value. inf / nan in the gradient make the result non-finite.
     """
     if xp is None:
-        xp = np if isinstance(grad_flat, np.ndarray) else _module_of(grad_flat)
+        xp = module_of(grad_flat)
+    if hasattr(xp, "ReductionKernel"):  # pragma: no cover - cupy: one kernel, no chunks
+        return _cupy_sq_norm(xp)(grad_flat)
     total = xp.zeros((), xp.float64)  # stays on the device until the end
     n = grad_flat.shape[0]
     for i in range(0, n, NORM_CHUNK):
         c = grad_flat[i : i + NORM_CHUNK].astype(xp.float64)  # (chunk,)
         total += xp.sum(c * c)  # pairwise summation: deterministic, thread-count independent
-    return float(total)
+    return float(total) if xp is np else total
+
+
+_SQ_NORM_KERNELS: dict = {}
+
+
+def _cupy_sq_norm(cupy):  # pragma: no cover - needs cupy
+    """cupy's fused sum of squares, fp32 in, float64 accumulation and result (made once)."""
+    k = _SQ_NORM_KERNELS.get("k")
+    if k is None:
+        k = _SQ_NORM_KERNELS["k"] = cupy.ReductionKernel(
+            "float32 x", "float64 y", "(double)x * (double)x", "a + b", "y = a", "0",
+            "ratrain_sq_norm")
+    return k
 
 
 def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0,
@@ -410,16 +429,6 @@ class LossScaler:
         self.growth = float(state.get("growth", self.growth))
         self.backoff = float(state.get("backoff", self.backoff))
         self.skipped = int(state.get("skipped", 0))
-
-
-def _module_of(a):
-    """numpy or cupy, whichever owns `a`."""
-    try:  # pragma: no cover - needs cupy
-        import cupy
-
-        return cupy.get_array_module(a)
-    except ImportError:
-        return np
 
 
 __all__ = [

@@ -12,6 +12,7 @@ blocks for checkpoints (`fullstate`); timelines out (`trace`); the one way to bu
 (`rank`); `python -m ratrain.lifecycle.bench` (grids, memory and timing of the policies).
 
 May import: `ratrain.comm`, `ratrain.exec`, `ratrain.shim`, `ratrain.config`,
-`ratrain.fileio`. Never plan or the commands (the planner builds on this package, not the
+`ratrain.fileio`, `ratrain.device` (batches in, sums and losses out, full state to the host).
+Never plan or the commands (the planner builds on this package, not the
 other way round). A policy changes when things happen, never what is computed.
 """

@@ -51,7 +51,7 @@ class StageCompute:
 
     def forward(self, mb, x, inputs, targets, keep_caches=True, pre=(), post=(), hook=None):
         """Run the blocks forward on micro-batch `mb` (`x`: the stage input, None on the first
-        stage, which embeds `inputs[mb]`); returns (output, loss or None). `keep_caches=False`
+        stage, which embeds `inputs[mb]`); returns (output, loss or None: a 0-d array). `keep_caches=False`
         (eval) keeps nothing and recomputes nothing."""
         loss = None
         for b in self.blocks:
@@ -65,8 +65,9 @@ class StageCompute:
                     recompute = self.recompute[b] if keep_caches else "full"
                     x, cache = layers.layer_forward(x, p, self.ctx, recompute)
                 else:
+                    # a 0-d array, on the device where it ran: the executor downloads
+                    # the step's losses together (one host sync per step)
                     loss, cache = layers.head_forward(x, targets[mb], p, self.ctx)
-                    loss = float(loss)
             if keep_caches:
                 self.ledger.track(f"activations.mb{mb}.{b}", *layers.cache_arrays(cache))
                 self.caches[(mb, b)] = cache

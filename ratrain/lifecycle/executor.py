@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ratrain.device import host_floats, to_device
 from ratrain.exec.optim import (
     ADAMW_BYTES_PER_PARAM,
     AdamW,
@@ -217,7 +218,8 @@ class Executor:
         inputs, targets = batch if batch is not None else (None, None)
         self._check_batch(inputs, targets)
         self._reset_step_state()
-        self.step, self.inputs, self.targets = step, inputs, targets
+        self.step = step
+        self.inputs, self.targets = self._to_device(inputs), self._to_device(targets)
         self.ledger.reset_peak()
         actions = self.plan.step_list(self.stage, self._carry)
         if self.mailbox is not None:
@@ -250,7 +252,9 @@ class Executor:
         p2p = self.mailbox.p2p if self.mailbox is not None else None
         nl, before = self.facts.nl, sum(self.shares[:self.replica])
         losses = np.zeros(len(batches) * nl, np.float64)
+        mine: dict[int, object] = {}  # index in `losses` -> this rank's loss (0-d, the device's)
         for k, (inputs, targets) in enumerate(batches):
+            inputs, targets = self._to_device(inputs), self._to_device(targets)
             for mb in range(self.num_micro_batches):
                 x = None
                 if self.stage > 0:
@@ -263,7 +267,9 @@ class Executor:
                 if self.stage < self.pp - 1:
                     p2p.isend_forward(y).result()
                 else:
-                    losses[k * nl + before + mb] = loss
+                    mine[k * nl + before + mb] = loss
+        for i, v in zip(mine, host_floats(self.ctx.xp, mine.values())):  # one download
+            losses[i] = v
         for b in made:
             self.state.drop_view(b)
         losses = self._allreduce_world(losses)
@@ -415,11 +421,12 @@ class Executor:
     def _grad_norm(self, a: sched.GradNorm) -> None:
         facts = self.facts
         vec = facts.vector()
-        for b, s in self.sq.items():  # (global block, dp segment): one contributor each
+        # the step's one host sync: every sum of squares and loss in one download
+        sq = host_floats(self.ctx.xp, [*self.sq.values(), *self.losses.values()])
+        for b, s in zip(self.sq, sq):  # (global block, dp segment): one contributor each
             facts.put_sq(vec, self.global_index[b], self.replica, s)
-        if self.stage == self.pp - 1:
-            for mb, loss in self.losses.items():
-                facts.put_loss(vec, self.replica, mb, loss)
+        for mb, loss in zip(self.losses, sq[len(self.sq):]):  # the last stage's
+            facts.put_loss(vec, self.replica, mb, loss)
         facts.put_peak(vec, self.rank, self.ledger.peak)
         vec = self._allreduce_world(vec)
 
@@ -469,13 +476,17 @@ class Executor:
 
     def _reset_step_state(self) -> None:
         self.compute.caches = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, object] = {}  # mb -> 0-d loss array (on the device)
         self.recv_fwd: dict = {}
         self.recv_bwd: dict = {}
         self.out_fwd: dict = {}
         self.out_bwd: dict = {}
         self.syncs: dict = {}
-        self.sq: dict[str, float] = {}
+        self.sq: dict[str, object] = {}  # block -> sum of squares (0-d on a device)
+
+    def _to_device(self, a):
+        """A batch array on this rank's device (one upload per step; None stays None)."""
+        return None if a is None else to_device(self.ctx.xp, a)
 
     def _check_batch(self, inputs, targets) -> None:
         want = (self.num_micro_batches, self.micro_batch, self.cfg.model.seq_len)

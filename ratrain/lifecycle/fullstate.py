@@ -4,7 +4,8 @@
         ...
     full_params(executor)                               # {global name: whole fp32 master}
 
-Unsharded, the arrays are views into the live buffers (no copy, no communication). Sharded
+Every array is a host numpy array: on the host, unsharded, views into the live buffers (no copy,
+no communication); on a device, one download per buffer and block. Sharded
 (`ratrain` at dp > 1), each buffer of a block is ring all-gathered through the communication
 engine over the stage's replicas into a block-sized buffer (ledger `comm.gather.<buffer>`),
 released when the next block is asked for: at most one extra block is held, and the arrays are
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ratrain.device import to_host
 from ratrain.exec.params import STATE_BUFFERS
 
 
@@ -32,8 +34,9 @@ def iter_full_state(ex, buffers=STATE_BUFFERS):
         spec = state.block(b)
         base, end = state.block_range(b)
         if not ex.sharded:
-            yield b, {k: {p.name: state.buffer(k)[slice(*state.param_range(p.name))]
-                          .reshape(p.shape) for p in spec.params} for k in buffers}
+            host = {k: to_host(state.buffer(k)[base:end]) for k in buffers}  # views on the host
+            yield b, {k: {p.name: host[k][_local(state, p.name, base)].reshape(p.shape)
+                          for p in spec.params} for k in buffers}
             continue
         lo, hi = state.segment(b)
         bufs = {}
@@ -44,15 +47,17 @@ def iter_full_state(ex, buffers=STATE_BUFFERS):
                 bufs[k] = buf
                 buf[lo:hi] = state.flat(k, b)
                 ex.engine.allgather(buf, ex.topo.dp_comm).result()
-            out = {}
-            for k, buf in bufs.items():
-                out[k] = {}
-                for p in spec.params:
-                    a, e = state.param_range(p.name)
-                    out[k][p.name] = buf[a - base : e - base].reshape(p.shape)
-            yield b, out
+            host = {k: to_host(buf) for k, buf in bufs.items()}
+            yield b, {k: {p.name: host[k][_local(state, p.name, base)].reshape(p.shape)
+                          for p in spec.params} for k in buffers}
         finally:
             ex.ledger.free(*bufs.values())
+
+
+def _local(state, name: str, base: int) -> slice:
+    """Parameter `name`'s range inside its block's flat range that starts at `base`."""
+    a, e = state.param_range(name)
+    return slice(a - base, e - base)
 
 
 def full_params(ex) -> dict[str, np.ndarray]:

@@ -31,9 +31,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 
 from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
+from ratrain.device import Device, open_device
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
@@ -61,6 +61,7 @@ class Rank:
     engine: object | None  # comm.engine.CommEngine (None for one process)
     executor: Executor
     slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
+    device: Device | None = None  # where it computes (`run.device`)
 
     def peak_flops(self, classes=None) -> float:
         """The job's peak compute rate in flop/s, for MFU: every rank's platform rate
@@ -145,10 +146,11 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
 
 
 def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,
-               xp=np, validate: bool = True) -> Rank:
+               device: Device | None = None, validate: bool = True) -> Rank:
     """This process's rank of `cfg` (see the module). `comm`: the world communicator (None or
-    one rank for pp = dp = 1); `cap`: the ledger's DDR cap (default: the profile's; None:
-    none); `watchdog_s`: the engine's watchdog."""
+    one rank for pp = dp = 1); `cap`: the ledger's DDR cap (default: the profile's, or on a
+    GPU without one the card's memory; None: none); `watchdog_s`: the engine's watchdog;
+    `device`: where it computes (default: `run.device` opened here, card local rank 0)."""
     p = cfg.parallel
     world = p.pp * p.dp
     if world > 1 and (comm is None or comm.Get_size() != world):
@@ -159,7 +161,12 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     # pure: before any buffer (this replica's micro-batches under `parallel.replica_shares`)
     plan = PipelinePlan.from_config(cfg, replica=my_replica, validate=validate)
     profile = rank_profile(cfg.platform, rank_id)  # its class's under `platform.classes`
-    ledger = Ledger(profile.ddr_bytes if cap is PROFILE_CAP else cap, rank_id)
+    if device is None:
+        device = open_device(cfg.run.device)
+    xp = device.xp
+    if cap is PROFILE_CAP:  # the platform's DDR cap, else the card's memory (None on the host)
+        cap = profile.ddr_bytes or device.memory_bytes
+    ledger = Ledger(cap, rank_id)
     topo = engine = slots = None
     stage = replica = 0
     if world > 1:
@@ -181,7 +188,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     except BaseException:
         teardown(engine, slots, topo)
         raise
-    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots)
+    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots, device)
 
 
 __all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads", "shard_state"]

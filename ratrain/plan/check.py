@@ -68,6 +68,20 @@ class RunPlan:
                 "optimizer state)"
             )
 
+    def check_device(self, rank: int, device, local_ranks: int = 1) -> None:
+        """Raise ConfigError when rank `rank`'s stage, times the node's ranks that share its
+        card (`Device.sharing`), is predicted over the card's memory (`run.device: gpu`)."""
+        if device.memory_bytes is None:
+            return
+        stage, _ = coords(rank, self.pp, self.dp, self.placement)
+        sharing = device.sharing(local_ranks)
+        if self.peaks[stage] * sharing > device.memory_bytes:
+            raise ConfigError(
+                f"rank {rank} (stage {stage}, {self.layers[stage]} layers) is predicted to need "
+                f"{_gib(self.peaks[stage])} on {device.describe()}, shared by {sharing} rank(s): "
+                "over the card (run.device: gpu); raise parallel.pp, lower parallel.micro_batch, "
+                "set schedule.recompute=auto, or run fewer ranks per GPU")
+
     def describe(self) -> list[str]:
         cap = "no cap" if self.cap is None else f"cap {_gib(self.cap)}"
         lines = [f"memory plan (predicted peak per rank, {cap}):"]

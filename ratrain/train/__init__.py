@@ -40,6 +40,7 @@ from ratrain.train.startup import (
     Setup,
     StartupError,
     agree,
+    check_device_memory,
     check_memory,
     finished_message,
     resolve_config,
@@ -93,12 +94,14 @@ def dry_run(setup: Setup, comm) -> int:
     bad = None
     try:
         agree(comm, plan.check, comm.Get_rank())
+        agree(comm, check_device_memory, setup.cfg, comm.Get_rank(), setup.device)
     except StartupError as e:
         bad = e
     if comm.Get_rank() == 0:
         cfg, ds = setup.cfg, open_datasets(setup.cfg, setup.data_paths)[0]
         epochs = cfg.run.steps * cfg.parallel.global_batch / ds.num_windows
         print(f"config {cfg.parallel.pp} x {cfg.parallel.dp} = {comm.Get_size()} ranks: OK\n"
+              f"device {setup.device.describe() if setup.device else 'cpu'} (rank 0)\n"
               f"data {ds.path}: {ds.num_tokens} tokens, {ds.num_windows} windows of "
               f"{cfg.model.seq_len + 1}; run.steps={cfg.run.steps} reads {epochs:.2f} epochs\n"
               f"eval {setup.data_paths.eval_tokens or 'none'}; tokenizer "

@@ -20,6 +20,7 @@ from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
 from ratrain.checkpoint.space import room_problem
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
+from ratrain.device import Device, open_device
 from ratrain.hf import check_hf, import_model_section
 from ratrain.exec.context import sgemm_rate
 from ratrain.plan.check import available_memory, run_plan
@@ -66,6 +67,7 @@ class Setup:
     resume: str | None
     finished: str | None = None  # a message: the run is already done, nothing to train
     classes: tuple | None = None  # every world rank's class (`platform.classes`), or None
+    device: Device | None = None  # this rank's (`run.device`); None: the host's numpy
     locks: list = field(default_factory=list)  # RunLock of run.dir (and checkpoint.dir), rank 0
 
     def release(self) -> None:
@@ -73,13 +75,33 @@ class Setup:
             lock.release()
 
 
-def check_memory(cfg: Config, rank: int) -> None:
+def check_memory(cfg: Config, rank: int, device: Device | None = None) -> None:
     """The memory plan of this rank's stage against the DDR cap, or without a cap against the
-    memory this node has for its ranks (`plan.check`; refused only beyond the plan's error)."""
+    memory this node has for its ranks (`plan.check`; refused only beyond the plan's error);
+    on a GPU, also against the card's memory, shared by the node's ranks on that card."""
     from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
 
-    run_plan(cfg, rank).check(rank, tolerance=0.9, available=available_memory(),
-                        local_ranks=local_ranks() or 1)
+    on_host = device is None or device.memory_bytes is None
+    run_plan(cfg, rank).check(rank, tolerance=0.9,
+                              available=available_memory() if on_host else None,
+                              local_ranks=local_ranks() or 1)
+    check_device_memory(cfg, rank, device)
+
+
+def check_device_memory(cfg: Config, rank: int, device: Device | None) -> None:
+    """On a GPU, this rank's stage against the card's memory, shared by the node's ranks on
+    that card (`RunPlan.check_device`); nothing on the host."""
+    from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
+
+    if device is not None and device.memory_bytes is not None:
+        run_plan(cfg, rank).check_device(rank, device, local_ranks() or 1)
+
+
+def rank_device(cfg: Config) -> Device:
+    """This rank's device (`run.device`; a GPU: card local rank % visible), checked to work."""
+    from ratrain.comm.progress import local_rank  # loads MPI (loaded already under a launcher)
+
+    return open_device(cfg.run.device, local_rank())
 
 
 def finished_message(cfg: Config, resume: str | None) -> str | None:
@@ -121,6 +143,7 @@ def measured_rate(cfg: Config) -> float:
 def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     agree(comm, cfg.check_world, comm.Get_size())
+    device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
     cfg, classes = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
     cfg = agree(comm, record_tokenizer, cfg, data_paths)
@@ -131,16 +154,16 @@ def startup(args, comm) -> Setup:
     agree(comm, lambda: comm.Get_rank() == 0 and check_writable(cfg.run.dir, "run.dir"))
     resume = agree(comm, lambda: resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=comm))
     if getattr(args, "dry_run", False):  # the plan is the dry run's own report
-        return Setup(cfg, data_paths, None, classes=classes)
-    agree(comm, check_memory, cfg, comm.Get_rank())
+        return Setup(cfg, data_paths, None, classes=classes, device=device)
+    agree(comm, check_memory, cfg, comm.Get_rank(), device)
     done = agree(comm, finished_message, cfg, resume)
     if done:
-        return Setup(cfg, data_paths, resume, finished=done, classes=classes)
+        return Setup(cfg, data_paths, resume, finished=done, classes=classes, device=device)
     root = checkpoint_root(cfg.checkpoint, cfg.run.dir)
     if cfg.checkpoint.interval and cfg.checkpoint.on_error == "stop":
         agree(comm, lambda: comm.Get_rank() == 0 and _no_room(root, cfg))
     locks = agree(comm, lambda: [] if comm.Get_rank() else lock_dirs(cfg.run.dir, root, _note))
-    return Setup(cfg, data_paths, resume, locks=locks, classes=classes)
+    return Setup(cfg, data_paths, resume, locks=locks, classes=classes, device=device)
 
 
 def _note(msg: str) -> None:
@@ -153,5 +176,5 @@ def _no_room(root: str, cfg: Config) -> None:
         raise OSError(problem)
 
 
-__all__ = ["Setup", "StartupError", "agree", "check_memory", "finished_message",
-           "rank_classes", "resolve_config", "startup"]
+__all__ = ["Setup", "StartupError", "agree", "check_device_memory", "check_memory", "finished_message",
+           "rank_classes", "rank_device", "resolve_config", "startup"]

@@ -78,7 +78,7 @@ class Trainer:
         self.resumed = bool(setup.resume)
         self.classes = setup.classes  # every world rank's class (`platform.classes`), or None
         self.this_rank = build_rank(cfg, comm if comm.Get_size() > 1 else None,  # a `Rank`
-                                    watchdog_s=cfg.comm.timeout or None,
+                                    watchdog_s=cfg.comm.timeout or None, device=setup.device,
                                     load=lambda state: self._load_weights(state, setup.resume))
         self.watchdog = getattr(self.ctl, "watchdog", None)
         if self.this_rank.engine is not None and self.watchdog is not None:
@@ -363,6 +363,7 @@ class Trainer:
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
+            f"device {self.this_rank.device.describe()} (rank 0), "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
