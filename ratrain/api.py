@@ -42,6 +42,7 @@ from ratrain.data import (
     load_tokenizer,
     val_path,
 )
+from ratrain.device import to_device, to_host
 from ratrain.exec import layers
 from ratrain.hf import CONFIG, import_model_section, load_hf_params
 from ratrain.lifecycle.rank import build_rank
@@ -52,15 +53,16 @@ from ratrain.lifecycle.rank import build_rank
 # --------------------------------------------------------------------------------------------
 
 
-def _one_process(cfg: Config, precision: str | None, threads: int) -> Config:
-    """`cfg` as one rank at pp = dp = 1 that only runs forward (no pacing, no auto recompute)."""
+def _one_process(cfg: Config, precision: str | None, threads: int, device: str) -> Config:
+    """`cfg` as one rank at pp = dp = 1 on `device` that only runs forward (no pacing, no auto
+    recompute)."""
     return replace(
         cfg,
         precision=precision or cfg.precision,
         parallel=ParallelConfig(),
         schedule=replace(cfg.schedule, policy="baseline-1f1b", recompute="none"),
         platform=replace(cfg.platform, emulate=False),
-        run=replace(cfg.run, threads=threads, trace=False),
+        run=replace(cfg.run, threads=threads, trace=False, device=device),
     )
 
 
@@ -68,8 +70,10 @@ class Model:
     """A trained model in this process (see the module doc). Build it with `load`."""
 
     def __init__(self, cfg: Config, load_fn, *, step: int | None = None, source: str = "",
-                 precision: str | None = None, threads: int = 0, tokenizer: str | None = None):
-        self.cfg = _one_process(cfg, precision, threads)
+                 precision: str | None = None, threads: int = 0, tokenizer: str | None = None,
+                 device: str = "cpu"):
+        self.cfg = _one_process(cfg, precision, threads, device)
+        self.cfg.run.check()
         self.step, self.source = step, source
         self.rank = build_rank(self.cfg, None, cap=None, load=load_fn)
         ex = self.rank.executor
@@ -102,7 +106,7 @@ class Model:
     def _hidden(self, ids: np.ndarray) -> np.ndarray:
         """The last layer's output (B, T, C) for ids (B, T): embed, then every layer."""
         compute, ctx = self.rank.executor.compute, self.rank.ctx
-        x, _ = layers.embed_forward(ids, compute.view("embed"), ctx)  # (B, T, C)
+        x, _ = layers.embed_forward(to_device(ctx.xp, ids), compute.view("embed"), ctx)  # (B, T, C)
         for b in compute.blocks:
             if compute.role[b] == "layer":
                 x, _ = layers.layer_forward(x, compute.view(b), ctx, "full")  # keeps only x
@@ -116,14 +120,15 @@ class Model:
         if last_only:
             x = x[:, -1:]
         p = self.rank.executor.compute.view("head")  # tied: the embedding's weight
-        z = np.asarray(layers.head_logits(x, p, self.rank.ctx), np.float32)  # (B, T, V)
+        z = to_host(layers.head_logits(x, p, self.rank.ctx)).astype(np.float32, copy=False)
         return z[:, -1] if last_only else z
 
     def loss(self, inputs, targets) -> float:
         """Mean token cross-entropy of `targets` (B, T) given `inputs` (B, T)."""
         inputs, targets = self._check(inputs), self._check(targets)
         compute, ctx = self.rank.executor.compute, self.rank.ctx
-        loss, _ = layers.head_forward(self._hidden(inputs), targets, compute.view("head"), ctx)
+        loss, _ = layers.head_forward(self._hidden(inputs), to_device(ctx.xp, targets),
+                                      compute.view("head"), ctx)
         return float(loss)
 
     def generate(self, ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
@@ -197,11 +202,12 @@ def sample(z: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0
 
 
 def load(path: str, *, precision: str | None = None, threads: int = 0,
-         seq_len: int | None = None, tokenizer: str | None = None) -> Model:
+         seq_len: int | None = None, tokenizer: str | None = None, device: str = "cpu") -> Model:
     """A `Model` from a checkpoint (a `ckpt-NNNNNN` directory, or a checkpoints directory: its
     newest committed one) or a Hugging Face LLaMA directory (config.json + safetensors;
     `seq_len` defaults to its max_position_embeddings; its tokenizer.json, when present, is
-    the model's tokenizer). `tokenizer`: a tokenizer to use instead of the run's."""
+    the model's tokenizer). `tokenizer`: a tokenizer to use instead of the run's; `device`:
+    where it computes (`run.device`'s values; whatever device wrote the checkpoint)."""
     if os.path.isfile(os.path.join(path, CONFIG)):
         cfg = replace(Config(), init=replace(Config().init, from_hf=path))
         cfg = import_model_section(cfg, path)
@@ -209,12 +215,13 @@ def load(path: str, *, precision: str | None = None, threads: int = 0,
         if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
             tokenizer = os.path.join(path, "tokenizer.json")
         return Model(cfg, lambda st: st.load_named(load_hf_params(path, cfg.model, st.names)),
-                     source=path, precision=precision, threads=threads, tokenizer=tokenizer)
+                     source=path, precision=precision, threads=threads, tokenizer=tokenizer,
+                     device=device)
     path, cfg, step = checkpoint_config(path)
     if seq_len:
         cfg = replace(cfg, model=replace(cfg.model, seq_len=seq_len))
     return Model(cfg, lambda st: load_stage(st, path, ("master",)), step=step, source=path,
-                 precision=precision, threads=threads, tokenizer=tokenizer)
+                 precision=precision, threads=threads, tokenizer=tokenizer, device=device)
 
 
 # --------------------------------------------------------------------------------------------

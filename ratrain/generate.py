@@ -20,6 +20,7 @@ import sys
 
 from ratrain.api import load
 from ratrain.config import ConfigError
+from ratrain.device import DEVICES
 
 
 def parse_args(argv=None):
@@ -49,6 +50,9 @@ def parse_args(argv=None):
                     help="tokenizer to use instead of the run's data.tokenizer")
     ap.add_argument("--precision", choices=("fp32", "fp16"), default=None,
                     help="arithmetic of the forward (default: the run's precision)")
+    ap.add_argument("--device", default="cpu", metavar="|".join(DEVICES),
+                    help="where to compute (run.device's values; default cpu, whatever device "
+                         "trained the model)")
     return ap.parse_args(argv)
 
 
@@ -70,7 +74,8 @@ def main(argv=None) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         _check(args)
-        model = load(args.checkpoint, precision=args.precision, tokenizer=args.tokenizer)
+        model = load(args.checkpoint, precision=args.precision, tokenizer=args.tokenizer,
+                     device=args.device)
     except (ConfigError, ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ layout (`load`), finding a committed checkpoint and loading it into a stage bloc
 one way the trainer, eval, generate and export take weights (`stage`), and the `show` CLI
 (`show`, `__main__`).
 
-May import: `ratrain` (its version), `ratrain.config`, `ratrain.fileio` (every file is written
+May import: `ratrain` (its version), `ratrain.config`, `ratrain.device` (device arrays to the
+host), `ratrain.fileio` (every file is written
 through its one atomic-write protocol), `ratrain.exec.spec` from `model` only (the model's
 parameter names and stage split, a pure description: no kernels, no MPI) and third-party
 packages (numpy, h5py, yaml). Never comm, lifecycle, plan, train: collectives come in as a

@@ -32,7 +32,7 @@ def _read_into(ds: h5py.Dataset, dst) -> None:
         ds.read_direct(dst)  # straight into the caller's buffer
     elif isinstance(dst, np.ndarray):
         dst[...] = ds[()]
-    else:  # cupy: through host memory, one parameter at a time
+    else:  # a device array: through host memory, one parameter at a time
         dst.set(np.ascontiguousarray(ds[()], dtype=dst.dtype))
 
 

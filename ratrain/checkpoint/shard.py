@@ -38,6 +38,7 @@ import numpy as np
 import ratrain
 from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, FORMAT_VERSION, CheckpointError, shard_name
 from ratrain.config import Config
+from ratrain.device import to_host
 from ratrain.fileio import atomic_path
 
 _CHUNK = 8 << 20  # bytes per pwrite / hash update / read
@@ -158,10 +159,9 @@ def _shard_plan(tensors: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _host(a) -> np.ndarray:
-    """A C-contiguous float32 numpy array of `a` (a copy only for cupy / strided input)."""
-    if hasattr(a, "get") and not isinstance(a, np.ndarray):  # cupy
-        a = a.get()
-    a = np.asarray(a)
+    """A C-contiguous float32 numpy array of `a` (a copy only for a device array or strided
+    input)."""
+    a = to_host(a)
     if a.dtype != np.float32:
         raise CheckpointError(f"checkpoints store fp32 state; got an array of dtype {a.dtype}")
     return np.ascontiguousarray(a)

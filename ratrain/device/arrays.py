@@ -88,17 +88,19 @@ def scatter_add(xp, target, index, values) -> None:
 
 
 class HostStaging:
-    """Host buffers through which device arrays reach MPI, and the copies in and out of them.
+    """Host buffers through which a device's arrays reach MPI, and the copies in and out.
 
-    On a GPU the buffers are page-locked (`cupyx.empty_pinned`), so `download`/`upload` are
-    asynchronous copies on a copy stream of their own, overlapping the compute stream; `wait()`
-    ends them. On the host (numpy) no staging is needed: `download` returns the array itself.
-    On the stand-in the copies are plain, counted transfers. Buffers are kept per name and
-    reused while shape and dtype match."""
+    On a GPU the buffers are page-locked (`cupyx.empty_pinned`) and the copies run on a copy
+    stream of their own: a download waits for the compute stream's work so far, an upload is
+    waited for by the compute stream's later work, so copies overlap compute. On the stand-in
+    they are plain counted transfers; on the host no staging is needed (`needed` is False).
+    Buffers are pooled by shape and dtype: `take` one, `give` it back when its message is done.
+    """
 
     def __init__(self, xp):
         self.xp = xp
-        self._bufs: dict[str, np.ndarray] = {}
+        self._free: dict[tuple, list] = {}
+        self._made = 0  # bytes of host buffers made
         self._stream = None
         if getattr(xp, "__name__", "") == "cupy":  # pragma: no cover - needs cupy
             self._stream = xp.cuda.Stream(non_blocking=True)
@@ -107,28 +109,32 @@ class HostStaging:
     def needed(self) -> bool:
         return self.xp is not np
 
-    def buffer(self, name: str, shape, dtype) -> np.ndarray:
-        b = self._bufs.get(name)
-        if b is None or b.shape != tuple(shape) or b.dtype != np.dtype(dtype):
-            if self._stream is not None:  # pragma: no cover - needs cupy
-                import cupyx  # a GPU rank: cupy is loaded already
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host buffers this staging has made (pinned on a GPU)."""
+        return self._made
 
-                b = cupyx.empty_pinned(tuple(shape), dtype)
-            else:
-                b = np.empty(tuple(shape), dtype)
-            self._bufs[name] = b
+    def take(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        free = self._free.get(key)
+        if free:
+            return free.pop()
+        if self._stream is not None:  # pragma: no cover - needs cupy
+            import cupyx  # a GPU rank: cupy is loaded already
+
+            b = cupyx.empty_pinned(key[0], dtype)
+        else:
+            b = np.empty(key[0], dtype)
+        self._made += b.nbytes
         return b
 
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bufs.values())
+    def give(self, buf: np.ndarray) -> None:
+        self._free.setdefault((buf.shape, buf.dtype.str), []).append(buf)
 
-    def download(self, name: str, a) -> np.ndarray:
-        """A host array of device array `a` (staged in buffer `name`; `a` itself on the host).
-        On a GPU the copy is queued after the work that made `a` and has ended when this
-        returns, so the buffer may go to MPI at once."""
-        if self.xp is np:
-            return a
-        host = self.buffer(name, a.shape, a.dtype)
+    def download(self, a) -> np.ndarray:
+        """A taken host buffer holding device array `a`, complete when this returns (so it may
+        go to MPI at once)."""
+        host = self.take(a.shape, a.dtype)
         if self._stream is not None:  # pragma: no cover - needs cupy
             self._stream.wait_event(self.xp.cuda.get_current_stream().record())
             a.get(stream=self._stream, out=host)
@@ -137,12 +143,8 @@ class HostStaging:
         return a.get(out=host)
 
     def upload(self, host: np.ndarray, a) -> None:
-        """Copy host array `host` into device array `a` (the same array on the host: nothing);
-        the compute stream's later work waits for the copy."""
-        if self.xp is np:
-            if host is not a:
-                a[...] = host
-            return
+        """Copy host buffer `host` into device array `a`; the compute stream's later work
+        waits for the copy."""
         if self._stream is not None:  # pragma: no cover - needs cupy
             a.set(host, stream=self._stream)
             self.xp.cuda.get_current_stream().wait_event(self._stream.record())

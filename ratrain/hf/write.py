@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ratrain.config import ModelConfig
+from ratrain.device import to_host
 from ratrain.fileio import atomic_path, atomic_write
 from ratrain.hf.format import CONFIG, DTYPES, GENERATION, INDEX, KEYS, SINGLE, HFError
 from ratrain.hf.read import expected_tensors
@@ -153,10 +154,7 @@ def export_hf(
         raise KeyError(f"export: {extra[0]!r} is not a parameter of this model")
     tensors = {}
     for g, (hf_name, shape) in by_global.items():
-        arr = params[g]
-        if hasattr(arr, "get"):  # cupy -> host
-            arr = arr.get()
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        arr = np.ascontiguousarray(to_host(params[g]), dtype=np.float32)
         if arr.shape != shape:
             raise ValueError(f"export: {g!r} has shape {arr.shape}, expected {shape}")
         tensors[hf_name] = arr

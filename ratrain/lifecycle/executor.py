@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ratrain.device import host_floats, to_device
+from ratrain.device import HostStaging, host_floats, is_host, to_device
 from ratrain.exec.optim import (
     ADAMW_BYTES_PER_PARAM,
     AdamW,
@@ -76,6 +76,7 @@ from ratrain.lifecycle.facts import FactsLayout
 from ratrain.lifecycle.mailbox import Mailbox
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
+from ratrain.lifecycle.staged import StagedEngine
 
 MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
 
@@ -118,6 +119,8 @@ class Executor:
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
                  total_steps: int | None = None, pacer=None):
         self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
+        if engine is not None and not is_host(ctx.xp):  # device arrays reach MPI through host
+            engine = StagedEngine(engine, HostStaging(ctx.xp))  # buffers (no CUDA-aware MPI)
         self.engine, self.ledger = engine, ledger if ledger is not None else state.ledger
         self.pp, self.dp, self.num_micro_batches = plan.pp, plan.dp, plan.num_micro_batches
         self.stage, self.replica, self.rank = (
