@@ -1,0 +1,261 @@
+"""Device ranks (`run.device`) without a GPU: the stand-in refuses what cupy refuses, every
+host/device boundary of the runtime is explicit (batches in once a step, one host sync a step,
+full state, checkpoints, eval, generation and export out), and a device run agrees with the
+host's. The device tests run over every device this machine has (tests/_devices.py): the
+stand-in always, a GPU when there is one (scripts/gpu-check.sh)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ratrain import api
+from ratrain.checkpoint import load_stage, save_checkpoint
+from ratrain.config import ConfigError, replace
+from ratrain.data import write_tokens
+from ratrain.device import (
+    Device,
+    DeviceError,
+    HostStaging,
+    host_floats,
+    open_device,
+    to_device,
+    to_host,
+)
+from ratrain.device.standin import COUNTS, StandinArray, standin
+from ratrain.exec import layers
+from ratrain.exec.context import ExecContext
+from ratrain.lifecycle.rank import build_rank
+from ratrain.plan.check import run_plan
+from tests._devices import DEVICES, GPU, MODULES, host
+from tests._executor_util import global_batch, tiny_config
+from tests.test_layers import M, make_params, zeros_like
+from tests.test_train import job, train  # noqa: F401  (job: a pytest fixture)
+
+xp = standin
+
+
+# ---- the stand-in: cupy's rules ----------------------------------------------------------------
+
+
+def test_standin_refuses_implicit_host_conversion():
+    a = xp.arange(6, dtype=xp.float32).reshape(2, 3)
+    h = np.ones(3, np.float32)
+    for bad in (lambda: np.asarray(a), lambda: np.array(a), lambda: memoryview(a),
+                lambda: a + h, lambda: h * a, lambda: np.add(a, h), lambda: xp.add(h, h),
+                lambda: xp.concatenate([a, h[None]]), lambda: a.__setitem__(0, h),
+                lambda: xp.matmul(a, h), lambda: a.tobytes()):
+        with pytest.raises((TypeError, AttributeError)):
+            bad()
+
+
+def test_standin_allows_what_cupy_allows_and_counts_syncs():
+    COUNTS.clear()
+    a = xp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))  # an explicit upload
+    assert COUNTS["uploads"] == 1 and isinstance(a, StandinArray)
+    s = a.sum()
+    assert isinstance(s, StandinArray) and s.shape == ()  # reductions stay on the device
+    assert isinstance(np.sqrt(a), StandinArray)  # np.* on a device array runs on the device
+    assert isinstance(np.concatenate([a, a]), StandinArray)
+    assert COUNTS["syncs"] == 0
+    assert float(s) == 15.0 and bool(s > 0) and s.item() == 15.0  # host syncs, counted
+    assert COUNTS["syncs"] == 3
+    np.testing.assert_array_equal(a.get(), np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(xp.asnumpy(a[1]), [3, 4, 5])
+    assert COUNTS["downloads"] == 2
+    a[0] = xp.zeros(3, xp.float32)
+    a += 1
+    assert to_host(a).tolist() == [[1, 1, 1], [4, 5, 6]]
+    idx = xp.asarray(np.array([0, 0, 1]))
+    t = xp.zeros(2, xp.float32)
+    xp.add.at(t, idx, 1.0)
+    assert to_host(t).tolist() == [2.0, 1.0]
+
+
+def test_transfers_and_staging():
+    h = np.arange(4, dtype=np.float32)
+    assert to_host(h) is h and to_device(np, h) is h  # the host: no copies
+    d = to_device(xp, h)
+    assert isinstance(d, StandinArray) and to_host(d).tolist() == h.tolist()
+    COUNTS.clear()
+    vals = [d.sum(), d.max(), (d * d).sum()]
+    assert host_floats(xp, vals) == [6.0, 3.0, 14.0]
+    assert COUNTS["downloads"] == 1  # one download for all of them
+    assert host_floats(np, [np.float32(1.5), 2]) == [1.5, 2.0]
+    st = HostStaging(xp)
+    assert st.needed and not HostStaging(np).needed
+    buf = st.download(d)
+    assert isinstance(buf, np.ndarray) and buf.tolist() == h.tolist()
+    buf *= 2
+    st.upload(buf, d)
+    st.give(buf)
+    assert to_host(d).tolist() == [0, 2, 4, 6]
+    assert st.take((4,), np.float32) is buf and st.nbytes == 16  # pooled, reused
+
+
+def test_open_device_and_its_refusals():
+    assert open_device("cpu").xp is np and open_device("standin").xp is standin
+    assert "standin" in open_device("standin").describe()
+    with pytest.raises(DeviceError, match="run.device: 'tpu'"):
+        open_device("tpu")
+    with pytest.raises(ConfigError, match="run.device='tpu'"):
+        replace(tiny_config(), run=replace(tiny_config().run, device="tpu"))
+    if GPU is None:
+        with pytest.raises(DeviceError) as e:
+            open_device("gpu")
+        assert "run.device: gpu" in str(e.value) and "\n" not in str(e.value)
+    else:
+        assert GPU.name and GPU.memory_bytes > 0
+
+
+def test_device_memory_check_names_the_card():
+    cfg = tiny_config()
+    plan = run_plan(cfg, 0)
+    card = Device("gpu", standin, "Test card", 0, plan.peaks[0] // 2, visible=1)
+    with pytest.raises(ConfigError, match=r"Test card.*run.device: gpu"):
+        plan.check_device(0, card)
+    big = replace(card, memory_bytes=plan.peaks[0] * 3)
+    plan.check_device(0, big, local_ranks=2)  # two ranks on one card: fits 3 peaks
+    with pytest.raises(ConfigError, match="shared by 4 rank"):
+        plan.check_device(0, big, local_ranks=4)
+    assert replace(big, visible=2).sharing(4) == 2
+
+
+# ---- kernels, layers, the optimizer and the executor on a device --------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_layer_embed_and_head_agree_with_the_host(device, precision):
+    dxp = MODULES[device]
+    dt = np.float16 if precision == "fp16" else np.float32
+    P = [{k: v.astype(dt) for k, v in b.items()} for b in make_params(M, np.float32, scale=0.1)]
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    t = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    dy = rng.standard_normal((2, M.seq_len, M.hidden)).astype(dt)
+    out = {}
+    for name, m in (("host", np), ("device", dxp)):
+        dev = lambda a, m=m: to_device(m, a)  # noqa: E731
+        Pd = [{k: dev(v) for k, v in b.items()} for b in P]
+        with ExecContext(M, precision, m, threads=1) as ctx:
+            x, ec = layers.embed_forward(dev(ids), Pd[0], ctx)
+            y, cache = layers.layer_forward(x, Pd[1], ctx)
+            loss, hc = layers.head_forward(y, dev(t), Pd[-1], ctx)
+            gh = {k: dev(v) for k, v in zeros_like(P[-1], np.float32).items()}
+            dxh = layers.head_backward(0.5, hc, Pd[-1], gh, ctx)
+            g = {k: dev(v) for k, v in zeros_like(P[1], np.float32).items()}
+            dx = layers.layer_backward(dev(dy), cache, Pd[1], g, ctx)
+            ge = {k: dev(v) for k, v in zeros_like(P[0], np.float32).items()}
+            layers.embed_backward(dx, ec, Pd[0], ge, ctx)
+        out[name] = [host(a) for a in (x, y, loss, dxh, dx, *gh.values(), *g.values(),
+                                       *ge.values())]
+    tol = 2e-2 if precision == "fp16" else 2e-5
+    for a, b in zip(out["device"], out["host"]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-30)
+
+
+def _steps(cfg, device, steps=3):
+    rank = build_rank(cfg, None, cap=None, device=open_device(device))
+    COUNTS.clear()
+    per_step = []
+    try:
+        for s in range(steps):
+            before = dict(COUNTS)
+            res = rank.executor.run_step(s, global_batch(cfg, s))
+            per_step.append((res, {k: COUNTS[k] - before.get(k, 0) for k in COUNTS}))
+        rank.executor.flush()
+        return per_step, rank.executor.full_params()
+    finally:
+        rank.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_executor_on_a_device_matches_the_host_with_one_sync_a_step(device, precision):
+    cfg = tiny_config(precision=precision, grad_clip=0.5)
+    host_steps, host_params = _steps(cfg, "cpu")
+    dev_steps, dev_params = _steps(cfg, device)
+    tol = 2e-3 if precision == "fp16" else 1e-6
+    for (h, _), (d, counts) in zip(host_steps, dev_steps):
+        assert d.loss == pytest.approx(h.loss, rel=tol)
+        assert d.grad_norm == pytest.approx(h.grad_norm, rel=100 * tol)
+        assert d.skipped == h.skipped and d.lr == h.lr
+        if device == "standin":  # exactly what crosses per step
+            assert counts.get("syncs", 0) == 1, counts  # the step's facts: one download
+            assert counts.get("uploads", 0) == 2, counts  # inputs and targets
+    for name, w in host_params.items():
+        assert isinstance(dev_params[name], np.ndarray)  # full state comes to the host
+        np.testing.assert_allclose(dev_params[name], w, rtol=0, atol=50 * tol, err_msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_moves_between_host_and_device_bitwise(device, tmp_path):
+    cfg = tiny_config()
+    written = {}
+    for src, dst in ((device, "cpu"), ("cpu", device)):
+        rank = build_rank(cfg, None, cap=None, device=open_device(src))
+        try:
+            for s in range(2):
+                rank.executor.run_step(s, global_batch(cfg, s))
+            rank.executor.flush()
+            path = save_checkpoint(str(tmp_path / f"from-{src}"), 2, cfg, rank.state.state_dict(),
+                                   {"executor": rank.executor.state_dict()})
+            written = {k: {n: to_host(a).copy() for n, a in d.items()}
+                       for k, d in rank.state.state_dict().items()}
+        finally:
+            rank.close()
+        other = build_rank(cfg, None, cap=None, device=open_device(dst),
+                           load=lambda st, path=path: load_stage(st, path))
+        try:
+            got = other.state.state_dict()
+            for k in written:
+                for n, a in written[k].items():
+                    assert np.array_equal(to_host(got[k][n]), a), (src, dst, k, n)
+        finally:
+            other.close()
+
+
+# ---- the commands ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_eval_and_generate_on_a_device_then_resume_on_the_host(job, tmp_path, device):  # noqa: F811
+    run = tmp_path / "run"
+    write_tokens(job.parent / "val.bin", np.random.default_rng(1).integers(0, 64, 4000),
+                 vocab_size=64)
+    p = train(job, run, f"run.device={device}", "checkpoint.interval=2", "data.eval_interval=2")
+    assert f"device {device}" in p.stdout and "eval loss" in p.stdout
+    p = train(job, run, "run.device=cpu", "run.steps=6", "checkpoint.resume=auto")
+    assert "step     6/6" in p.stdout
+    ckpt = str(run / "checkpoints")
+    with api.load(ckpt, device=device) as d, api.load(ckpt) as h:
+        ids = np.arange(10) % 64
+        np.testing.assert_allclose(d.logits(ids), h.logits(ids), rtol=1e-5, atol=1e-5)
+        assert d.generate([1, 2, 3], 5, temperature=0) == h.generate([1, 2, 3], 5, temperature=0)
+    losses = []
+    for d in (device, "cpu"):
+        out = subprocess.run([sys.executable, "-m", "ratrain.eval", "--checkpoint", ckpt,
+                              "--json", "--set", f"run.device={d}"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        losses.append(json.loads(out.stdout)["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_gpu_is_refused_in_one_line_before_any_work_without_one(job, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    p = train(job, run, "run.device=gpu", check=False)
+    if GPU is None:
+        assert p.returncode == 2, p.stderr
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "run.device: gpu" in lines[0], p.stderr
+        assert not run.exists()
+    else:
+        assert p.returncode == 0 and f"device gpu {GPU.index}" in p.stdout, p.stderr
+    p = train(job, run, "run.device=tpu", check=False)
+    assert p.returncode == 2 and "run.device='tpu'" in p.stderr and "Traceback" not in p.stderr
