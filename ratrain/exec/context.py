@@ -28,6 +28,10 @@ from ratrain.config import ModelConfig
 from ratrain.exec.kernels import rope_tables
 
 
+ATTN_BLOCK_HOST = 64  # the attention tile on the host (`ExecContext.attn_block`)
+ATTN_BLOCK_DEVICE = 1024  # on a device
+
+
 def auto_threads() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -99,7 +103,7 @@ class ExecContext:
         xp=np,
         ledger=None,
         threads: int = 0,
-        attn_block: int = 64,
+        attn_block: int | None = None,
         head_chunk_bytes: int = 16 << 20,
     ):
         if precision not in ("fp32", "fp16", "fp64"):
@@ -112,6 +116,11 @@ class ExecContext:
         self.compute = np.dtype(np.float64 if precision == "fp64" else np.float32)
         self.ledger = ledger
         self.threads = threads if threads > 0 else auto_threads()
+        # attention tile: sized for a CPU core's cache on the host, for a device's SMs there
+        # (measured on an H100, 124M model, seq 1024: tile 64 0.71 s, 256 0.067 s, 1024
+        # 0.022 s a layer)
+        if attn_block is None:
+            attn_block = ATTN_BLOCK_HOST if xp is np else ATTN_BLOCK_DEVICE
         self.attn_block = attn_block
         self.head_chunk_bytes = head_chunk_bytes  # bound on the fp32 logits of one head chunk
         self._rope: dict[int, tuple] = {}
