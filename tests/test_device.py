@@ -21,6 +21,7 @@ from ratrain.device import (
     HostStaging,
     host_floats,
     open_device,
+    stacked_rows,
     to_device,
     to_host,
 )
@@ -93,6 +94,35 @@ def test_transfers_and_staging():
     st.give(buf)
     assert to_host(d).tolist() == [0, 2, 4, 6]
     assert st.take((4,), np.float32) is buf and st.nbytes == 16  # pooled, reused
+
+
+def test_stacked_rows_are_views_on_host_and_device():
+    for m in (np, standin):
+        flat = to_device(m, np.arange(20, dtype=np.float32))
+        a, b = flat[0:8].reshape(2, 4), flat[8:20].reshape(3, 4)
+        s = stacked_rows([a, b])
+        assert s.shape == (5, 4) and to_host(s)[2].tolist() == [8, 9, 10, 11]
+        assert stacked_rows([b, a]) is None  # not back to back
+        flat[8] = 100.0
+        assert float(s[2, 0]) == 100.0  # a view, not a copy
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_device_layers_copy_no_weights(device, precision):
+    # the GEMM weights of a layer on a device are views of its parameter views (no copy per
+    # call: wq|wk|wv and w_gate|w_up lie back to back in the flat buffers)
+    rank = build_rank(tiny_config(precision=precision), None, cap=None,
+                      device=open_device(device))
+    try:
+        ex = rank.executor
+        layer = next(b for b in ex.blocks if ex.compute.role[b] == "layer")
+        if not rank.state.has_view(layer):
+            ex.materialize_now(layer)
+        assert layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx) == 0
+        assert rank.ctx.device_half == (precision == "fp16")
+    finally:
+        rank.close()
 
 
 def test_open_device_and_its_refusals():

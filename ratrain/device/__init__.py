@@ -15,6 +15,7 @@ from ratrain.device.arrays import (
     is_host,
     module_of,
     scatter_add,
+    stacked_rows,
     synchronize,
     to_device,
     to_host,
@@ -22,4 +23,4 @@ from ratrain.device.arrays import (
 from ratrain.device.select import DEVICES, Device, DeviceError, open_device
 
 __all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host", "module_of",
-           "open_device", "scatter_add", "synchronize", "to_device", "to_host"]
+           "open_device", "scatter_add", "stacked_rows", "synchronize", "to_device", "to_host"]

@@ -11,6 +11,7 @@ which module it holds:
     module_of(a)          the array module owning `a`
     synchronize(xp)       wait for the device's queued work (nothing on the host)
     scatter_add(xp, t, i, v)   t[i] += v with repeated indices summed (np.add.at / cupyx)
+    stacked_rows(arrays)  arrays that lie back to back as one 2-D view (no copy), or None
     HostStaging(xp)       pinned host buffers and a copy stream: the path of device arrays to
                           MPI (no CUDA-aware MPI is assumed)
 """
@@ -68,6 +69,36 @@ def host_floats(xp, values) -> list[float]:
         return [float(v) for v in values]
     stacked = xp.stack([xp.asarray(v, dtype=xp.float64).reshape(()) for v in values])
     return to_host(stacked).tolist()
+
+
+def _address(a) -> int:
+    if type(a) is StandinArray:
+        return a._a.__array_interface__["data"][0]
+    if _is_cupy(a):  # pragma: no cover - needs cupy
+        return a.data.ptr
+    return a.__array_interface__["data"][0]
+
+
+def stacked_rows(arrays):
+    """The rows of 2-D `arrays` (same dtype and width) as one read-only view (sum of their
+    rows, width) when they lie back to back in memory, each C-contiguous; else None. Host or
+    device arrays alike (the stand-in's and cupy's by their device addresses)."""
+    a0 = arrays[0]
+    if not all(a.flags.c_contiguous and a.ndim == 2 and a.shape[1] == a0.shape[1]
+               and a.dtype == a0.dtype for a in arrays):
+        return None
+    for a, b in zip(arrays[:-1], arrays[1:]):
+        if _address(a) + a.nbytes != _address(b):
+            return None
+    shape = (sum(a.shape[0] for a in arrays), a0.shape[1])
+    if type(a0) is StandinArray:
+        return StandinArray(np.lib.stride_tricks.as_strided(a0._a, shape, a0.strides,
+                                                            writeable=False))
+    if _is_cupy(a0):  # pragma: no cover - needs cupy
+        import cupy  # a cupy array is in hand: cupy is loaded already
+
+        return cupy.lib.stride_tricks.as_strided(a0, shape, a0.strides)
+    return np.lib.stride_tricks.as_strided(a0, shape, a0.strides, writeable=False)
 
 
 def synchronize(xp) -> None:

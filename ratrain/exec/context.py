@@ -136,6 +136,12 @@ class ExecContext:
     def on_cpu(self) -> bool:
         return self.xp is np
 
+    @property
+    def device_half(self) -> bool:
+        """Whether the layers' GEMMs run in fp16 (tensor cores, fp32 accumulation): fp16 mode on
+        a device. The host keeps fp32 GEMMs (fp16 operands converted by tiles, `exec.gemm`)."""
+        return not self.on_cpu and self.dtype == np.float16
+
     def rope(self, seq_len: int):
         """(cos, sin), each (T, D) in the compute dtype, for `seq_len` tokens (cached)."""
         if seq_len not in self._rope:

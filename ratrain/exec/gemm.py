@@ -6,7 +6,10 @@
   fp32 scratch (at most `SCRATCH_BYTES`, accounted in the DDR ledger as `scratch.gemm` while the
   call runs) and each tile product is an sgemm. This is our analogue of the platform's explicit
   DDR -> on-chip data movement. The result is float32.
-- float16 operands on cupy: a real fp16 GEMM (cuBLAS, fp32 accumulation), result in float32.
+- on a device (cupy, the stand-in), an fp16 operand, or `half=True` (the layers' GEMMs in fp16
+  mode, `ExecContext.device_half`), makes both operands fp16: one GEMM on the tensor cores
+  (cuBLAS, fp32 accumulation), its fp16 result handed back as float32 (or written into `out`),
+  as PyTorch's autocast does; never an fp32 GEMM that upcasts an fp16 weight every call.
 
 The layers avoid needless casts: they convert each fp16 weight view to fp32 once per layer
 call (`layers._gemm_weights`) and pass fp32 operands here, so the tiled path only runs for
@@ -28,19 +31,22 @@ def is_numpy(xp) -> bool:
 
 
 @timed("gemm")
-def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES):
+def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES,
+           half: bool = False):
     """a @ b with fp32 (or better) accumulation.
 
     a (..., M, K), b (K, N) or (..., K, N); transposed views welcome. With a float16 operand the
     result is float32 (or written into `out`, any float dtype). fp16 operands on numpy must be
-    2-D for `b` (the tiled path flattens the leading dimensions of `a`)."""
+    2-D for `b` (the tiled path flattens the leading dimensions of `a`). `half`: on a device,
+    an fp16 GEMM even for fp32 operands (ignored on numpy)."""
     add_flops(2.0 * a.size * b.shape[-1])  # 2 M N K (a: (..., M, K), b: (K, N))
-    half = np.dtype(np.float16)
-    if a.dtype != half and b.dtype != half:
+    f16 = np.dtype(np.float16)
+    if a.dtype != f16 and b.dtype != f16 and not (half and not is_numpy(xp)):
         return xp.matmul(a, b, out=out)
     if not is_numpy(xp):
-        # cuBLAS fp16 GEMM with fp32 accumulation (cupy's default compute type for half).
-        r = xp.matmul(a, b)
+        # cuBLAS fp16 GEMM with fp32 accumulation (cupy's default compute type for half)
+        r = xp.matmul(a if a.dtype == f16 else a.astype(f16),
+                      b if b.dtype == f16 else b.astype(f16))
         if out is None:
             return r.astype(xp.float32)
         out[...] = r

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ratrain.device import stacked_rows
 from ratrain.exec import fused, kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
 from ratrain.exec.profile import timed
@@ -115,18 +116,13 @@ _STACKS = {"wqkv": ("attn.wq", "attn.wk", "attn.wv"), "wgu": ("mlp.w_gate", "mlp
 
 def _stacked(arrays, dtype):
     """The rows of `arrays` as one (sum of their rows, C) view, when they lie back to back in
-    memory as C-contiguous arrays of `dtype` (numpy), or None. The flat parameter buffers keep
-    wq, wk, wv and w_gate, w_up in that order, so in fp32 the layer's concatenated GEMM
-    weights are views, not copies."""
-    if not all(isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous
-               for a in arrays):
+    memory as C-contiguous arrays of `dtype` (`device.stacked_rows`: on the host or a device),
+    or None. The flat parameter buffers keep wq, wk, wv and w_gate, w_up in that order, so the
+    layer's concatenated GEMM weights are views of the views, not copies, whenever the view's
+    dtype is the GEMM's (fp32 on the host; the view dtype, fp16 or fp32, on a device)."""
+    if not all(a.dtype == dtype for a in arrays):
         return None
-    for a, b in zip(arrays[:-1], arrays[1:]):
-        if a.__array_interface__["data"][0] + a.nbytes != b.__array_interface__["data"][0]:
-            return None
-    rows = sum(a.shape[0] for a in arrays)
-    return np.lib.stride_tricks.as_strided(arrays[0], (rows, arrays[0].shape[1]),
-                                           arrays[0].strides, writeable=False)
+    return stacked_rows(arrays)
 
 
 def _gemm_dtype(ctx):
@@ -205,7 +201,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
 
     x32 = _c(ct, x)  # (b, T, C)
     xn, (_, rstd1, _) = kernels.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
-    qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp)  # (N, HD + 2 KVD)
+    qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=ctx.device_half)  # (N, HD + 2 KVD)
     q = xp.empty((b, H, T, D), ct)
     kernels.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
     k = xp.empty((b, KV, T, D), ct)
@@ -220,14 +216,14 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
     _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
-    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp).reshape(b, T, C)  # (b, T, C)
+    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp, half=ctx.device_half).reshape(b, T, C)  # (b, T, C)
     h += x32
     del x32
     xn2, (_, rstd2, _) = kernels.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
-    gu = matmul(xn2.reshape(N, C), w["wgu"].T, xp=xp)  # (N, 2F)
+    gu = matmul(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=ctx.device_half)  # (N, 2F)
     if y_out is not None:
         act, _ = kernels.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
-        mlp = matmul(act, w["wd"].T, xp=xp)  # (N, C)
+        mlp = matmul(act, w["wd"].T, xp=xp, half=ctx.device_half)  # (N, C)
         del act
         _add_into(h, mlp.reshape(b, T, C), y_out, xp)
         del mlp
@@ -261,19 +257,19 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     N = b * T
     dy32 = _c(ct, dy).reshape(N, C)  # (N, C)
     h, gu = _c(ct, kept["h"]), _c(ct, kept["gu"])  # (b, T, C), (N, 2F)
-    dact = matmul(dy32, w["wd"], xp=xp)  # (N, F)
+    dact = matmul(dy32, w["wd"], xp=xp, half=ctx.device_half)  # (N, F)
     dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
     _, _, act = kernels.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
                                         out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
     del dact, gu
-    parts["wd"] = matmul(dy32.T, act, xp=xp)  # (C, F)
+    parts["wd"] = matmul(dy32.T, act, xp=xp, half=ctx.device_half)  # (C, F)
     del act
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
     xn2 *= _c(ct, p["mlp_norm"])
-    parts["wgu"] = matmul(dgu.T, xn2.reshape(N, C), xp=xp)  # (2F, C)
+    parts["wgu"] = matmul(dgu.T, xn2.reshape(N, C), xp=xp, half=ctx.device_half)  # (2F, C)
     del xn2
-    dxn2 = matmul(dgu, w["wgu"], xp=xp)  # (N, C)
+    dxn2 = matmul(dgu, w["wgu"], xp=xp, half=ctx.device_half)  # (N, C)
     del dgu
     dh, parts["mlp_norm"] = kernels.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
     dh += dy32.reshape(b, T, C)
@@ -301,8 +297,8 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
         if ctx.dtype == HALF:
             o = _c(ct, fused.cast(o, ctx.dtype))
     dh2 = dh.reshape(N, C)
-    parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp)  # (C, HD)
-    do = matmul(dh2, w["wo"], xp=xp)  # (N, HD)
+    parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp, half=ctx.device_half)  # (C, HD)
+    do = matmul(dh2, w["wo"], xp=xp, half=ctx.device_half)  # (N, HD)
     dq, dk, dv = kernels.flash_attention_backward(
         do.reshape(b, T, H, D).transpose(0, 2, 1, 3),
         (q, k, v, o.reshape(b, T, H, D).transpose(0, 2, 1, 3), lse, ctx.attn_block), xp)
@@ -318,9 +314,9 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
     xn1 *= _c(ct, p["attn_norm"])
-    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp)  # (HD + 2 KVD, C)
+    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp, half=ctx.device_half)  # (HD + 2 KVD, C)
     del xn1
-    dxn1 = matmul(dqkv, w["wqkv"], xp=xp)  # (N, C)
+    dxn1 = matmul(dqkv, w["wqkv"], xp=xp, half=ctx.device_half)  # (N, C)
     del dqkv
     dx1, parts["attn_norm"] = kernels.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
     _add_into(dh, dx1, dx_out, xp)
@@ -408,7 +404,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
-        z = matmul(xn[r0:r1], w.T, xp=xp)  # (rows, V)
+        z = matmul(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
         lse[r0:r1] = kernels.logsumexp_rows(z, xp)
         xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
     return {"rstd": rstd, "lse": lse}, losses
@@ -431,13 +427,13 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
-        d = matmul(xn[r0:r1], w.T, xp=xp)  # logits (rows, V)
+        d = matmul(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # logits (rows, V)
         d -= lse[r0:r1, None]
         xp.exp(d, out=d)  # softmax
         d[xp.arange(r1 - r0), t[r0:r1]] -= 1.0
         d *= coef
-        dw += matmul(d.T, xn[r0:r1], xp=xp)
-        matmul(d, w, out=dxn[r0:r1], xp=xp)
+        dw += matmul(d.T, xn[r0:r1], xp=xp, half=ctx.device_half)
+        matmul(d, w, out=dxn[r0:r1], xp=xp, half=ctx.device_half)
     dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
     fused.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
@@ -458,7 +454,7 @@ def head_logits(x, p, ctx):
     w = _head_weight(p, ctx)
     with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
-        return matmul(xn, w.T, xp=ctx.xp).reshape(B, T, -1)  # (B, T, V)
+        return matmul(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)  # (B, T, V)
 
 
 def _head_weight(p, ctx):
