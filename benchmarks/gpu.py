@@ -1,0 +1,258 @@
+"""Issue 19's GPU figures: speed and memory against PyTorch, and agreement with the CPU.
+
+    python benchmarks/gpu.py speed  [--rounds 5] [--steps 3]   # the 124M LLaMA, whole steps
+    python benchmarks/gpu.py agree  [--cpu-steps 20] [--fp16-steps 200]
+    python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
+
+`speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,
+seq 1024, micro-batch 8), whole training steps (forward, backward, clipping, AdamW) of four
+contenders in interleaved rounds on the same card, each step ended by a device synchronize:
+ratrain fp16 and fp32 (`run.device: gpu`, pp = dp = 1) and PyTorch + transformers fp32 eager
+and AMP fp16 + SDPA (GradScaler). Prints tokens/s (median over rounds), the ratios the issue
+targets (ratrain fp16 / AMP fp16 >= 0.8, ratrain fp32 / PyTorch fp32 >= 1.0), MFU against the
+card's dense fp16 peak, and memory: ratrain's ledger peak against cupy's pool (bytes it holds
+after the steps: the pool keeps what it once needed) and PyTorch AMP's
+`max_memory_allocated`.
+
+`agree`: jobs/tiny.yaml through the trainer command, fp32 on the CPU and on the GPU for
+`--cpu-steps` steps (target: every loss within 1e-5), then fp16 and fp32 on the GPU for
+`--fp16-steps` steps (target: within 1%).
+
+Each prints one JSON object last (benchmarks/record.py takes it). Refuses in one line, exit 2,
+when `--device gpu` has no cupy or no card. `--smoke` shrinks everything to seconds and lets
+`--device standin` run on a CPU, PyTorch then on the CPU too (tests/test_gpu_bench.py): it
+checks the script, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODEL_124M = ["model.vocab_size=32000", "model.hidden=768", "model.layers=12", "model.heads=12",
+              "model.kv_heads=12", "model.ffn_hidden=2048", "model.seq_len=1024",
+              "parallel.micro_batch=8", "parallel.num_micro_batches=1"]
+MODEL_SMOKE = ["model.vocab_size=64", "model.hidden=32", "model.layers=2", "model.heads=4",
+               "model.kv_heads=4", "model.ffn_hidden=64", "model.seq_len=16",
+               "parallel.micro_batch=2", "parallel.num_micro_batches=1"]
+# dense fp16 tensor-core peaks (no sparsity), flop/s, by the card's name
+DENSE_FP16_PEAK = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12),
+                   ("H200", 989.4e12), ("A100", 312e12)]
+
+
+def card_peak(name: str) -> float | None:
+    return next((p for key, p in DENSE_FP16_PEAK if key in name), None)
+
+
+def config(precision: str, device: str, smoke: bool):
+    from ratrain.config import load_config
+
+    return load_config(None, [*(MODEL_SMOKE if smoke else MODEL_124M), f"precision={precision}",
+                              f"run.device={device}", "optim.grad_clip=1.0", "run.threads=0"])
+
+
+def ratrain_contender(precision: str, dev, smoke: bool):
+    """(step, peaks) for ratrain at `precision` on `dev`: step() runs one whole training step
+    and waits for the device; peaks() -> (ledger peak bytes, pool bytes or None)."""
+    from ratrain.device import synchronize
+    from ratrain.lifecycle.rank import build_rank
+
+    cfg = config(precision, dev.kind, smoke)
+    rank = build_rank(cfg, None, cap=None, device=dev)
+    m, p = cfg.model, cfg.parallel
+    rng = np.random.default_rng(0)
+    shape = (p.num_micro_batches, p.micro_batch, m.seq_len)
+    batch = (rng.integers(0, m.vocab_size, shape), rng.integers(0, m.vocab_size, shape))
+    count, peak = [0], [0]
+
+    def step():
+        res = rank.executor.run_step(count[0], batch)
+        synchronize(dev.xp)
+        count[0] += 1
+        peak[0] = max(peak[0], res.local_peak_ddr_bytes)
+
+    def peaks():
+        pool = None
+        if dev.kind == "gpu":
+            pool = dev.xp.get_default_memory_pool().total_bytes()
+        return peak[0], pool
+
+    return step, peaks, cfg
+
+
+def torch_contender(kind: str, cfg, on: str):
+    """PyTorch + transformers `kind` ('fp32': eager attention, fp32; 'amp': fp16 autocast with
+    SDPA and a GradScaler) on torch device `on`; (step, peak bytes or None)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn_hidden,
+        num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+        max_position_embeddings=m.seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=False, attn_implementation="eager" if kind == "fp32" else "sdpa",
+    )).float().to(on).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+    B = p.micro_batch * p.num_micro_batches
+    ids = torch.randint(0, m.vocab_size, (B, m.seq_len), device=on)
+    targets = torch.randint(0, m.vocab_size, (B, m.seq_len), device=on)
+    amp = kind == "amp"
+    half = torch.float16 if on == "cuda" else torch.bfloat16  # CPU autocast: bf16 (smoke)
+    scaler = torch.amp.GradScaler(on, enabled=amp and on == "cuda")
+
+    def step():
+        with torch.autocast(on, dtype=half, enabled=amp):
+            logits = model(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, m.vocab_size).float(),
+                                                     targets.view(-1))
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        if on == "cuda":
+            torch.cuda.synchronize()
+
+    def peak():
+        return torch.cuda.max_memory_allocated() if on == "cuda" else None
+
+    return step, peak
+
+
+def speed(a, dev) -> dict:
+    on = "cuda" if dev.kind == "gpu" else "cpu"
+    steps = {}
+    r16, peaks16, cfg = ratrain_contender("fp16", dev, a.smoke)
+    r32, _, _ = ratrain_contender("fp32", dev, a.smoke)
+    steps["ratrain fp16"], steps["ratrain fp32"] = r16, r32
+    t32, _ = torch_contender("fp32", cfg, on)
+    steps["torch fp32 eager"] = t32
+    if on == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    tamp, torch_peak = torch_contender("amp", cfg, on)
+    steps["torch amp fp16 sdpa"] = tamp
+    for fn in steps.values():  # warm-up: compile kernels, fill pools
+        for _ in range(a.warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(a.rounds):  # interleaved: every contender sees the same card state
+        for k, fn in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                fn()
+            times[k].append((time.perf_counter() - t0) / a.steps)
+    m, p = cfg.model, cfg.parallel
+    tokens = p.micro_batch * p.num_micro_batches * m.seq_len
+    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    peak = card_peak(dev.name)
+    flops = m.flops_per_token() * tokens
+    ledger, pool = peaks16()
+    out = {
+        "case": "gpu-speed", "card": dev.name, "tokens_per_step": tokens,
+        "tokens_per_s": tps,
+        "fp16_vs_torch_amp": tps["ratrain fp16"] / tps["torch amp fp16 sdpa"],
+        "fp32_vs_torch_fp32": tps["ratrain fp32"] / tps["torch fp32 eager"],
+        "mfu_fp16": (flops / statistics.median(times["ratrain fp16"]) / peak) if peak else None,
+        "mfu_torch_amp": (flops / statistics.median(times["torch amp fp16 sdpa"]) / peak)
+        if peak else None,
+        "ratrain_fp16_ledger_peak_bytes": ledger, "ratrain_fp16_pool_bytes": pool,
+        "ledger_vs_pool": (ledger / pool) if pool else None,
+        "torch_amp_peak_bytes": torch_peak(),
+        "ratrain_vs_torch_amp_memory": (pool / torch_peak()) if pool and torch_peak() else None,
+        "rounds": a.rounds, "steps_per_round": a.steps,
+    }
+    for k, v in tps.items():
+        print(f"{k:>22}: {v:12,.0f} tokens/s", flush=True)
+    return out
+
+
+def _train(sets, run_dir) -> list[float]:
+    cmd = [sys.executable, "-m", "ratrain.train", "--config", "tiny", "--set", f"run.dir={run_dir}",
+           "--set", "checkpoint.interval=0", "--set", "data.eval_interval=0",
+           "--set", "checkpoint.resume=never"]
+    for s in sets:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if '"loss"' in line]
+    return [r["loss"] for r in recs]
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+TINY_SMOKE = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.kv_heads=2",
+              "model.ffn_hidden=64", "model.seq_len=32"]
+
+
+def agree(a, dev) -> dict:
+    small = TINY_SMOKE if a.smoke else []
+    with tempfile.TemporaryDirectory() as tmp:
+        n = a.cpu_steps
+        cpu = _train([*small, f"run.steps={n}", "run.device=cpu", "precision=fp32"],
+                     f"{tmp}/cpu")
+        g32 = _train([*small, f"run.steps={n}", f"run.device={dev.kind}", "precision=fp32"],
+                     f"{tmp}/g32")
+        n16 = a.fp16_steps
+        f32 = _train([*small, f"run.steps={n16}", f"run.device={dev.kind}", "precision=fp32"],
+                     f"{tmp}/f32")
+        f16 = _train([*small, f"run.steps={n16}", f"run.device={dev.kind}", "precision=fp16"],
+                     f"{tmp}/f16")
+    out = {"case": "gpu-agree", "card": dev.name, "cpu_vs_device_fp32_steps": n,
+           "cpu_vs_device_fp32_max_rel": _max_rel(g32, cpu), "fp16_vs_fp32_steps": n16,
+           "fp16_vs_fp32_max_rel": _max_rel(f16, f32)}
+    print(f"fp32 cpu vs {dev.kind}, {n} steps: max rel {out['cpu_vs_device_fp32_max_rel']:.3e} "
+          f"(target 1e-5); fp16 vs fp32 on {dev.kind}, {n16} steps: max rel "
+          f"{out['fp16_vs_fp32_max_rel']:.3e} (target 1e-2)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("speed", "agree"))
+    ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
+    ap.add_argument("--smoke", action="store_true", help="seconds-long, for the plumbing")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per contender per round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cpu-steps", type=int, default=20)
+    ap.add_argument("--fp16-steps", type=int, default=200)
+    a = ap.parse_args(argv)
+    if a.device == "standin" and not a.smoke:
+        print("error: --device standin measures nothing: give --smoke, or --device gpu",
+              file=sys.stderr)
+        return 2
+    if a.smoke:
+        a.rounds, a.steps, a.warmup = 1, 1, 1
+        a.cpu_steps, a.fp16_steps = min(a.cpu_steps, 2), min(a.fp16_steps, 3)
+    from ratrain.device import DeviceError, open_device
+
+    try:
+        dev = open_device(a.device)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = speed(a, dev) if a.what == "speed" else agree(a, dev)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

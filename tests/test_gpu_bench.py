@@ -1,0 +1,50 @@
+"""benchmarks/gpu.py (issue 19's GPU figures) runs: its plumbing on the stand-in with PyTorch on
+the CPU (--smoke: seconds, no figures), and its refusal without a GPU. The figures themselves
+are scripts/gpu-check.sh's, on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._devices import GPU
+from tests._prereq import need
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "benchmarks/gpu.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.torch
+def test_speed_plumbing_on_the_standin():
+    need("torch")
+    need("transformers")
+    p = run("speed", "--device", "standin", "--smoke")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(out["tokens_per_s"]) == {"ratrain fp16", "ratrain fp32", "torch fp32 eager",
+                                        "torch amp fp16 sdpa"}
+    assert all(v > 0 for v in out["tokens_per_s"].values())
+    assert out["ratrain_fp16_ledger_peak_bytes"] > 0
+
+
+def test_agree_plumbing_on_the_standin():
+    p = run("agree", "--device", "standin", "--smoke")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["cpu_vs_device_fp32_max_rel"] < 1e-5  # the stand-in's arithmetic is numpy's
+    assert out["fp16_vs_fp32_max_rel"] < 1e-2
+
+
+def test_refuses_without_a_gpu_or_with_standin_alone():
+    p = run("speed", "--device", "standin")
+    assert p.returncode == 2 and "--smoke" in p.stderr
+    if GPU is None:
+        p = run("agree")
+        assert p.returncode == 2 and "run.device: gpu" in p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
