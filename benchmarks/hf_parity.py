@@ -6,6 +6,7 @@ Builds a random LlamaForCausalLM, saves it with save_pretrained, trains it for N
 
     python benchmarks/hf_parity.py [--steps 100] [--out runs/hf-parity] [--tol 1e-4]
                                    [--hidden 128 --layers 4 --heads 4 --kv-heads 2 ...]
+                                   [--device gpu]   # both sides on the GPU (issue 19)
 
 Prints `max_rel_dev=<float> steps=<n>` (ratrain.compare) and exits 1 above --tol. The torch side
 is an independent reference: it shares with ratrain only the token file, the batch contract of
@@ -30,8 +31,9 @@ def torch_reference(hf_dir, tokens_path, a, out_path):
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    on = "cuda" if a.device == "gpu" else "cpu"
     model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
-    model.train()
+    model.to(on).train()
     opt = torch.optim.AdamW(
         model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay
     )
@@ -43,8 +45,8 @@ def torch_reference(hf_dir, tokens_path, a, out_path):
         for step in range(a.steps):
             idx = (np.arange(B) + step * B) % n_windows  # the design's sequential order
             win = np.stack([np.asarray(toks[i * (T + 1) : (i + 1) * (T + 1)], np.int64) for i in idx])
-            x = torch.from_numpy(win[:, :-1])
-            y = torch.from_numpy(win[:, 1:])
+            x = torch.from_numpy(win[:, :-1]).to(on)
+            y = torch.from_numpy(win[:, 1:]).to(on)
             logits = model(input_ids=x).logits  # (B, T, V)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", default="", help="token file (default: the embedded corpus)")
     ap.add_argument("--ratrain-args", nargs="*", default=[], help="extra --set key=value for ratrain")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu", "standin"),
+                    help="where both sides compute (ratrain's run.device; PyTorch on cuda for gpu)")
     a = ap.parse_args(argv)
 
     from ratrain.data import ensure_default_corpus
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
         "run.log_interval=10",
         "checkpoint.resume=never",
         "data.eval_interval=0",
+        f"run.device={a.device}",
         *a.ratrain_args,
     ]
     cmd = [sys.executable, "-m", "ratrain.train", "--config", "jobs/tiny.yaml"]
