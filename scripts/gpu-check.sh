@@ -22,6 +22,8 @@
 #   7. the fused kernels against plain cupy (benchmarks/devkernels.py)
 # The report is $OUT/gpu-check.txt (or ./gpu-check.txt); figures also go as benchmark records
 # to $OUT/records (benchmarks/record.py), to be copied into docs/records/ here.
+# A rehearsal on a CPU (every step's plumbing, no figures): RATRAIN_CHECK_DEVICE=standin
+# PYTHON=.venv/bin/python MPIRUN=.venv/bin/mpirun scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -30,6 +32,11 @@ export RATRAIN_RECORDS="$out/records" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH
 export NUMBA_ENABLE_CUDASIM=0 PYTHONHASHSEED=0 RATRAIN_TEST_TORCH=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 py=${PYTHON:-python3}
+mpirun=${MPIRUN:-mpirun}
+dev=${RATRAIN_CHECK_DEVICE:-gpu}
+smoke=()
+parity_steps=100
+if [ "$dev" != gpu ]; then smoke=(--device "$dev" --smoke); parity_steps=5; fi
 mkdir -p "$RATRAIN_RECORDS"
 : > "$report"
 failed=0
@@ -54,19 +61,20 @@ if [ -d .whl ]; then
   "$py" -m pip install -q --no-index --find-links .whl pytest-mpi >>"$report" 2>&1 || say "could not install pytest-mpi from .whl"
 fi
 step device 30 "$py" -c "
-import cupy, numpy, ratrain
+import numpy, ratrain
 from ratrain.device import open_device
-d = open_device('gpu')
-print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'device', d.describe())"
-step tests 120 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device.py tests/test_devkernels.py \
+d = open_device('$dev')
+print('numpy', numpy.__version__, 'device', d.describe(),
+      'cupy', getattr(d.xp, '__version__', '(stand-in)'))"
+step tests 120 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_device.py tests/test_devkernels.py \
   tests/test_gpu_bench.py
-step mpi-4-ranks-one-gpu 60 mpirun --oversubscribe -n 4 "$py" -m pytest -q -p no:cacheprovider \
+step mpi-4-ranks-one-gpu 60 "$mpirun" --oversubscribe -n 4 "$py" -m pytest -q --color=no -p no:cacheprovider \
   --with-mpi -m mpi tests/test_device_mpi.py
-step agree 75 "$py" benchmarks/record.py gpu-agree -- "$py" benchmarks/gpu.py agree
+step agree 75 "$py" benchmarks/record.py gpu-agree -- "$py" benchmarks/gpu.py agree "${smoke[@]}"
 step hf-parity 60 "$py" benchmarks/record.py gpu-hf-parity -- "$py" benchmarks/hf_parity.py \
-  --device gpu --steps 100 --out "$out/hf-parity"
-step speed 90 "$py" benchmarks/record.py gpu-speed -- "$py" benchmarks/gpu.py speed --rounds 5 --steps 3
-if [ -f benchmarks/devkernels.py ]; then
+  --device "$dev" --steps "$parity_steps" --out "$out/hf-parity"
+step speed 90 "$py" benchmarks/record.py gpu-speed -- "$py" benchmarks/gpu.py speed --rounds 5 --steps 3 "${smoke[@]}"
+if [ -f benchmarks/devkernels.py ] && [ "$dev" = gpu ]; then
   step kernels 30 "$py" benchmarks/devkernels.py
 fi
 rm -rf "$out/hf-parity"
