@@ -77,8 +77,8 @@ def embedding_backward(dx, cache, xp, dw=None):
     if dw is None:
         dw = xp.zeros(wshape, compute_dtype(dx))
     flat = ids.reshape(-1)
-    if xp is not np:  # cupy: atomic scatter-add
-        xp.add.at(dw, flat, _as(dx.reshape(-1, wshape[1]), dw.dtype))
+    if xp is not np:
+        _embedding_backward_device(dx.reshape(-1, wshape[1]), flat, dw, xp)
         return dw
     order = xp.argsort(flat, kind="stable")  # rows of each token id together, in order
     sid = flat[order]
@@ -86,6 +86,27 @@ def embedding_backward(dx, cache, xp, dw=None):
     rows = _as(dx.reshape(-1, wshape[1])[order], dw.dtype)  # (N, C) sorted by id
     dw[sid[starts]] += xp.add.reduceat(rows, starts, axis=0)  # unique ids: no collisions
     return dw
+
+
+EMBED_ROWS = 4096  # vocabulary rows per pass of the device's embedding gradient
+
+
+def _embedding_backward_device(rows, flat, dw, xp) -> None:
+    """dw[id] += the sum of rows (N, C) whose token is id, on a device: deterministic (no
+    atomic adds, whose order changes from run to run, so the policies stay bitwise equal) and
+    with no host sync (no `nonzero`). The rows sorted by id are prefix-summed
+    in float64; id's sum is the difference of the prefix sums at the ends of its run, which
+    `bincount` and its cumulative sum locate for every id at once, EMBED_ROWS ids a pass (an id
+    absent from the batch gets exactly 0)."""
+    V, C = dw.shape
+    order = xp.argsort(flat)  # cupy's sort is stable; any fixed order gives the same runs
+    prefix = xp.zeros((rows.shape[0] + 1, C), xp.float64)
+    xp.cumsum(rows[order].astype(xp.float64), axis=0, out=prefix[1:])
+    hi = xp.cumsum(xp.bincount(flat, minlength=V))  # (V,) end of each id's run
+    lo = hi - xp.bincount(flat, minlength=V)
+    for v0 in range(0, V, EMBED_ROWS):
+        v1 = min(V, v0 + EMBED_ROWS)
+        dw[v0:v1] += (prefix[hi[v0:v1]] - prefix[lo[v0:v1]]).astype(dw.dtype)
 
 
 # --------------------------------------------------------------------------------------------
