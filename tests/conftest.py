@@ -16,7 +16,13 @@ when the world has fewer than `n` ranks, and ranks beyond the last whole group o
 the test out) are reported as skipped, not passed.
 """
 
+import os
+
 import pytest
+
+# CI has no GPU: the device kernels (ratrain.exec.devkernels) run in numba-cuda's simulator, which
+# must be on before numba is first imported. A run on a GPU sets NUMBA_ENABLE_CUDASIM=0 itself.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 def pytest_addoption(parser):

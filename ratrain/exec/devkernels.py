@@ -1,0 +1,777 @@
+"""Fused device kernels (numba-cuda): one launch where the cupy composition of `kernels` makes
+several, for the GPU path's elementwise and row work.
+
+Each public function takes the array module `xp` (cupy on a GPU; numpy under numba-cuda's
+simulator, `NUMBA_ENABLE_CUDASIM=1`, which runs the same kernels on a CPU, in the tests),
+allocates its outputs with `xp.empty` (cupy's pool owns them) and launches through `_launch`:
+on a GPU on cupy's current stream, the arrays passed by their CUDA array interface (no copy,
+no host sync); under the simulator numpy arrays in place (views and aliases included).
+
+    kernel                    matches                                     launch
+    rmsnorm_forward/backward  kernels.rmsnorm_* (fused._rmsnorm_*)         a block per row; dw:
+                                                                            per-block partials,
+                                                                            then a column sum
+    swiglu_forward/backward   kernels.swiglu_* (fused._swiglu_*)           grid-stride
+    rope_forward/backward     kernels.rope_* (fused._rope)                 grid-stride
+    cross_entropy_forward     kernels.cross_entropy_forward (mean loss)    a block per row
+    cross_entropy_backward    kernels.cross_entropy_backward               grid-stride
+    cross_entropy_fused       both at once: losses, lse, dlogits           a block per row
+    logsumexp_rows            kernels.logsumexp_rows                       a block per row
+    softmax_forward           attention_forward's softmax of a score tile  a block per row
+    softmax_backward          attention_backward's dS                      a block per row
+    adamw                     fused.adamw (optim._adam_core's arithmetic)  grid-stride
+    sum_squares               optim.block_sq_norm (fp64 accumulation)      per-block partials,
+                                                                            then one block
+    cast                      fused.cast_into (round to nearest even)      grid-stride
+
+Numerics: inputs are float32 or float16 (float64 stays on `kernels`, the reference); every
+value is loaded into fp32 and computed in fp32 in the reference's operator order, and results
+are rounded once on store into the output's dtype (fp32 by default, as the reference returns;
+an `out` of float16 fuses the cast). Row reductions are shared-memory trees (another order
+than numpy's pairwise sums: a few ulps); the gradient norm accumulates in fp64 as the
+reference does. Under the simulator the arithmetic is numpy's fp32 (exp, log, sqrt rounded from
+double); on a GPU libdevice's expf/logf (within 2 ulps) and the compiler's fused
+multiply-adds may change the last bit, so the tests compare with tolerances, not bitwise.
+Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
+reference's fp32 copy holds).
+
+Block size: `threads` per block, a power of two (256 on a GPU, 32 under the simulator, which
+runs one Python thread per CUDA thread); each kernel set is compiled once per block size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+# numba.cuda and numba's scalar types, set by `load()`: module globals, as the simulator swaps
+# the `cuda` global of a kernel's module for its per-thread stand-in
+cuda = None
+float32 = float64 = None
+_SIM = None  # whether numba.cuda is the simulator (set by `load()`)
+
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+GPU_THREADS = 256  # threads per block on a GPU (8 warps)
+SIM_THREADS = 32  # under the simulator: one Python thread each
+MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
+ROW_GROUPS = 256  # RMSNorm backward: blocks (hence dw partials), each over every 256th row
+EXP_MAX = 88.72283935546875  # the smallest float32 whose expf overflows (log(FLT_MAX) < it)
+
+
+@functools.cache
+def load():
+    """numba.cuda (numba-cuda's, not numba's deprecated built-in target), imported on first use;
+    ImportError naming the package when it is missing."""
+    global cuda, float32, float64, _SIM
+    try:
+        # numba-cuda is optional: only GPU hosts and the tests (the test extra) have it
+        import numba
+        import numba.cuda as numba_cuda
+    except ImportError as e:
+        raise ImportError(f"ratrain.exec.devkernels needs numba-cuda (pip install numba-cuda; "
+                          f"the test extra installs it): {e}") from e
+    if getattr(numba_cuda, "implementation", "") != "NVIDIA":
+        raise ImportError("ratrain.exec.devkernels needs numba-cuda (pip install numba-cuda): "
+                          "only numba's deprecated built-in numba.cuda is installed")
+    try:  # numba-cuda's own config (recent releases), else numba's
+        from numba.cuda.core import config
+    except ImportError:
+        from numba.core import config
+    cuda, float32, float64 = numba_cuda, numba.float32, numba.float64
+    _SIM = bool(config.ENABLE_CUDASIM)
+    return numba_cuda
+
+
+def simulated() -> bool:
+    """Whether kernels run in numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1 when numba.cuda was
+    first imported)."""
+    load()
+    return _SIM
+
+
+# --------------------------------------------------------------------------------------------
+# Launch: one helper for every kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _check(xp, *arrays) -> None:
+    """One line on a wrong array module or dtype, before any launch."""
+    sim = simulated()
+    if sim and xp is not np:
+        raise TypeError("devkernels under the simulator (NUMBA_ENABLE_CUDASIM=1) take numpy "
+                        "arrays: pass xp=numpy")
+    if not sim and xp is np:
+        raise TypeError("devkernels on a GPU take cupy arrays: pass xp=cupy (numpy arrays run "
+                        "only under NUMBA_ENABLE_CUDASIM=1)")
+    for a in arrays:
+        if a.dtype not in (F32, F16):
+            raise TypeError(f"devkernels compute float32 and float16 arrays, not {a.dtype}: "
+                            "float64 runs on ratrain.exec.kernels (the reference)")
+
+
+def _threads(threads) -> int:
+    if threads is None:
+        return SIM_THREADS if simulated() else GPU_THREADS
+    if not (1 <= threads <= 1024 and threads & (threads - 1) == 0):
+        raise ValueError(f"threads={threads}: a block is a power of two from 1 to 1024 threads")
+    return threads
+
+
+def _grid(n: int, threads: int) -> int:
+    """Blocks of a grid-stride kernel over n elements."""
+    return max(1, min(-(-n // threads), MAX_BLOCKS))
+
+
+@functools.lru_cache(maxsize=16)
+def _stream(ptr: int):
+    return cuda.external_stream(ptr)  # wraps cupy's stream; never owns or destroys it
+
+
+def _launch(kernel, blocks: int, threads: int, xp, *args) -> None:
+    """kernel[blocks, threads](*args) on cupy's current stream (a GPU), or in the simulator."""
+    if simulated():
+        from numba.cuda.simulator.cudadrv.devicearray import (  # the simulator only
+            FakeCUDAArray,
+        )
+
+        # its device arrays wrap numpy arrays in place (plain numpy arguments would be copied
+        # in and back, which loses writes through aliases and refuses strided views)
+        kernel[blocks, threads](*[FakeCUDAArray(a) if isinstance(a, np.ndarray) else a
+                                  for a in args])
+        return
+    stream = _stream(xp.cuda.get_current_stream().ptr)
+    # ordered on the same stream as the arrays' producers: no host sync (sync=False)
+    args = [cuda.from_cuda_array_interface(a.__cuda_array_interface__, owner=a, sync=False)
+            if hasattr(a, "__cuda_array_interface__") else a for a in args]
+    kernel[blocks, threads, stream](*args)
+
+
+def _rows(a):
+    """a (..., C) as (R, C) (a view when a is contiguous; a copy of an input otherwise)."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def _out(out, shape, dtype, xp):
+    """`out` (checked: shape, float32/16, C-contiguous so a 2-D view of it writes through) or a
+    new array."""
+    if out is None:
+        return xp.empty(shape, dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
+        raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
+                         "float32 or float16")
+    if not out.flags.c_contiguous:
+        raise ValueError("out: must be C-contiguous (a view of it is written)")
+    return out
+
+
+def _two_d(name, a):
+    if a.ndim != 2:
+        raise ValueError(f"{name}: a 2-D (N, F) array (any strides), got shape {tuple(a.shape)}")
+    return a
+
+
+def _out2(out, shape, xp):
+    """An output of a strided 2-D kernel: any strides, float32/16, or a new float32 array."""
+    if out is None:
+        return xp.empty(shape, F32)
+    if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
+        raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
+                         "float32 or float16")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels, compiled once per block size
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _kernels(TPB: int) -> SimpleNamespace:  # noqa: C901 - one closure per kernel set
+    load()
+    inf = math.inf
+
+    @cuda.jit(device=True)
+    def fexp(v):  # expf; the simulator's math.exp would raise where expf gives inf
+        if v >= float32(EXP_MAX):
+            return float32(inf)
+        return float32(math.exp(v))
+
+    @cuda.jit(device=True)
+    def flog(v):  # logf; the simulator's math.log would raise at 0
+        if v == float32(0.0):
+            return float32(-inf)
+        return float32(math.log(v))
+
+    @cuda.jit(device=True)
+    def fmax(a, b):  # max that keeps a NaN from either side (numpy's max does)
+        if a > b or a != a:
+            return a
+        return b
+
+    @cuda.jit(device=True)
+    def block_sum(sh, t, v):
+        """The sum of every thread's v (a shared-memory tree); every thread gets it."""
+        sh[t] = v
+        cuda.syncthreads()
+        s = TPB // 2
+        while s > 0:
+            if t < s:
+                sh[t] += sh[t + s]
+            cuda.syncthreads()
+            s //= 2
+        total = sh[0]
+        cuda.syncthreads()  # all have read sh[0] before the next tree writes sh
+        return total
+
+    @cuda.jit(device=True)
+    def block_max(sh, t, v):
+        sh[t] = v
+        cuda.syncthreads()
+        s = TPB // 2
+        while s > 0:
+            if t < s:
+                sh[t] = fmax(sh[t], sh[t + s])
+            cuda.syncthreads()
+            s //= 2
+        top = sh[0]
+        cuda.syncthreads()
+        return top
+
+    # -- RMSNorm --------------------------------------------------------------------------
+
+    @cuda.jit
+    def rmsnorm_fwd(x, w, eps, y, rstd):  # x, y (R, C); w (C,); rstd (R,); a block per row
+        sh = cuda.shared.array(TPB, float32)
+        r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        C = x.shape[1]
+        acc = float32(0.0)
+        for c in range(t, C, TPB):
+            v = float32(x[r, c])
+            acc += v * v
+        ms = block_sum(sh, t, acc) / float32(C)
+        s = float32(1.0) / float32(math.sqrt(ms + eps))
+        if t == 0:
+            rstd[r] = s
+        for c in range(t, C, TPB):
+            y[r, c] = float32(x[r, c]) * s * float32(w[c])
+
+    @cuda.jit
+    def rmsnorm_bwd(dy, x, rstd, w, dx, dwp):  # dwp (blocks, C): this block's rows' dw
+        sh = cuda.shared.array(TPB, float32)
+        b, t, nb = cuda.blockIdx.x, cuda.threadIdx.x, cuda.gridDim.x
+        R, C = x.shape
+        for r in range(b, R, nb):
+            s = float32(rstd[r])
+            acc = float32(0.0)
+            for c in range(t, C, TPB):
+                acc += float32(dy[r, c]) * float32(w[c]) * (float32(x[r, c]) * s)
+            m = block_sum(sh, t, acc) / float32(C)
+            for c in range(t, C, TPB):
+                xhat = float32(x[r, c]) * s
+                dx[r, c] = (float32(dy[r, c]) * float32(w[c]) - xhat * m) * s
+        for c in range(t, C, TPB):  # each thread its columns, the block's rows in order
+            acc = float32(0.0)
+            for r in range(b, R, nb):
+                acc += float32(dy[r, c]) * (float32(x[r, c]) * float32(rstd[r]))
+            dwp[b, c] = acc
+
+    @cuda.jit
+    def column_sum(parts, out):  # parts (P, C) -> out (C,): each column summed in row order
+        c, step = cuda.grid(1), cuda.gridsize(1)
+        while c < parts.shape[1]:
+            acc = float32(0.0)
+            for p in range(parts.shape[0]):
+                acc += parts[p, c]
+            out[c] = acc
+            c += step
+
+    # -- SwiGLU ---------------------------------------------------------------------------
+
+    @cuda.jit
+    def swiglu_fwd(gate, up, out):  # (N, F) each, any strides
+        F = gate.shape[1]
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < gate.shape[0] * F:
+            r = i // F
+            c = i - r * F
+            g = float32(gate[r, c])
+            out[r, c] = g / (float32(1.0) + fexp(-g)) * float32(up[r, c])
+            i += step
+
+    @cuda.jit
+    def swiglu_bwd(dact, gate, up, dgate, dup, act, with_act):
+        F = gate.shape[1]
+        one = float32(1.0)
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < gate.shape[0] * F:
+            r = i // F
+            c = i - r * F
+            g, u, da = float32(gate[r, c]), float32(up[r, c]), float32(dact[r, c])
+            s = one / (one + fexp(-g))  # sigmoid(g)
+            silu = g * s
+            if with_act:
+                act[r, c] = silu * u
+            dup[r, c] = da * silu
+            d = silu - silu * s + s  # d silu / dg, the reference's order
+            dgate[r, c] = (da * u) * d
+            i += step
+
+    # -- RoPE -----------------------------------------------------------------------------
+
+    @cuda.jit
+    def rope(x, cos, sin, out, sign):  # x, out (B, T, H, D) any strides; cos, sin (T, >= D/2)
+        B, T, H, D = x.shape
+        d = D // 2
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < B * T * H * d:
+            k = i % d
+            j = i // d
+            h = j % H
+            j //= H
+            tt = j % T
+            b = j // T
+            c, s = float32(cos[tt, k]), float32(sin[tt, k])
+            x1, x2 = float32(x[b, tt, h, k]), float32(x[b, tt, h, k + d])
+            if sign > 0:
+                out[b, tt, h, k] = x1 * c - x2 * s
+                out[b, tt, h, k + d] = x2 * c + x1 * s
+            else:
+                out[b, tt, h, k] = x1 * c + x2 * s
+                out[b, tt, h, k + d] = x2 * c - x1 * s
+            i += step
+
+    # -- Cross-entropy ---------------------------------------------------------------------
+
+    @cuda.jit
+    def ce_rows(z, targets, lse, losses, d, scale, with_loss, with_grad):
+        """A block per row of z (N, V): lse = log(sum(exp(z - max))) + max; the row's loss
+        lse - z[t] (NaN for a target outside [0, V)); d = (exp(z - lse) - onehot) * scale."""
+        sh = cuda.shared.array(TPB, float32)
+        r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        V = z.shape[1]
+        m = float32(-inf)
+        for c in range(t, V, TPB):
+            m = fmax(m, float32(z[r, c]))
+        m = block_max(sh, t, m)
+        acc = float32(0.0)
+        for c in range(t, V, TPB):
+            acc += fexp(float32(z[r, c]) - m)
+        tr = targets[r]
+        zt = float32(math.nan)  # the target's logit, read before the barrier (d may be z)
+        if t == 0 and with_loss and 0 <= tr < V:
+            zt = float32(z[r, tr])
+        ls = flog(block_sum(sh, t, acc)) + m
+        if t == 0:
+            lse[r] = ls
+            if with_loss:
+                losses[r] = ls - zt
+        if with_grad:  # every read of the row is done (block_sum synchronised): d may be z
+            for c in range(t, V, TPB):
+                p = fexp(float32(z[r, c]) - ls)
+                if c == tr:
+                    p -= float32(1.0)
+                d[r, c] = p * scale
+
+    @cuda.jit
+    def ce_grad(z, targets, lse, scale, d):  # elementwise from the rows' lse
+        V = z.shape[1]
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < z.shape[0] * V:
+            r = i // V
+            c = i - r * V
+            p = fexp(float32(z[r, c]) - float32(lse[r]))
+            if c == targets[r]:
+                p -= float32(1.0)
+            d[r, c] = p * scale
+            i += step
+
+    # -- Attention softmax of a score tile -------------------------------------------------
+
+    @cuda.jit
+    def softmax_fwd(s, p, lse, scale, causal, q0, k0, tq, with_lse):
+        """A block per row of s (R, Tk), row r the query q0 + r % tq against keys k0...: the
+        scaled, causally masked softmax; lse of the scaled row (-inf, p = 0 when all masked)."""
+        sh = cuda.shared.array(TPB, float32)
+        r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        K = s.shape[1]
+        last = K if not causal else min(K, q0 + r % tq - k0 + 1)  # keys c < last are visible
+        m = float32(-inf)
+        for c in range(t, last, TPB):
+            m = fmax(m, float32(s[r, c]) * scale)
+        m = block_max(sh, t, m)
+        acc = float32(0.0)
+        if m != float32(-inf):
+            for c in range(t, last, TPB):
+                acc += fexp(float32(s[r, c]) * scale - m)
+        total = block_sum(sh, t, acc)
+        if with_lse and t == 0:
+            lse[r] = flog(total) + m
+        for c in range(t, K, TPB):
+            if c < last:
+                p[r, c] = fexp(float32(s[r, c]) * scale - m) / total
+            else:
+                p[r, c] = float32(0.0)
+
+    @cuda.jit
+    def softmax_bwd(dp, p, ds, scale, delta, with_delta):
+        """ds = p * (dp - rowsum(dp * p)) * scale (rowsum given as delta: the flash form)."""
+        sh = cuda.shared.array(TPB, float32)
+        r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        K = p.shape[1]
+        if with_delta:
+            rs = float32(delta[r])
+        else:
+            acc = float32(0.0)
+            for c in range(t, K, TPB):
+                acc += float32(dp[r, c]) * float32(p[r, c])
+            rs = block_sum(sh, t, acc)
+        for c in range(t, K, TPB):
+            ds[r, c] = float32(p[r, c]) * (float32(dp[r, c]) - rs) * scale
+
+    # -- AdamW, the gradient norm, casts -----------------------------------------------------
+
+    @cuda.jit
+    def adamw(p, m, v, g, gscale, keep, b2, omb2, w, lerp_low, step_size, bc2, eps):
+        one = float32(1.0)
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < p.shape[0]:
+            gi = g[i] * gscale
+            t = gi - m[i]  # m = lerp(m, g, w), torch's two formulas
+            if lerp_low:
+                mi = m[i] + t * w
+            else:
+                mi = gi - t * (one - w)
+            vi = v[i] * b2 + gi * omb2 * gi
+            denom = float32(math.sqrt(vi)) / bc2 + eps
+            p[i] = p[i] * keep + (mi * (-step_size)) / denom
+            m[i] = mi
+            v[i] = vi
+            i += step
+
+    @cuda.jit
+    def sum_squares(a, parts):  # parts (blocks,) float64: each block's sum of squares
+        sh = cuda.shared.array(TPB, float64)
+        t = cuda.threadIdx.x
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        acc = float64(0.0)
+        while i < a.shape[0]:
+            v = float64(a[i])
+            acc += v * v
+            i += step
+        total = block_sum(sh, t, acc)
+        if t == 0:
+            parts[cuda.blockIdx.x] = total
+
+    @cuda.jit
+    def sum_parts(parts, out):  # one block: out[0] = the sum of parts (float64)
+        sh = cuda.shared.array(TPB, float64)
+        t = cuda.threadIdx.x
+        acc = float64(0.0)
+        for i in range(t, parts.shape[0], TPB):
+            acc += parts[i]
+        total = block_sum(sh, t, acc)
+        if t == 0:
+            out[0] = total
+
+    @cuda.jit
+    def cast(src, dst, scale, scaled):  # flat; dst = src (* scale in fp32), rounded once
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < src.shape[0]:
+            if scaled:
+                dst[i] = float32(src[i]) * scale
+            else:
+                dst[i] = src[i]
+            i += step
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if hasattr(v, "py_func")})
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm: y = x / sqrt(mean(x^2) + eps) * w
+# --------------------------------------------------------------------------------------------
+
+
+def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
+    """x (..., C), w (C,) -> y (..., C) (float32, or `out`'s dtype), cache (x, rstd (..., 1)
+    float32, w): `kernels.rmsnorm_forward`."""
+    _check(xp, x, w)
+    tpb = _threads(threads)
+    y = _out(out, x.shape, F32, xp)
+    rstd = xp.empty((*x.shape[:-1], 1), F32)
+    if x.size:
+        x2 = _rows(x)
+        _launch(_kernels(tpb).rmsnorm_fwd, x2.shape[0], tpb, xp, x2, w, np.float32(eps),
+                _rows(y), rstd.reshape(-1))
+    return y, (x, rstd, w)
+
+
+def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
+    """-> (dx (..., C) float32 (or `out`'s dtype), dw (C,) float32): `kernels.rmsnorm_backward`.
+    dw: each of at most ROW_GROUPS blocks sums its rows (every ROW_GROUPS-th) per column, then
+    the partials are summed in block order."""
+    x, rstd, w = cache
+    _check(xp, dy, x, rstd, w)
+    tpb = _threads(threads)
+    dx = _out(out, x.shape, F32, xp)
+    C = x.shape[-1]
+    x2 = _rows(x)
+    R = x2.shape[0]
+    dw = xp.empty(C, F32)
+    if R == 0:
+        dw[...] = 0
+        return dx, dw
+    k = _kernels(tpb)
+    blocks = min(R, ROW_GROUPS)
+    parts = xp.empty((blocks, C), F32)
+    _launch(k.rmsnorm_bwd, blocks, tpb, xp, _rows(dy), x2, rstd.reshape(-1), w, _rows(dx), parts)
+    _launch(k.column_sum, _grid(C, tpb), tpb, xp, parts, dw)
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------------------
+# SwiGLU: act = silu(gate) * up
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu_forward(gate, up, xp, out=None, threads=None):
+    """act = gate * sigmoid(gate) * up of (N, F) arrays (views welcome) -> (act, (gate, up)):
+    `kernels.swiglu_forward`."""
+    _check(xp, gate, up)
+    tpb = _threads(threads)
+    act = _out2(out, _two_d("gate", gate).shape, xp)
+    if gate.size:
+        _launch(_kernels(tpb).swiglu_fwd, _grid(gate.size, tpb), tpb, xp, gate,
+                _two_d("up", up), act)
+    return act, (gate, up)
+
+
+def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
+    """-> (dgate, dup) float32 (or `out` = (dgate, dup)'s dtypes, views welcome), and act with
+    `with_act`: `kernels.swiglu_backward`."""
+    gate, up = cache
+    _check(xp, dact, gate, up)
+    tpb = _threads(threads)
+    shape = _two_d("gate", gate).shape
+    dgate, dup = (_out2(o, shape, xp) for o in (out if out is not None else (None, None)))
+    act = xp.empty(shape, F32) if with_act else None
+    if gate.size:
+        _launch(_kernels(tpb).swiglu_bwd, _grid(gate.size, tpb), tpb, xp, _two_d("dact", dact),
+                gate, _two_d("up", up), dgate, dup, act if with_act else dgate, with_act)
+    return (dgate, dup, act) if with_act else (dgate, dup)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE (Hugging Face's rotate_half), the reference's tables
+# --------------------------------------------------------------------------------------------
+
+
+def _rope(x, cos, sin, xp, out, sign, threads):
+    """x (B, T, H, D) with tables (T, 1, D), or x (B, H, T, D) with tables (T, D) (as
+    `kernels.rope_forward` broadcasts them); out any strides (a new float32 array if None)."""
+    _check(xp, x, cos, sin)
+    tpb = _threads(threads)
+    if x.ndim != 4 or cos.ndim not in (2, 3) or x.shape[-1] % 2:
+        raise ValueError(f"rope: x (B, T, H, D) with tables (T, 1, D) or x (B, H, T, D) with "
+                         f"tables (T, D), D even; got x {tuple(x.shape)}, tables "
+                         f"{tuple(cos.shape)}")
+    out = _out2(out, x.shape, xp)
+    if cos.ndim == 3:  # (T, 1, D): x token-major
+        c2, s2, xv, ov = cos[:, 0], sin[:, 0], x, out
+    else:  # (T, D): x head-major, seen token-major
+        c2, s2 = cos, sin
+        xv, ov = x.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3)
+    n = x.size // 2
+    if n:
+        _launch(_kernels(tpb).rope, _grid(n, tpb), tpb, xp, xv, c2, s2, ov, sign)
+    return out
+
+
+def rope_forward(x, cos, sin, xp, out=None, threads=None):
+    """y = x * cos + rotate_half(x) * sin -> (y, (cos, sin)): `kernels.rope_forward`."""
+    return _rope(x, cos, sin, xp, out, 1, threads), (cos, sin)
+
+
+def rope_backward(dy, cache, xp, out=None, threads=None):
+    """dx = dy * cos + rotate_half^T(dy * sin): `kernels.rope_backward`."""
+    cos, sin = cache
+    return _rope(dy, cos, sin, xp, out, -1, threads)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-entropy (mean over tokens)
+# --------------------------------------------------------------------------------------------
+
+
+def _ce(logits, targets, xp, scale, losses, grad, out, threads):
+    _check(xp, logits)
+    if logits.ndim != 2 or tuple(targets.shape) != (logits.shape[0],):
+        raise ValueError(f"cross-entropy: logits (N, V) and targets (N,), got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    tpb = _threads(threads)
+    N = logits.shape[0]
+    lse = xp.empty(N, F32)
+    loss = xp.empty(N, F32) if losses else None
+    d = _out(out, logits.shape, F32, xp) if grad else None
+    if N:
+        _launch(_kernels(tpb).ce_rows, N, tpb, xp, logits, targets, lse,
+                loss if losses else lse, d if grad else logits, np.float32(scale), losses, grad)
+    return loss, lse, d
+
+
+def logsumexp_rows(z, xp, threads=None):
+    """log(sum(exp(z), -1)) of rows of z (N, V), the max subtracted first: float32 (N,)."""
+    return _ce(z, xp.zeros(z.shape[0], np.int32), xp, 1.0, False, False, None, threads)[1]
+
+
+def cross_entropy_forward(logits, targets, xp, threads=None):
+    """logits (N, V), targets (N,) integer -> (mean loss, 0-d float32, cache (logits, targets,
+    lse)): `kernels.cross_entropy_forward`. A target outside [0, V) makes its row's loss NaN
+    (the reference raises IndexError; a kernel cannot, and must not read out of bounds)."""
+    losses, lse, _ = _ce(logits, targets, xp, 1.0, True, False, None, threads)
+    return losses.mean(dtype=F32), (logits, targets, lse)
+
+
+def cross_entropy_backward(dloss, cache, xp, out=None, threads=None):
+    """-> dlogits (N, V) = (softmax(logits) - onehot(targets)) * dloss / N, float32 (or `out`'s
+    dtype): `kernels.cross_entropy_backward`. `float(dloss)`: give a Python number (a device
+    0-d array would be a host sync)."""
+    z, targets, lse = cache
+    _check(xp, z)
+    tpb = _threads(threads)
+    d = _out(out, z.shape, F32, xp)
+    if z.size:
+        _launch(_kernels(tpb).ce_grad, _grid(z.size, tpb), tpb, xp, z, targets, lse,
+                np.float32(float(dloss) / z.shape[0]), d)
+    return d
+
+
+def cross_entropy_fused(logits, targets, scale, xp, out=None, threads=None):
+    """Loss and gradient in one launch, a block per row: -> (losses (N,), lse (N,), dlogits)
+    with losses = lse - logits[t] (float32), dlogits = (softmax - onehot(t)) * scale (float32,
+    or `out`'s dtype; `out` may be `logits` itself: each row is read before it is written).
+    `kernels.cross_entropy_forward` / `_backward` with scale = dloss / N (the mean's factor;
+    the head passes dscale / (B * T))."""
+    return _ce(logits, targets, xp, scale, True, True, out, threads)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention: the softmax of a materialised or tiled score block
+# --------------------------------------------------------------------------------------------
+
+
+def softmax_forward(s, xp, scale=1.0, causal=True, q0=0, k0=0, out=None, with_lse=False,
+                    threads=None):
+    """s (..., Tq, Tk) raw scores of queries q0 + i against keys k0 + j -> p = softmax(s * scale)
+    along the last axis with keys j > i masked (causal), float32 (or `out`'s dtype; `out` may be
+    `s`); with `with_lse` also the rows' logsumexp of the scaled scores (..., Tq) float32 (-inf,
+    and p = 0, for a row whose keys are all masked). `kernels.attention_forward`'s softmax
+    (scale applied to the scores, then the mask, the max subtracted, divided by the sum)."""
+    _check(xp, s)
+    if s.ndim < 2:
+        raise ValueError(f"softmax: scores (..., Tq, Tk), got shape {tuple(s.shape)}")
+    tpb = _threads(threads)
+    p = _out(out, s.shape, F32, xp)
+    lse = xp.empty(s.shape[:-1], F32) if with_lse else None
+    s2 = _rows(s)
+    if s2.shape[0] and s.shape[-1]:
+        _launch(_kernels(tpb).softmax_fwd, s2.shape[0], tpb, xp, s2, _rows(p),
+                lse.reshape(-1) if with_lse else s2[:, 0], np.float32(scale), bool(causal),
+                int(q0), int(k0), int(s.shape[-2]), bool(with_lse))
+    return (p, lse) if with_lse else p
+
+
+def softmax_backward(dp, p, xp, scale=1.0, delta=None, out=None, threads=None):
+    """dS = p * (dp - rowsum(dp * p)) * scale of (..., Tq, Tk) tiles, float32 (or `out`'s dtype;
+    `out` may be `dp`): `kernels.attention_backward`'s ds. `delta` (..., Tq): the rows' sums
+    given (flash attention's rowsum(dO * O), equal to rowsum(dP * P))."""
+    _check(xp, dp, p)
+    tpb = _threads(threads)
+    ds = _out(out, p.shape, F32, xp)
+    p2 = _rows(p)
+    if p2.shape[0] and p.shape[-1]:
+        _launch(_kernels(tpb).softmax_bwd, p2.shape[0], tpb, xp, _rows(dp), p2, _rows(ds),
+                np.float32(scale), p2[:, 0] if delta is None else delta.reshape(-1),
+                delta is not None)
+    return ds
+
+
+# --------------------------------------------------------------------------------------------
+# AdamW, the gradient norm, casts
+# --------------------------------------------------------------------------------------------
+
+
+def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp, threads=None):
+    """One AdamW update of flat fp32 arrays in place (`fused.adamw`'s arguments and arithmetic:
+    `optim._adam_core` with the gradient scale and the decay factor `keep` = 1 - lr * wd folded
+    in; the caller splits a block into decayed and undecayed ranges as `AdamW._update_fused`
+    does). g is left as it was."""
+    _check(xp, p, m, v, g)
+    if not all(a.dtype == F32 and a.ndim == 1 for a in (p, m, v, g)):
+        raise TypeError("adamw: p, m, v, g are flat float32 arrays")
+    tpb = _threads(threads)
+    f = np.float32
+    w = f(1 - b1)
+    if p.size:
+        _launch(_kernels(tpb).adamw, _grid(p.size, tpb), tpb, xp, p, m, v, g, f(grad_scale),
+                f(keep), f(b2), f(1 - b2), w, bool(w < 0.5), f(step_size), f(bc2_sqrt), f(eps))
+
+
+def sum_squares(a, xp, threads=None):
+    """Sum of squares of a flat array, accumulated in float64, as a 0-d float64 array on the
+    device (`float(...)` of it is the one host sync): `optim.block_sq_norm` (a non-finite
+    element makes it non-finite, the fp16 overflow signal). Per-block partials of a grid-stride
+    pass, then one block sums them: the order is fixed by len(a) and `threads` alone."""
+    _check(xp, a)
+    if a.ndim != 1:
+        raise ValueError(f"sum_squares: a flat array, got shape {tuple(a.shape)}")
+    tpb = _threads(threads)
+    out = xp.zeros(1, np.float64)
+    if a.size:
+        k = _kernels(tpb)
+        blocks = _grid(a.size, tpb)
+        parts = xp.empty(blocks, np.float64)
+        _launch(k.sum_squares, blocks, tpb, xp, a, parts)
+        _launch(k.sum_parts, 1, tpb, xp, parts, out)
+    return out.reshape(())
+
+
+def cast(src, dtype, xp, scale=1.0, out=None, threads=None):
+    """src (float32 or float16) -> a C-contiguous `dtype` array (or into `out`) of src * scale,
+    the product in fp32, rounded once to nearest even (scale 1: `fused.cast_into`, bitwise).
+    The fp32 masters' fp16 views and fp16 activations' fp32 copies."""
+    _check(xp, src)
+    dtype = np.dtype(dtype)
+    if dtype not in (F32, F16):
+        raise TypeError(f"cast: to float32 or float16, not {dtype}")
+    tpb = _threads(threads)
+    dst = _out(out, src.shape, dtype, xp)
+    if dst.dtype != dtype:
+        raise ValueError(f"out: {dst.dtype}, expected {dtype}")
+    if src.size:
+        _launch(_kernels(tpb).cast, _grid(src.size, tpb), tpb, xp, src.reshape(-1),
+                dst.reshape(-1), np.float32(scale), scale != 1.0)
+    return dst
+
+
+__all__ = [
+    "adamw",
+    "cast",
+    "cross_entropy_backward",
+    "cross_entropy_forward",
+    "cross_entropy_fused",
+    "load",
+    "logsumexp_rows",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
+    "rope_backward",
+    "rope_forward",
+    "simulated",
+    "softmax_backward",
+    "softmax_forward",
+    "sum_squares",
+    "swiglu_backward",
+    "swiglu_forward",
+]
