@@ -5,11 +5,13 @@ kernels `forward(x, ..., xp) -> (y, cache)` / `backward(dy, cache, xp)` over num
 (`kernels`), the fp16 GEMM (`gemm`), the blocks built from them with their caches and
 recompute choices (`layers`), the execution context of threads, dtypes and RoPE tables
 (`context`); a stage's flat buffers of masters, moments, views and gradients (`params`); AdamW,
-clipping, the LR schedule and loss scaling (`optim`).
+clipping, the LR schedule and loss scaling (`optim`); the GPU path's fused elementwise and row
+kernels (`devkernels`, numba-cuda, imported on first use).
 
 May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (the `FastPath`
 switch of the fused kernels), `ratrain.device` (the array module's transfers and syncs) and
 third-party numerics
-(numpy, threadpoolctl; cupy when given as `xp`). Never MPI, comm, lifecycle or plan: buffers are
+(numpy, threadpoolctl; cupy when given as `xp`; numba-cuda in `devkernels`). Never MPI, comm,
+lifecycle or plan: buffers are
 allocated through a ledger passed in, never imported.
 """

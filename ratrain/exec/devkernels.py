@@ -47,8 +47,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-# numba.cuda and numba's scalar types, set by `load()`: module globals, as the simulator swaps
-# the `cuda` global of a kernel's module for its per-thread stand-in
+# numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
+# `cuda` global of a kernel's module for its per-thread stand-in
 cuda = None
 float32 = float64 = None
 _SIM = None  # whether numba.cuda is the simulator (set by `load()`)
@@ -68,7 +68,6 @@ def load():
     global cuda, float32, float64, _SIM
     try:
         # numba-cuda is optional: only GPU hosts and the tests (the test extra) have it
-        import numba
         import numba.cuda as numba_cuda
     except ImportError as e:
         raise ImportError(f"ratrain.exec.devkernels needs numba-cuda (pip install numba-cuda; "
@@ -80,7 +79,7 @@ def load():
         from numba.cuda.core import config
     except ImportError:
         from numba.core import config
-    cuda, float32, float64 = numba_cuda, numba.float32, numba.float64
+    cuda, float32, float64 = numba_cuda, numba_cuda.float32, numba_cuda.float64
     _SIM = bool(config.ENABLE_CUDASIM)
     return numba_cuda
 
@@ -189,7 +188,7 @@ def _out2(out, shape, xp):
 
 
 @functools.cache
-def _kernels(TPB: int) -> SimpleNamespace:  # noqa: C901 - one closure per kernel set
+def _kernels(TPB: int) -> SimpleNamespace:
     load()
     inf = math.inf
 
