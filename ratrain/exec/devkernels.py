@@ -211,33 +211,23 @@ def _kernels(TPB: int) -> SimpleNamespace:
         return b
 
     @cuda.jit(device=True)
-    def block_sum(sh, t, v):
-        """The sum of every thread's v (a shared-memory tree); every thread gets it."""
+    def block_reduce(sh, t, v, take_max):
+        """The sum (or the max) of every thread's v by a shared-memory tree; every thread gets
+        it. Called by all the block's threads alike."""
         sh[t] = v
         cuda.syncthreads()
         s = TPB // 2
         while s > 0:
             if t < s:
-                sh[t] += sh[t + s]
+                if take_max:
+                    sh[t] = fmax(sh[t], sh[t + s])
+                else:
+                    sh[t] += sh[t + s]
             cuda.syncthreads()
             s //= 2
         total = sh[0]
         cuda.syncthreads()  # all have read sh[0] before the next tree writes sh
         return total
-
-    @cuda.jit(device=True)
-    def block_max(sh, t, v):
-        sh[t] = v
-        cuda.syncthreads()
-        s = TPB // 2
-        while s > 0:
-            if t < s:
-                sh[t] = fmax(sh[t], sh[t + s])
-            cuda.syncthreads()
-            s //= 2
-        top = sh[0]
-        cuda.syncthreads()
-        return top
 
     # -- RMSNorm --------------------------------------------------------------------------
 
@@ -250,7 +240,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
         for c in range(t, C, TPB):
             v = float32(x[r, c])
             acc += v * v
-        ms = block_sum(sh, t, acc) / float32(C)
+        ms = block_reduce(sh, t, acc, False) / float32(C)
         s = float32(1.0) / float32(math.sqrt(ms + eps))
         if t == 0:
             rstd[r] = s
@@ -267,7 +257,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
             acc = float32(0.0)
             for c in range(t, C, TPB):
                 acc += float32(dy[r, c]) * float32(w[c]) * (float32(x[r, c]) * s)
-            m = block_sum(sh, t, acc) / float32(C)
+            m = block_reduce(sh, t, acc, False) / float32(C)
             for c in range(t, C, TPB):
                 xhat = float32(x[r, c]) * s
                 dx[r, c] = (float32(dy[r, c]) * float32(w[c]) - xhat * m) * s
@@ -354,7 +344,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
         m = float32(-inf)
         for c in range(t, V, TPB):
             m = fmax(m, float32(z[r, c]))
-        m = block_max(sh, t, m)
+        m = block_reduce(sh, t, m, True)
         acc = float32(0.0)
         for c in range(t, V, TPB):
             acc += fexp(float32(z[r, c]) - m)
@@ -362,12 +352,12 @@ def _kernels(TPB: int) -> SimpleNamespace:
         zt = float32(math.nan)  # the target's logit, read before the barrier (d may be z)
         if t == 0 and with_loss and 0 <= tr < V:
             zt = float32(z[r, tr])
-        ls = flog(block_sum(sh, t, acc)) + m
+        ls = flog(block_reduce(sh, t, acc, False)) + m
         if t == 0:
             lse[r] = ls
             if with_loss:
                 losses[r] = ls - zt
-        if with_grad:  # every read of the row is done (block_sum synchronised): d may be z
+        if with_grad:  # every read of the row is done (the tree synchronised): d may be z
             for c in range(t, V, TPB):
                 p = fexp(float32(z[r, c]) - ls)
                 if c == tr:
@@ -400,12 +390,12 @@ def _kernels(TPB: int) -> SimpleNamespace:
         m = float32(-inf)
         for c in range(t, last, TPB):
             m = fmax(m, float32(s[r, c]) * scale)
-        m = block_max(sh, t, m)
+        m = block_reduce(sh, t, m, True)
         acc = float32(0.0)
         if m != float32(-inf):
             for c in range(t, last, TPB):
                 acc += fexp(float32(s[r, c]) * scale - m)
-        total = block_sum(sh, t, acc)
+        total = block_reduce(sh, t, acc, False)
         if with_lse and t == 0:
             lse[r] = flog(total) + m
         for c in range(t, K, TPB):
@@ -426,7 +416,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
             acc = float32(0.0)
             for c in range(t, K, TPB):
                 acc += float32(dp[r, c]) * float32(p[r, c])
-            rs = block_sum(sh, t, acc)
+            rs = block_reduce(sh, t, acc, False)
         for c in range(t, K, TPB):
             ds[r, c] = float32(p[r, c]) * (float32(dp[r, c]) - rs) * scale
 
@@ -460,7 +450,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
             v = float64(a[i])
             acc += v * v
             i += step
-        total = block_sum(sh, t, acc)
+        total = block_reduce(sh, t, acc, False)
         if t == 0:
             parts[cuda.blockIdx.x] = total
 
@@ -471,7 +461,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
         acc = float64(0.0)
         for i in range(t, parts.shape[0], TPB):
             acc += parts[i]
-        total = block_sum(sh, t, acc)
+        total = block_reduce(sh, t, acc, False)
         if t == 0:
             out[0] = total
 
