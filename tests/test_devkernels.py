@@ -266,6 +266,8 @@ def test_bad_input_is_one_line_before_any_launch(dk, xp):
         dk.cast(x.T, F16, xp, out=x)
     with pytest.raises(ValueError, match="logits \\(N, V\\) and targets \\(N,\\)"):
         dk.cross_entropy_forward(x, xp.zeros(3, np.int64), xp)
+    with pytest.raises(TypeError, match="targets are token ids \\(integers\\), not float32"):
+        dk.cross_entropy_forward(x, x[:, 0], xp)
     other = None if xp is np else np  # the module that does not go with this run
     if other is None:
         with pytest.raises(TypeError, match="simulator .* take numpy arrays: pass xp=numpy"):

@@ -57,7 +57,7 @@ F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 GPU_THREADS = 256  # threads per block on a GPU (8 warps)
 SIM_THREADS = 32  # under the simulator: one Python thread each
 MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
-ROW_GROUPS = 256  # RMSNorm backward: blocks (hence dw partials), each over every 256th row
+ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
 EXP_MAX = 88.72283935546875  # the smallest float32 whose expf overflows (log(FLT_MAX) < it)
 
 
@@ -153,15 +153,15 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def _out(out, shape, dtype, xp):
-    """`out` (checked: shape, float32/16, C-contiguous so a 2-D view of it writes through) or a
-    new array."""
+def _out(out, shape, dtype, xp, any_strides=False):
+    """`out` (checked: shape, float32/16, C-contiguous unless the kernel takes `any_strides`, so
+    that a 2-D view of it writes through) or a new `dtype` array."""
     if out is None:
         return xp.empty(shape, dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
         raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
                          "float32 or float16")
-    if not out.flags.c_contiguous:
+    if not (any_strides or out.flags.c_contiguous):
         raise ValueError("out: must be C-contiguous (a view of it is written)")
     return out
 
@@ -170,16 +170,6 @@ def _two_d(name, a):
     if a.ndim != 2:
         raise ValueError(f"{name}: a 2-D (N, F) array (any strides), got shape {tuple(a.shape)}")
     return a
-
-
-def _out2(out, shape, xp):
-    """An output of a strided 2-D kernel: any strides, float32/16, or a new float32 array."""
-    if out is None:
-        return xp.empty(shape, F32)
-    if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
-        raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
-                         "float32 or float16")
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +520,7 @@ def swiglu_forward(gate, up, xp, out=None, threads=None):
     `kernels.swiglu_forward`."""
     _check(xp, gate, up)
     tpb = _threads(threads)
-    act = _out2(out, _two_d("gate", gate).shape, xp)
+    act = _out(out, _two_d("gate", gate).shape, F32, xp, True)
     if gate.size:
         _launch(_kernels(tpb).swiglu_fwd, _grid(gate.size, tpb), tpb, xp, gate,
                 _two_d("up", up), act)
@@ -544,7 +534,7 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     _check(xp, dact, gate, up)
     tpb = _threads(threads)
     shape = _two_d("gate", gate).shape
-    dgate, dup = (_out2(o, shape, xp) for o in (out if out is not None else (None, None)))
+    dgate, dup = (_out(o, shape, F32, xp, True) for o in (out or (None, None)))
     act = xp.empty(shape, F32) if with_act else None
     if gate.size:
         _launch(_kernels(tpb).swiglu_bwd, _grid(gate.size, tpb), tpb, xp, _two_d("dact", dact),
@@ -566,7 +556,7 @@ def _rope(x, cos, sin, xp, out, sign, threads):
         raise ValueError(f"rope: x (B, T, H, D) with tables (T, 1, D) or x (B, H, T, D) with "
                          f"tables (T, D), D even; got x {tuple(x.shape)}, tables "
                          f"{tuple(cos.shape)}")
-    out = _out2(out, x.shape, xp)
+    out = _out(out, x.shape, F32, xp, True)
     if cos.ndim == 3:  # (T, 1, D): x token-major
         c2, s2, xv, ov = cos[:, 0], sin[:, 0], x, out
     else:  # (T, D): x head-major, seen token-major
@@ -599,6 +589,8 @@ def _ce(logits, targets, xp, scale, losses, grad, out, threads):
     if logits.ndim != 2 or tuple(targets.shape) != (logits.shape[0],):
         raise ValueError(f"cross-entropy: logits (N, V) and targets (N,), got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross-entropy: targets are token ids (integers), not {targets.dtype}")
     tpb = _threads(threads)
     N = logits.shape[0]
     lse = xp.empty(N, F32)
