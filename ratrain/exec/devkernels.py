@@ -143,8 +143,8 @@ def _launch(kernel, blocks: int, threads: int, xp, *args) -> None:
         return
     stream = _stream(xp.cuda.get_current_stream().ptr)
     # ordered on the same stream as the arrays' producers: no host sync (sync=False)
-    args = [cuda.from_cuda_array_interface(a.__cuda_array_interface__, owner=a, sync=False)
-            if hasattr(a, "__cuda_array_interface__") else a for a in args]
+    args = [cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
+            for a in args]
     kernel[blocks, threads, stream](*args)
 
 
