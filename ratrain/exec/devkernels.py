@@ -35,8 +35,9 @@ multiply-adds may change the last bit, so the tests compare with tolerances, not
 Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
 reference's fp32 copy holds).
 
-Block size: `threads` per block, a power of two (256 on a GPU, 32 under the simulator, which
-runs one Python thread per CUDA thread); each kernel set is compiled once per block size.
+Block size: `threads` per block, a power of two (on a GPU 256, 1024 for cross-entropy's long
+rows; 32 under the simulator, which runs one Python thread per CUDA thread); each kernel set is
+compiled once per block size.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ _SIM = None  # whether numba.cuda is the simulator (set by `load()`)
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 GPU_THREADS = 256  # threads per block on a GPU (8 warps)
+LONG_ROW_THREADS = 1024  # cross-entropy's rows of V logits on a GPU: fewer rows in flight, so a
+# row's second and third reads hit L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
 SIM_THREADS = 32  # under the simulator: one Python thread each
 MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
@@ -111,9 +114,9 @@ def _check(xp, *arrays) -> None:
                             "float64 runs on ratrain.exec.kernels (the reference)")
 
 
-def _threads(threads) -> int:
+def _threads(threads, gpu=GPU_THREADS) -> int:
     if threads is None:
-        return SIM_THREADS if simulated() else GPU_THREADS
+        return SIM_THREADS if simulated() else gpu
     if not (1 <= threads <= 1024 and threads & (threads - 1) == 0):
         raise ValueError(f"threads={threads}: a block is a power of two from 1 to 1024 threads")
     return threads
@@ -586,12 +589,12 @@ def rope_backward(dy, cache, xp, out=None, threads=None):
 
 def _ce(logits, targets, xp, scale, losses, grad, out, threads):
     _check(xp, logits)
+    tpb = _threads(threads, LONG_ROW_THREADS)
     if logits.ndim != 2 or tuple(targets.shape) != (logits.shape[0],):
         raise ValueError(f"cross-entropy: logits (N, V) and targets (N,), got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
     if targets.dtype.kind not in "iu":
         raise TypeError(f"cross-entropy: targets are token ids (integers), not {targets.dtype}")
-    tpb = _threads(threads)
     N = logits.shape[0]
     lse = xp.empty(N, F32)
     loss = xp.empty(N, F32) if losses else None
