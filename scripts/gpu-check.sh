@@ -29,11 +29,13 @@ cd "$(dirname "$0")/.."
 out=${OUT:-.}
 report="$out/gpu-check.txt"
 export RATRAIN_RECORDS="$out/records" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NUMBA_ENABLE_CUDASIM=0 PYTHONHASHSEED=0 RATRAIN_TEST_TORCH=1
+export PYTHONHASHSEED=0 RATRAIN_TEST_TORCH=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 py=${PYTHON:-python3}
 mpirun=${MPIRUN:-mpirun}
 dev=${RATRAIN_CHECK_DEVICE:-gpu}
+# numba-cuda's kernels (ratrain.exec.devkernels) on the GPU; a CPU rehearsal runs its simulator
+export NUMBA_ENABLE_CUDASIM=$([ "$dev" = gpu ] && echo 0 || echo 1)
 smoke=()
 parity_steps=100
 if [ "$dev" != gpu ]; then smoke=(--device "$dev" --smoke); parity_steps=5; fi

@@ -2,7 +2,7 @@
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1, tests/conftest.py's default: CI has no GPU) the
 kernels run on numpy arrays, one Python thread per CUDA thread, so the shapes are tiny, the
-blocks small (8-32 threads) and widths never a multiple of the block; on a GPU
+blocks small (16 threads) and widths straddling the block; on a GPU
 (NUMBA_ENABLE_CUDASIM=0) the same tests run on cupy. Tolerances (max |error| / max |reference|)
 hold on both: fp32 results within 1e-6 of the reference (fp16 inputs are computed in fp32, so
 the same), fp16 outputs within one fp16 ulp of the reference's value.
@@ -16,14 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ratrain.device import to_host
 from ratrain.exec import fused, kernels
 from ratrain.exec.optim import block_sq_norm
-from tests._prereq import missing, need
+from tests._prereq import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(19)
 F16 = np.float16
 RTOL = 1e-6  # fp32 results: a few ulps apart (tree sums against numpy's pairwise ones)
+TPB = 16  # threads per block in every test (one kernel set to compile): widths straddle it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,14 @@ def dk():
 
 @pytest.fixture(scope="module")
 def xp(dk):
-    return np if dk.simulated() else need("cupy", "the device kernels on a GPU")
+    if dk.simulated():
+        return np
+    from tests._devices import GPU  # opens the GPU: only when the simulator is off
+
+    if GPU is None:
+        missing("NUMBA_ENABLE_CUDASIM=0 and no working GPU: the device kernels run on a GPU, or "
+                "in numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1)")
+    return GPU.xp
 
 
 def rand(*shape, dtype=np.float32, scale=1.0):
@@ -47,7 +56,7 @@ def rand(*shape, dtype=np.float32, scale=1.0):
 
 
 def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
+    return to_host(a)
 
 
 def close(got, want, rtol=RTOL):
@@ -83,17 +92,17 @@ def reference(fn):
 def test_rmsnorm_forward_backward(dk, xp, dtype, monkeypatch):
     monkeypatch.setattr(dk, "ROW_GROUPS", 4)  # 6 rows on 4 blocks: dw partials of 1-2 rows
     x, w, dy = rand(2, 3, 45, dtype=dtype), rand(45, dtype=dtype), rand(2, 3, 45, dtype=dtype)
-    y, cache = dk.rmsnorm_forward(xp.asarray(x), xp.asarray(w), 1e-5, xp, threads=16)
+    y, cache = dk.rmsnorm_forward(xp.asarray(x), xp.asarray(w), 1e-5, xp, threads=TPB)
     ry, rcache = reference(lambda: kernels.rmsnorm_forward(x, w, 1e-5, np))
     assert y.dtype == ry.dtype == np.float32 and cache[1].shape == rcache[1].shape == (2, 3, 1)
     close(y, ry)
     close(cache[1], rcache[1])
-    dx, dw = dk.rmsnorm_backward(xp.asarray(dy), cache, xp, threads=16)
+    dx, dw = dk.rmsnorm_backward(xp.asarray(dy), cache, xp, threads=TPB)
     rdx, rdw = reference(lambda: kernels.rmsnorm_backward(dy, rcache, np))
     close(dx, rdx)
     close(dw, rdw)
     y16, _ = dk.rmsnorm_forward(xp.asarray(x), xp.asarray(w), 1e-5, xp,
-                                out=xp.empty(x.shape, F16), threads=16)
+                                out=xp.empty(x.shape, F16), threads=TPB)
     half_close(y16, ry)
 
 
@@ -108,13 +117,13 @@ def test_swiglu_on_strided_halves_and_a_grid_smaller_than_the_work(dk, xp, dtype
         ra, _ = reference(lambda: kernels.swiglu_forward(gu[:, :37], gu[:, 37:], np))
         rg, ru, ract = reference(lambda: kernels.swiglu_backward(
             dact, (gu[:, :37], gu[:, 37:]), np, with_act=True))
-    a, _ = dk.swiglu_forward(gate, up, xp, threads=16)
+    a, _ = dk.swiglu_forward(gate, up, xp, threads=TPB)
     close(a, ra)
-    dg, du, act = dk.swiglu_backward(xp.asarray(dact), (gate, up), xp, with_act=True, threads=16)
+    dg, du, act = dk.swiglu_backward(xp.asarray(dact), (gate, up), xp, with_act=True, threads=TPB)
     for got, want in ((dg, rg), (du, ru), (act, ract)):
         close(got, want)
     outs = (xp.empty((5, 37), F16), xp.empty((5, 2 * 37), np.float32)[:, 37:])  # fp16, a view
-    dk.swiglu_backward(xp.asarray(dact), (gate, up), xp, out=outs, threads=16)
+    dk.swiglu_backward(xp.asarray(dact), (gate, up), xp, out=outs, threads=TPB)
     half_close(outs[0], rg)
     close(outs[1], ru)
 
@@ -127,14 +136,14 @@ def test_rope_both_layouts_into_a_strided_output(dk, xp, dtype):
     # token-major x with (T, 1, D) tables, written head-major as the layers do
     out = xp.empty((B, H, T, D), np.float32)
     c3, s3 = xp.asarray(cos[:, None]), xp.asarray(sin[:, None])
-    dk.rope_forward(xp.asarray(x), c3, s3, xp, out=out.transpose(0, 2, 1, 3), threads=16)
+    dk.rope_forward(xp.asarray(x), c3, s3, xp, out=out.transpose(0, 2, 1, 3), threads=TPB)
     ry, _ = reference(lambda: kernels.rope_forward(x, cos[:, None], sin[:, None], np))
     same(dk, out.transpose(0, 2, 1, 3), ry)
-    dx = dk.rope_backward(xp.asarray(x), (c3, s3), xp, threads=16)
+    dx = dk.rope_backward(xp.asarray(x), (c3, s3), xp, threads=TPB)
     same(dk, dx, reference(lambda: kernels.rope_backward(x, (cos[:, None], sin[:, None]), np)))
     # head-major x with (T, D) tables
     xh = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-    y, _ = dk.rope_forward(xp.asarray(xh), xp.asarray(cos), xp.asarray(sin), xp, threads=16)
+    y, _ = dk.rope_forward(xp.asarray(xh), xp.asarray(cos), xp.asarray(sin), xp, threads=TPB)
     same(dk, y, reference(lambda: kernels.rope_forward(xh, cos, sin, np))[0])
 
 
@@ -142,70 +151,70 @@ def test_rope_both_layouts_into_a_strided_output(dk, xp, dtype):
 def test_cross_entropy_forward_backward_and_fused(dk, xp, dtype):
     N, V = 5, 37
     z, t = rand(N, V, dtype=dtype, scale=4.0), RNG.integers(0, V, N)
-    loss, cache = dk.cross_entropy_forward(xp.asarray(z), xp.asarray(t), xp, threads=16)
+    loss, cache = dk.cross_entropy_forward(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
     rloss, rcache = kernels.cross_entropy_forward(z, t, np)
     assert loss.shape == () and loss.dtype == np.float32
     close(loss, rloss)
     close(cache[2], rcache[2])  # lse
-    close(dk.logsumexp_rows(xp.asarray(z), xp, threads=16), kernels.logsumexp_rows(
+    close(dk.logsumexp_rows(xp.asarray(z), xp, threads=TPB), kernels.logsumexp_rows(
         z.astype(np.float32), np))
     rd = kernels.cross_entropy_backward(3.0, rcache, np)
-    close(dk.cross_entropy_backward(3.0, cache, xp, threads=16), rd)
+    close(dk.cross_entropy_backward(3.0, cache, xp, threads=TPB), rd)
     # one launch: losses, lse and the gradient, written over the logits themselves
     zz = xp.asarray(z.astype(np.float32))
-    losses, lse, d = dk.cross_entropy_fused(zz, xp.asarray(t), 3.0 / N, xp, out=zz, threads=16)
+    losses, lse, d = dk.cross_entropy_fused(zz, xp.asarray(t), 3.0 / N, xp, out=zz, threads=TPB)
     assert d is zz
     close(losses, rcache[2] - z.astype(np.float32)[np.arange(N), t])
     close(lse, rcache[2])
     close(d, rd)
     _, _, d16 = dk.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 3.0 / N, xp,
-                                       out=xp.empty((N, V), F16), threads=16)
+                                       out=xp.empty((N, V), F16), threads=TPB)
     half_close(d16, rd)
 
 
 def test_cross_entropy_target_out_of_range_is_a_nan_loss_not_a_stray_read(dk, xp):
     z, t = rand(3, 20), np.array([0, 20, -1])
-    losses, _, d = dk.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 1.0, xp, threads=8)
+    losses, _, d = dk.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 1.0, xp, threads=TPB)
     got = host(losses)
     assert np.isfinite(got[0]) and np.isnan(got[1:]).all()
     assert np.isfinite(host(d)).all()
 
 
 def test_softmax_forward_backward_is_the_reference_attentions(dk, xp):
-    B, H, KV, T, D = 1, 2, 1, 7, 4
+    B, H, KV, T, D = 1, 1, 1, 17, 4  # keys straddle the 16-thread block
     q, k, v, do = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D), rand(B, H, T, D)
     _, (qg, kg, vg, rp) = kernels.attention_forward(q, k, v, np)  # rp (B, KV, G, T, T)
     s = qg @ kg.swapaxes(-1, -2)  # raw scores
     scale = 1.0 / np.sqrt(D)
-    p, lse = dk.softmax_forward(xp.asarray(s), xp, scale=scale, with_lse=True, threads=8)
+    p, lse = dk.softmax_forward(xp.asarray(s), xp, scale=scale, with_lse=True, threads=TPB)
     close(p, rp)
     ss = np.where(np.triu(np.ones((T, T), bool), 1), -np.inf, s * np.float32(scale))
     close(lse, np.log(np.exp(ss - ss.max(-1, keepdims=True)).sum(-1)) + ss.max(-1))
     dq, dk_, _ = kernels.attention_backward(do, (qg, kg, vg, rp), np)
     dog = do.reshape(qg.shape)
     dp = dog @ vg.swapaxes(-1, -2)  # (B, KV, G, T, T)
-    ds = host(dk.softmax_backward(xp.asarray(dp), p, xp, scale=scale, threads=8))
+    ds = host(dk.softmax_backward(xp.asarray(dp), p, xp, scale=scale, threads=TPB))
     close((ds @ kg).reshape(dq.shape), dq)
     close((ds.swapaxes(-1, -2) @ qg).sum(axis=2), dk_)
     delta = (do * kernels.attention_forward(q, k, v, np)[0]).sum(-1).reshape(B, KV, -1, T)
     ds2 = dk.softmax_backward(xp.asarray(dp), p, xp, scale=scale, delta=xp.asarray(delta),
-                              out=xp.asarray(dp), threads=8)  # flash's rowsum(dO * O)
+                              out=xp.asarray(dp), threads=TPB)  # flash's rowsum(dO * O)
     close(ds2, ds)
 
 
 def test_softmax_of_a_tile_masks_by_global_positions(dk, xp):
-    T = 9
-    s = rand(T, T)
-    full = np.asarray(host(dk.softmax_forward(xp.asarray(s), xp, scale=0.5, threads=8)))
-    # the tile of queries 4..8 against keys 2..6: rows renormalised over the visible keys
-    tile, lse = dk.softmax_forward(xp.asarray(s[4:9, 2:7]), xp, scale=0.5, q0=4, k0=2,
-                                   with_lse=True, threads=8)
-    ref = full[4:9, 2:7] / full[4:9, 2:7].sum(-1, keepdims=True)
-    close(tile, ref)
-    assert host(tile)[0, 3:].max() == 0.0  # query 4 sees keys 2, 3, 4 only
-    # keys 6..8 against queries 0..2: nothing visible
-    p, lse = dk.softmax_forward(xp.asarray(s[0:3, 6:9]), xp, q0=0, k0=6, with_lse=True,
-                                threads=8)
+    s = rand(8, 17)  # scores of queries 10..17 against keys 1..17 (more keys than threads)
+    q, k = np.arange(10, 18)[:, None], np.arange(1, 18)[None, :]
+    z = np.where(k > q, -np.inf, s * np.float32(0.5))  # the reference's order: scale, mask
+    e = np.exp(z - z.max(-1, keepdims=True))
+    tile, lse = dk.softmax_forward(xp.asarray(s), xp, scale=0.5, q0=10, k0=1, with_lse=True,
+                                   threads=TPB)
+    close(tile, e / e.sum(-1, keepdims=True))
+    close(lse, np.log(e.sum(-1)) + z.max(-1))
+    assert host(tile)[0, 10:].max() == 0.0 and host(tile)[0, :10].min() > 0  # query 10: keys 1..10
+    # keys 15..17 against queries 0..2: nothing visible
+    p, lse = dk.softmax_forward(xp.asarray(s[:3, :3]), xp, q0=0, k0=15, with_lse=True,
+                                threads=TPB)
     assert (host(p) == 0).all() and (host(lse) == -np.inf).all()
 
 
@@ -218,7 +227,7 @@ def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
     want = [a.copy() for a in (p, m, v, g)]
     fused.adamw(*want, *args)  # numba or its plain Python loop: the same arithmetic
     got = [xp.asarray(a) for a in (p, m, v, g)]
-    dk.adamw(*got, *args, xp, threads=16)
+    dk.adamw(*got, *args, xp, threads=TPB)
     for a, b in zip(got[:3], want[:3]):
         same(dk, a, b)
     np.testing.assert_array_equal(host(got[3]), g)  # the gradient is left as it was
@@ -227,13 +236,13 @@ def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
 def test_sum_squares_in_fp64_two_stages(dk, xp, monkeypatch):
     monkeypatch.setattr(dk, "MAX_BLOCKS", 5)
     a = rand(1001, scale=30.0)
-    got = dk.sum_squares(xp.asarray(a), xp, threads=32)
+    got = dk.sum_squares(xp.asarray(a), xp, threads=TPB)
     assert got.shape == () and got.dtype == np.float64
     assert abs(float(got) - block_sq_norm(a)) <= 1e-13 * block_sq_norm(a)
     a[500] = np.inf
-    assert float(dk.sum_squares(xp.asarray(a), xp, threads=32)) == np.inf
+    assert float(dk.sum_squares(xp.asarray(a), xp, threads=TPB)) == np.inf
     a[7] = np.nan
-    assert np.isnan(float(dk.sum_squares(xp.asarray(a), xp, threads=32)))
+    assert np.isnan(float(dk.sum_squares(xp.asarray(a), xp, threads=TPB)))
     assert float(dk.sum_squares(xp.asarray(a[:0]), xp)) == 0.0
 
 
@@ -245,12 +254,12 @@ def test_casts_round_as_numpy_and_scale_before_rounding(dk, xp, monkeypatch):
     with np.errstate(over="ignore"):
         want16 = a.astype(F16)
         scaled = (a * np.float32(0.125)).astype(F16)
-    h = dk.cast(xp.asarray(a), F16, xp, threads=16)
+    h = dk.cast(xp.asarray(a), F16, xp, threads=TPB)
     np.testing.assert_array_equal(host(h).view(np.uint16), want16.view(np.uint16))
     np.testing.assert_array_equal(host(dk.cast(xp.asarray(a), F16, xp, scale=0.125,
-                                               threads=16)).view(np.uint16),
+                                               threads=TPB)).view(np.uint16),
                                   scaled.view(np.uint16))
-    back = dk.cast(h, np.float32, xp, threads=16)
+    back = dk.cast(h, np.float32, xp, threads=TPB)
     np.testing.assert_array_equal(host(back), want16.astype(np.float32))
     nan = dk.cast(xp.asarray(np.array([np.nan], np.float32)), F16, xp)
     assert np.isnan(host(nan)).all()
