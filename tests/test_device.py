@@ -13,7 +13,7 @@ import pytest
 
 from ratrain import api
 from ratrain.checkpoint import load_stage, save_checkpoint
-from ratrain.config import ConfigError, replace
+from ratrain.config import ConfigError, ModelConfig, replace
 from ratrain.data import write_tokens
 from ratrain.device import (
     Device,
@@ -26,12 +26,13 @@ from ratrain.device import (
     to_host,
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
-from ratrain.exec import layers
+from ratrain.exec import devkernels, layers
 from ratrain.exec.context import ExecContext
 from ratrain.lifecycle.rank import build_rank
 from ratrain.plan.check import run_plan
 from tests._devices import DEVICES, GPU, MODULES, host
 from tests._executor_util import global_batch, tiny_config
+from tests._prereq import need
 from tests.test_layers import M, make_params, zeros_like
 from tests.test_train import job, train  # noqa: F401  (job: a pytest fixture)
 
@@ -187,6 +188,40 @@ def test_layer_embed_and_head_agree_with_the_host(device, precision):
         assert a.dtype == b.dtype and a.shape == b.shape
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-30)
+
+
+SMALL = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=1, ffn_hidden=16,
+                    seq_len=4)
+
+
+def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch):
+    # what a GPU rank runs (exec.devkernels for RMSNorm, RoPE, SwiGLU, the head's logsumexp,
+    # AdamW and the gradient norm), here on the stand-in in numba-cuda's simulator: slow, so a
+    # model of one tiny layer, one fp32 step, against the host's numpy (the GPU check runs
+    # every device test with these kernels on the card)
+    need("numba.cuda")
+    if devkernels.simulated():
+        device = "standin"
+        monkeypatch.setenv("RATRAIN_DEVKERNELS", "sim")
+    else:  # the simulator off: a GPU (scripts/gpu-check.sh), where cupy ranks take them
+        assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
+        device = "gpu"
+    dxp = MODULES[device]
+    assert devkernels.usable(dxp, dxp.zeros(2, dxp.float32))
+    assert not devkernels.usable(np, np.zeros(2, np.float32))
+    cfg = tiny_config(model=SMALL, m=1, micro_batch=1)
+    (host_res, _), = _steps(cfg, "cpu", steps=1)[0]
+    launched = []
+    real = devkernels._launch
+    monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
+    dev_steps, dev_params = _steps(cfg, device, steps=1)
+    names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "adamw",
+            "sum_squares"} <= names, names
+    assert dev_steps[0][0].loss == pytest.approx(host_res.loss, rel=1e-6)
+    assert dev_steps[0][0].grad_norm == pytest.approx(host_res.grad_norm, rel=1e-5)
+    for name, w in _steps(cfg, "cpu", steps=1)[1].items():
+        np.testing.assert_allclose(dev_params[name], w, rtol=0, atol=1e-6, err_msg=name)
 
 
 def _steps(cfg, device, steps=3):

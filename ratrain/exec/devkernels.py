@@ -44,9 +44,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from types import SimpleNamespace
 
 import numpy as np
+
+from ratrain.device.standin import StandinArray
 
 # numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
 # `cuda` global of a kernel's module for its per-thread stand-in
@@ -87,6 +90,29 @@ def load():
     return numba_cuda
 
 
+@functools.cache
+def _available() -> bool:
+    try:
+        load()
+    except ImportError:
+        return False
+    return True
+
+
+def usable(xp, *arrays) -> bool:
+    """Whether `kernels` and `optim` take these kernels for `arrays` (None entries ignored):
+    float32 / float16 arrays of a device, that is cupy on a GPU (numba-cuda importable and not
+    turned off by RATRAIN_DEVKERNELS=0), or the stand-in (`device.standin`) under the simulator
+    when RATRAIN_DEVKERNELS=sim (how the CPU tests run the wiring: slow, tiny shapes only)."""
+    mode = os.environ.get("RATRAIN_DEVKERNELS", "1")
+    name = getattr(xp, "__name__", "")
+    if not ((name == "cupy" and mode != "0") or (name == "standin" and mode == "sim")):
+        return False
+    if not _available() or simulated() != (name == "standin"):
+        return False
+    return all(a is None or a.dtype in (F32, F16) for a in arrays)
+
+
 def simulated() -> bool:
     """Whether kernels run in numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1 when numba.cuda was
     first imported)."""
@@ -102,9 +128,9 @@ def simulated() -> bool:
 def _check(xp, *arrays) -> None:
     """One line on a wrong array module or dtype, before any launch."""
     sim = simulated()
-    if sim and xp is not np:
+    if sim and xp is not np and getattr(xp, "__name__", "") != "standin":
         raise TypeError("devkernels under the simulator (NUMBA_ENABLE_CUDASIM=1) take numpy "
-                        "arrays: pass xp=numpy")
+                        "or stand-in arrays: pass xp=numpy")
     if not sim and xp is np:
         raise TypeError("devkernels on a GPU take cupy arrays: pass xp=cupy (numpy arrays run "
                         "only under NUMBA_ENABLE_CUDASIM=1)")
@@ -140,7 +166,9 @@ def _launch(kernel, blocks: int, threads: int, xp, *args) -> None:
         )
 
         # its device arrays wrap numpy arrays in place (plain numpy arguments would be copied
-        # in and back, which loses writes through aliases and refuses strided views)
+        # in and back, which loses writes through aliases and refuses strided views); a
+        # stand-in array is the numpy array it holds
+        args = [a._a if type(a) is StandinArray else a for a in args]
         kernel[blocks, threads](*[FakeCUDAArray(a) if isinstance(a, np.ndarray) else a
                                   for a in args])
         return

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from ratrain.exec import fused
+from ratrain.exec import devkernels, fused
 from ratrain.exec.profile import add_flops, timed
 
 NEG_INF = -math.inf
@@ -119,6 +119,8 @@ def rmsnorm_forward(x, w, eps, xp, out=None):
     """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w)."""
     ct = compute_dtype(x, w)
     x = _as(x, ct)
+    if devkernels.usable(xp, x, w, out) and x.flags.c_contiguous:
+        return devkernels.rmsnorm_forward(x, w, eps, xp, out=out)
     if fused.usable(xp, x, w) and x.flags.c_contiguous:
         y = xp.empty(x.shape, ct) if out is None else out
         rstd = fused.rmsnorm_forward(x.reshape(-1, x.shape[-1]), w, eps,
@@ -140,6 +142,8 @@ def rmsnorm_backward(dy, cache, xp):
     x, rstd, w = cache
     ct = x.dtype
     dy = _as(dy, ct)
+    if devkernels.usable(xp, x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
+        return devkernels.rmsnorm_backward(dy, cache, xp)
     if fused.usable(xp, x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
         dx, dw = fused.rmsnorm_backward(dy.reshape(-1, x.shape[-1]), x.reshape(-1, x.shape[-1]),
                                         rstd, w)
@@ -178,6 +182,8 @@ def rope_forward(x, cos, sin, xp, out=None):
     x (..., D); cos, sin broadcastable to x ((T, D) for x (B, H, T, D), (T, 1, D) for
     x (B, T, H, D)). `out` may be a strided view (the layers write the head-major layout)."""
     ct = compute_dtype(x, cos)
+    if devkernels.usable(xp, x, cos, sin, out):
+        return devkernels.rope_forward(x, cos, sin, xp, out=out)
     if out is None:
         out = xp.empty(x.shape, ct)
     if x.ndim == 4 and cos.ndim == 3 and fused.usable(xp, x, cos, sin, out):
@@ -198,6 +204,8 @@ def rope_backward(dy, cache, xp, out=None):
     """dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = cat(z2, -z1)."""
     cos, sin = cache
     ct = compute_dtype(dy, cos)
+    if devkernels.usable(xp, dy, cos, sin, out):
+        return devkernels.rope_backward(dy, cache, xp, out=out)
     if out is None:
         out = xp.empty(dy.shape, ct)
     if dy.ndim == 4 and cos.ndim == 3 and fused.usable(xp, dy, cos, sin, out):
@@ -411,6 +419,8 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
 def swiglu_forward(gate, up, xp, out=None):
     """act = gate * sigmoid(gate) * up, in the compute type; cache (gate, up)."""
     ct = compute_dtype(gate, up)
+    if gate.ndim == 2 and devkernels.usable(xp, gate, up, out):
+        return devkernels.swiglu_forward(gate, up, xp, out=out)
     if gate.ndim == 2 and fused.usable(xp, gate, up):
         a = xp.empty(gate.shape, ct) if out is None else out
         return fused.swiglu_forward(gate, up, a), (gate, up)
@@ -430,6 +440,8 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False):
     gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act)."""
     gate, up = cache
     ct = compute_dtype(gate, up, dact)
+    if gate.ndim == 2 and devkernels.usable(xp, gate, up, dact, *(out or ())):
+        return devkernels.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
     if gate.ndim == 2 and fused.usable(xp, gate, up, dact):
         dgate, dup = out if out is not None else (xp.empty(gate.shape, ct), xp.empty(gate.shape, ct))
         act = xp.empty(gate.shape, ct) if with_act else None
@@ -493,6 +505,8 @@ def cross_entropy_forward(logits, targets, xp):
 @timed("head")
 def logsumexp_rows(z, xp):
     """log(sum(exp(z), -1)) of rows of z (N, V), with the max subtracted first."""
+    if devkernels.usable(xp, z) and z.flags.c_contiguous:
+        return devkernels.logsumexp_rows(z, xp)
     m = z.max(axis=-1, keepdims=True)  # (N, 1)
     e = z - m
     xp.exp(e, out=e)

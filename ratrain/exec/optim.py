@@ -38,7 +38,7 @@ import numpy as np
 
 from ratrain.config import OptimConfig
 from ratrain.device import module_of
-from ratrain.exec import fused
+from ratrain.exec import devkernels, fused
 from ratrain.exec.profile import timed
 
 NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
@@ -67,14 +67,15 @@ def block_sq_norm(grad_flat, xp=None):
     the host, a 0-d float64 array on a device (no host sync: the executor downloads a step's
     sums together).
 
-    Deterministic: the block is summed in fixed chunks in order (on cupy, one fused reduction
-    kernel, whose order is fixed by the size), so every rank holding the block computes the
-    same value. inf / nan in the gradient make the result non-finite.
+    Deterministic: the block is summed in fixed chunks in order (on a device with numba-cuda,
+    one fused reduction, `devkernels.sum_squares`, whose order is fixed by the size), so every
+    rank holding the block computes the same value. inf / nan in the gradient make the result
+    non-finite.
     """
     if xp is None:
         xp = module_of(grad_flat)
-    if hasattr(xp, "ReductionKernel"):  # pragma: no cover - cupy: one kernel, no chunks
-        return _cupy_sq_norm(xp)(grad_flat)
+    if devkernels.usable(xp, grad_flat):  # one fused reduction, fp64 (a GPU)
+        return devkernels.sum_squares(grad_flat, xp)
     total = xp.zeros((), xp.float64)  # stays on the device until the end
     n = grad_flat.shape[0]
     for i in range(0, n, NORM_CHUNK):
@@ -82,18 +83,6 @@ def block_sq_norm(grad_flat, xp=None):
         total += xp.sum(c * c)  # pairwise summation: deterministic, thread-count independent
     return float(total) if xp is np else total
 
-
-_SQ_NORM_KERNELS: dict = {}
-
-
-def _cupy_sq_norm(cupy):  # pragma: no cover - needs cupy
-    """cupy's fused sum of squares, fp32 in, float64 accumulation and result (made once)."""
-    k = _SQ_NORM_KERNELS.get("k")
-    if k is None:
-        k = _SQ_NORM_KERNELS["k"] = cupy.ReductionKernel(
-            "float32 x", "float64 y", "(double)x * (double)x", "a + b", "y = a", "0",
-            "ratrain_sq_norm")
-    return k
 
 
 def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0,
@@ -237,7 +226,7 @@ class AdamW:
         m = state.flat("m", block)  # (n,)
         v = state.flat("v", block)  # (n,)
         g = state.grad_segment(block)  # (n,)
-        if fused.usable(xp, p, m, v, g):
+        if fused.usable(xp, p, m, v, g) or devkernels.usable(xp, p, m, v, g):
             self._update_fused(state, block, p, m, v, g, step, lr, grad_scale)
             self._block_step[block] = step
             return
@@ -270,13 +259,15 @@ class AdamW:
         self._block_step[block] = step
 
     def _update_fused(self, state, block, p, m, v, g, step, lr, grad_scale) -> None:
-        """`update_block` in one pass per range (`fused.adamw`: the same arithmetic), the ranges
-        that decay and those that do not each with their factor, in two halves on two threads
-        for large blocks (elementwise: bitwise the same as one pass)."""
+        """`update_block` in one pass per range (`fused.adamw` on the host, `devkernels.adamw`
+        on a device: the same arithmetic), the ranges that decay and those that do not each
+        with their factor, on the host in two halves on two threads for large blocks
+        (elementwise: bitwise the same as one pass)."""
         b1, b2 = self.beta1, self.beta2
         keep = np.float32(1 - lr * self.cfg.weight_decay) if self.cfg.weight_decay else 1.0
         n = p.shape[0]
-        cuts = [0, n // 2, n] if n >= _PARALLEL_MIN else [0, n]
+        on_host = state.xp is np
+        cuts = [0, n // 2, n] if n >= _PARALLEL_MIN and on_host else [0, n]
         consts = (b1, b2, lr / (1 - b1**step), (1 - b2**step) ** 0.5, self.cfg.eps)
 
         decays = self.decay_ranges(state, block)
@@ -286,7 +277,11 @@ class AdamW:
             edges = sorted({lo, hi, *(x for r in decays for x in r if lo < x < hi)})
             for a, b in zip(edges[:-1], edges[1:]):
                 k = keep if any(s <= a and b <= e for s, e in decays) else 1.0
-                fused.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts)
+                if on_host:
+                    fused.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts)
+                else:
+                    devkernels.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts,
+                                     state.xp)
 
         parts = list(zip(cuts[:-1], cuts[1:]))
         if len(parts) == 1:
