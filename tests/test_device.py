@@ -199,6 +199,11 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch):
     if devkernels.simulated():
         device = "standin"
         monkeypatch.setenv("RATRAIN_DEVKERNELS", "sim")
+        # the simulator's cost is per block and per thread: one block per grid-stride kernel,
+        # blocks of 8 threads (the kernels are correct at any grid; tests/test_devkernels.py
+        # checks each at several)
+        monkeypatch.setattr(devkernels, "MAX_BLOCKS", 1)
+        monkeypatch.setattr(devkernels, "SIM_THREADS", 8)
     else:  # the simulator off: a GPU (scripts/gpu-check.sh), where cupy ranks take them
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         device = "gpu"

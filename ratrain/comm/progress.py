@@ -62,17 +62,6 @@ def local_ranks() -> int | None:
     return None
 
 
-def local_rank() -> int:
-    """This rank's index on its node, from the launcher's environment (Open MPI, Slurm,
-    MPICH / Hydra); 0 when no launcher says."""
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
-                "PMI_LOCAL_RANK"):
-        v = os.environ.get(var, "")
-        if v.isdigit():
-            return int(v)
-    return 0
-
-
 def cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -20,7 +20,7 @@ from ratrain.device.arrays import (
     to_device,
     to_host,
 )
-from ratrain.device.select import DEVICES, Device, DeviceError, open_device
+from ratrain.device.select import DEVICES, Device, DeviceError, local_rank, open_device
 
-__all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host", "module_of",
+__all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host", "local_rank", "module_of",
            "open_device", "scatter_add", "stacked_rows", "synchronize", "to_device", "to_host"]

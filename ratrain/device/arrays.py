@@ -175,9 +175,11 @@ class HostStaging:
 
     def upload(self, host: np.ndarray, a) -> None:
         """Copy host buffer `host` into device array `a`; the compute stream's later work
-        waits for the copy."""
+        waits for the copy. The copy has read `host` when this returns, so the buffer may go
+        back to the pool (and to MPI) at once."""
         if self._stream is not None:  # pragma: no cover - needs cupy
             a.set(host, stream=self._stream)
             self.xp.cuda.get_current_stream().wait_event(self._stream.record())
+            self._stream.synchronize()
             return
         a.set(host)

@@ -12,6 +12,7 @@ naming `run.device` and the fix, raised before any work.
 
 from __future__ import annotations
 
+import os
 import platform as _platform
 from dataclasses import dataclass
 
@@ -61,6 +62,17 @@ def cpu_model() -> str:
     except OSError:  # pragma: no cover - not Linux
         pass
     return _platform.processor() or _platform.machine()
+
+
+def local_rank() -> int:
+    """This process's index among its node's ranks, from the launcher's environment (Open MPI,
+    Slurm, MPICH / Hydra); 0 when no launcher says (one process)."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                "PMI_LOCAL_RANK"):
+        v = os.environ.get(var, "")
+        if v.isdigit():
+            return int(v)
+    return 0
 
 
 def open_device(kind: str, local_rank: int = 0) -> Device:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 
 from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
-from ratrain.device import Device, open_device
+from ratrain.device import Device, local_rank, open_device
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
@@ -150,7 +150,7 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     """This process's rank of `cfg` (see the module). `comm`: the world communicator (None or
     one rank for pp = dp = 1); `cap`: the ledger's DDR cap (default: the profile's, or on a
     GPU without one the card's memory; None: none); `watchdog_s`: the engine's watchdog;
-    `device`: where it computes (default: `run.device` opened here, card local rank 0)."""
+    `device`: where it computes (default: `run.device` opened here)."""
     p = cfg.parallel
     world = p.pp * p.dp
     if world > 1 and (comm is None or comm.Get_size() != world):
@@ -161,8 +161,8 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     # pure: before any buffer (this replica's micro-batches under `parallel.replica_shares`)
     plan = PipelinePlan.from_config(cfg, replica=my_replica, validate=validate)
     profile = rank_profile(cfg.platform, rank_id)  # its class's under `platform.classes`
-    if device is None:
-        device = open_device(cfg.run.device)
+    if device is None:  # a GPU: card local rank % visible, as the trainer's start-up picks
+        device = open_device(cfg.run.device, local_rank())
     xp = device.xp
     if cap is PROFILE_CAP:  # the platform's DDR cap, else the card's memory (None on the host)
         cap = profile.ddr_bytes or device.memory_bytes

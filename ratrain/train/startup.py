@@ -20,7 +20,7 @@ from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
 from ratrain.checkpoint.space import room_problem
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
-from ratrain.device import Device, open_device
+from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
 from ratrain.exec.context import sgemm_rate
 from ratrain.plan.check import available_memory, run_plan
@@ -99,8 +99,6 @@ def check_device_memory(cfg: Config, rank: int, device: Device | None) -> None:
 
 def rank_device(cfg: Config) -> Device:
     """This rank's device (`run.device`; a GPU: card local rank % visible), checked to work."""
-    from ratrain.comm.progress import local_rank  # loads MPI (loaded already under a launcher)
-
     return open_device(cfg.run.device, local_rank())
 
 
