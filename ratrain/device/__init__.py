@@ -14,7 +14,6 @@ from ratrain.device.arrays import (
     host_floats,
     is_host,
     module_of,
-    scatter_add,
     stacked_rows,
     synchronize,
     to_device,
@@ -23,4 +22,4 @@ from ratrain.device.arrays import (
 from ratrain.device.select import DEVICES, Device, DeviceError, local_rank, open_device
 
 __all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host", "local_rank", "module_of",
-           "open_device", "scatter_add", "stacked_rows", "synchronize", "to_device", "to_host"]
+           "open_device", "stacked_rows", "synchronize", "to_device", "to_host"]

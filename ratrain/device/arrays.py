@@ -10,7 +10,6 @@ which module it holds:
     host_floats(xp, vs)   Python floats of device scalars, all in one download
     module_of(a)          the array module owning `a`
     synchronize(xp)       wait for the device's queued work (nothing on the host)
-    scatter_add(xp, t, i, v)   t[i] += v with repeated indices summed (np.add.at / cupyx)
     stacked_rows(arrays)  arrays that lie back to back as one 2-D view (no copy), or None
     HostStaging(xp)       pinned host buffers and a copy stream: the path of device arrays to
                           MPI (no CUDA-aware MPI is assumed)
@@ -105,17 +104,6 @@ def synchronize(xp) -> None:
     """Wait until the device has done what was queued on it (the host: nothing to wait for)."""
     if getattr(xp, "__name__", "") == "cupy":  # pragma: no cover - needs cupy
         xp.cuda.get_current_stream().synchronize()
-
-
-def scatter_add(xp, target, index, values) -> None:
-    """target[index] += values, with the contributions of a repeated index all added (numpy's
-    `add.at`; cupy's atomic `cupyx.scatter_add`)."""
-    if getattr(xp, "__name__", "") == "cupy":  # pragma: no cover - needs cupy
-        import cupyx  # the cupy module is in use, so cupyx is there too
-
-        cupyx.scatter_add(target, index, values)
-    else:
-        xp.add.at(target, index, values)
 
 
 class HostStaging:
