@@ -21,5 +21,6 @@ from ratrain.device.arrays import (
 )
 from ratrain.device.select import DEVICES, Device, DeviceError, local_rank, open_device
 
-__all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host", "local_rank", "module_of",
-           "open_device", "stacked_rows", "synchronize", "to_device", "to_host"]
+__all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host",
+           "local_rank", "module_of", "open_device", "stacked_rows", "synchronize", "to_device",
+           "to_host"]

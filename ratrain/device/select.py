@@ -36,10 +36,6 @@ class Device:
     memory_bytes: int | None = None  # the card's memory (gpu)
     visible: int = 1  # cards this process sees (gpu)
 
-    @property
-    def on_host(self) -> bool:
-        return self.xp is np
-
     def sharing(self, local_ranks: int) -> int:
         """Ranks of a node of `local_ranks` that compute on this card (local rank % visible)."""
         if self.index is None:

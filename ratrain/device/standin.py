@@ -134,7 +134,11 @@ def _sync(conv):
 
 
 # the ndarray methods cupy has (others, like tofile or tobytes, are missing there too)
-_METHODS = frozenset(["all", "any", "argmax", "argmin", "argsort", "astype", "clip", "conj", "copy", "cumsum", "dot", "fill", "flatten", "max", "mean", "min", "nonzero", "prod", "ravel", "repeat", "reshape", "round", "squeeze", "std", "sum", "swapaxes", "take", "transpose", "var", "view"])
+_METHODS = frozenset([
+    "all", "any", "argmax", "argmin", "argsort", "astype", "clip", "conj", "copy", "cumsum",
+    "dot", "fill", "flatten", "max", "mean", "min", "nonzero", "prod", "ravel", "repeat",
+    "reshape", "round", "squeeze", "std", "sum", "swapaxes", "take", "transpose", "var", "view",
+])
 
 
 class StandinArray:

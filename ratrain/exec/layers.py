@@ -216,7 +216,8 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
     _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
         q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
-    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp, half=ctx.device_half).reshape(b, T, C)  # (b, T, C)
+    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp,
+               half=ctx.device_half).reshape(b, T, C)  # (b, T, C)
     h += x32
     del x32
     xn2, (_, rstd2, _) = kernels.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
@@ -314,7 +315,8 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
     xn1 *= _c(ct, p["attn_norm"])
-    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp, half=ctx.device_half)  # (HD + 2 KVD, C)
+    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp,
+                           half=ctx.device_half)  # (HD + 2 KVD, C)
     del xn1
     dxn1 = matmul(dqkv, w["wqkv"], xp=xp, half=ctx.device_half)  # (N, C)
     del dqkv

@@ -84,7 +84,6 @@ def block_sq_norm(grad_flat, xp=None):
     return float(total) if xp is np else total
 
 
-
 def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0,
                      segments: int = 1) -> float:
     """The global gradient norm from sums of squares (`block_sq_norm`). `partials` are per

@@ -7,7 +7,8 @@ rank reading only its own tensors (`read`); writing safetensors, config.json, th
 config and the tokenizer files, every file through the atomic-write protocol (`write`).
 
 May import: `ratrain.config`, `ratrain.exec.spec` (the model's parameter names and shapes, a
-pure description), `ratrain.fileio`, `ratrain.device` (device arrays to the host) and numpy. Never comm, lifecycle or the commands: it reads
+pure description), `ratrain.fileio`, `ratrain.device` (device arrays to the host) and numpy.
+Never comm, lifecycle or the commands: it reads
 and writes files and knows no rank.
 """
 

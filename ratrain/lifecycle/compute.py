@@ -51,8 +51,8 @@ class StageCompute:
 
     def forward(self, mb, x, inputs, targets, keep_caches=True, pre=(), post=(), hook=None):
         """Run the blocks forward on micro-batch `mb` (`x`: the stage input, None on the first
-        stage, which embeds `inputs[mb]`); returns (output, loss or None: a 0-d array). `keep_caches=False`
-        (eval) keeps nothing and recomputes nothing."""
+        stage, which embeds `inputs[mb]`); returns (output, loss or None: a 0-d array).
+        `keep_caches=False` (eval) keeps nothing and recomputes nothing."""
         loss = None
         for b in self.blocks:
             if hook:

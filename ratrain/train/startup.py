@@ -81,20 +81,21 @@ def check_memory(cfg: Config, rank: int, device: Device | None = None) -> None:
     on a GPU, also against the card's memory, shared by the node's ranks on that card."""
     from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
 
+    plan = run_plan(cfg, rank)
     on_host = device is None or device.memory_bytes is None
-    run_plan(cfg, rank).check(rank, tolerance=0.9,
-                              available=available_memory() if on_host else None,
-                              local_ranks=local_ranks() or 1)
-    check_device_memory(cfg, rank, device)
+    plan.check(rank, tolerance=0.9, available=available_memory() if on_host else None,
+               local_ranks=local_ranks() or 1)
+    check_device_memory(cfg, rank, device, plan)
 
 
-def check_device_memory(cfg: Config, rank: int, device: Device | None) -> None:
+def check_device_memory(cfg: Config, rank: int, device: Device | None, plan=None) -> None:
     """On a GPU, this rank's stage against the card's memory, shared by the node's ranks on
-    that card (`RunPlan.check_device`); nothing on the host."""
+    that card (`RunPlan.check_device`; `plan`: `run_plan(cfg, rank)` when made already);
+    nothing on the host."""
     from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
 
     if device is not None and device.memory_bytes is not None:
-        run_plan(cfg, rank).check_device(rank, device, local_ranks() or 1)
+        (plan or run_plan(cfg, rank)).check_device(rank, device, local_ranks() or 1)
 
 
 def rank_device(cfg: Config) -> Device:
@@ -174,5 +175,5 @@ def _no_room(root: str, cfg: Config) -> None:
         raise OSError(problem)
 
 
-__all__ = ["Setup", "StartupError", "agree", "check_device_memory", "check_memory", "finished_message",
-           "rank_classes", "rank_device", "resolve_config", "startup"]
+__all__ = ["Setup", "StartupError", "agree", "check_device_memory", "check_memory",
+           "finished_message", "rank_classes", "rank_device", "resolve_config", "startup"]
