@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -121,12 +120,11 @@ def torch_worker(threads: int) -> int:
 def torch_remote(threads: int, malloc: str):
     """A step function that runs one PyTorch eager step in a child process (its own
     allocator: `malloc` = `default` or `tuned`) and returns the child's own step time."""
-    env = dict(os.environ, RATRAIN_MALLOC=malloc)
     code = ("import sys; from ratrain.bench import torch_worker; "
             + ("from ratrain.shim import allocator; allocator.tune(); " if malloc == "tuned" else "")
             + f"sys.exit(torch_worker({threads}))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, text=True)
     first = proc.stdout.readline().strip()
     if first != "ready":
         proc.kill()

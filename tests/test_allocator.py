@@ -1,7 +1,6 @@
 """The host allocator settings (ratrain.shim.allocator)."""
 
 import ctypes.util
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ PROBE = """
 import resource, sys
 import numpy as np
 from ratrain.shim import allocator
-ok = allocator.tune()
+ok = allocator.tune(sys.argv[1])
 try:  # 4 KiB pages, so that every page touched anew counts
     np._core.multiarray._set_madvise_hugepage(False)
 except AttributeError:
@@ -31,26 +30,22 @@ print(ok, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
 
-def probe(env_value):
-    env = dict(os.environ)
-    env.pop("RATRAIN_MALLOC", None)
-    if env_value is not None:
-        env["RATRAIN_MALLOC"] = env_value
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+def probe(mode):
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
                          check=True).stdout.split()
     return out[0] == "True", int(out[1])
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
 def test_tuned_allocator_keeps_freed_memory():
-    ok, faults = probe(None)
+    ok, faults = probe("tuned")
     assert ok
     # 10 x 48 MiB = 122,880 pages would fault if each array were a fresh mmap
     assert faults < 5000, faults
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
-def test_default_allocator_left_alone_on_request():
+def test_default_allocator_left_alone_on_request():  # run.malloc: default
     ok, faults = probe("default")
     assert not ok
     assert faults > 100_000, faults  # what the settings avoid: every array faults anew

@@ -110,3 +110,36 @@ def test_num_params_matches_block_spec():
     for tie in (False, True):
         cfg = load_config(None, [f"model.tie_embeddings={str(tie).lower()}", "model.kv_heads=2"])
         assert cfg.model.num_params() == sum(b.size for b in model_blocks(cfg.model))
+
+
+def test_switch_variables_override_the_file_and_set_overrides_both(monkeypatch):
+    from ratrain.config.switches import SWITCHES
+
+    for s in SWITCHES:
+        monkeypatch.delenv(s.env, raising=False)
+    assert load_config("jobs/tiny.yaml").run.fused == "auto"
+    monkeypatch.setenv("RATRAIN_FUSED", "0")
+    monkeypatch.setenv("RATRAIN_BOARD", "1")
+    cfg = load_config("jobs/tiny.yaml")
+    assert (cfg.run.fused, cfg.comm.board) == ("off", True)
+    assert "fused: 'off'" in cfg.to_yaml()  # recorded in the run's config.yaml
+    assert load_config("jobs/tiny.yaml", ["run.fused=auto"]).run.fused == "auto"
+    monkeypatch.setenv("RATRAIN_DEVKERNELS", "sometimes")
+    with pytest.raises(ConfigError, match=r"^RATRAIN_DEVKERNELS='sometimes' is not one of .*"
+                                          r"overrides run.devkernels"):
+        load_config("jobs/tiny.yaml")
+
+
+def test_yaml_on_off_are_the_words():
+    cfg = load_config(None, ["run.fused=off", "run.devkernels=on"])  # YAML: False, True
+    assert (cfg.run.fused, cfg.run.devkernels) == ("off", "on")
+    with pytest.raises(ConfigError, match=r"run.fused='fast' is not one of: auto, on, off"):
+        load_config(None, ["run.fused=fast"])
+
+
+def test_readme_lists_every_switch():
+    from pathlib import Path
+
+    from ratrain.config.switches import table
+
+    assert table() in (Path(__file__).parents[1] / "README.md").read_text()

@@ -23,8 +23,10 @@ from typing import Any
 import yaml
 
 from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
-from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig, PlatformConfig
+from ratrain.config.platform import PlatformConfig
+from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
 from ratrain.config.sections import RunConfig, ScheduleConfig, _choice, global_batch
+from ratrain.config.switches import SWITCHES, env_overrides
 from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
 
@@ -121,7 +123,8 @@ def job_path(path: str | os.PathLike) -> str:
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (), *,
                 allow_empty: bool = True) -> Config:
     """Read `path` (YAML, or the name of a shipped job), apply `section.key=value` overrides,
-    validate; raise ConfigError. `allow_empty=False` (the commands) refuses a file with no keys
+    validate; raise ConfigError. The switches' variables (`switches`: RATRAIN_FUSED, ...) override
+    the file and the overrides override both. `allow_empty=False` (the commands) refuses a file with no keys
     (an empty job would train a default model without a word)."""
     path = job_path(path) if path is not None else None
     source = str(path) if path is not None else "<defaults>"
@@ -141,6 +144,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
     data = deepcopy(data)
+    for ov in env_overrides():  # the switches' variables override the file, --set both
+        _apply_override(data, ov)
     for ov in overrides:
         _apply_override(data, ov)
     return config_from_dict(data, source)
@@ -232,7 +237,7 @@ def _apply_override(data: dict, ov: str) -> None:
 __all__ = [
     "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "InitConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
-    "ScheduleConfig", "StrictLoader", "config_from_dict", "global_batch", "job_path", "load_config",
+    "SWITCHES", "ScheduleConfig", "StrictLoader", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",
     "shipped_jobs", "with_overrides",
 ]

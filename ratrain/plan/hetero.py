@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ratrain.comm.topology import coords
-from ratrain.config.sections import RankClass
+from ratrain.config.platform import RankClass
 from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.spec import block_flops_per_token, block_params, stage_layers
 from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy

@@ -16,15 +16,14 @@ heap grows in `TOP_PAD` steps (`M_TOP_PAD`). The resident set then stays at the 
 instead of falling back between steps; the peak itself does not change (measured: VmHWM
 845 vs 849 MiB on that benchmark), and the DDR ledger still accounts and caps every buffer.
 
-It is glibc-only (a no-op elsewhere: other allocators, macOS) and process-wide; set
-`RATRAIN_MALLOC=default` to leave the allocator alone.
+It is glibc-only (a no-op elsewhere: other allocators, macOS) and process-wide; `run.malloc:
+default` (or RATRAIN_MALLOC=default) leaves the allocator alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc <malloc.h>
 MMAP_THRESHOLD = 1 << 30  # blocks above 1 GiB (whole flat buffers of a large stage) still mmap
@@ -45,14 +44,14 @@ def _libc():
         return None
 
 
-def tune() -> bool:
-    """Apply the settings above once per process (later calls return the first answer).
-    Returns True when glibc accepted all three, False when skipped (not glibc, or
-    `RATRAIN_MALLOC=default`)."""
+def tune(mode: str = "tuned") -> bool:
+    """Apply the settings above once per process (later calls return the first answer) unless
+    `mode` (`run.malloc`) is `default`. Returns True when glibc accepted all three, False when
+    skipped (not glibc, or `default`)."""
     if _state["tuned"] is not None:
         return _state["tuned"]
     ok = False
-    if os.environ.get("RATRAIN_MALLOC", "tuned") != "default":
+    if mode != "default":
         libc = _libc()
         if libc is not None:
             libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

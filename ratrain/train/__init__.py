@@ -35,7 +35,6 @@ from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
 from ratrain.plan.check import run_plan
 from ratrain.job.runctl import EXIT_OK, EXIT_USAGE
-from ratrain.shim import allocator
 from ratrain.train.startup import (
     Setup,
     StartupError,
@@ -150,7 +149,6 @@ def _command(argv) -> int:
 
     from ratrain.job.control import Control  # loads MPI, after the backstop is armed
 
-    allocator.tune()  # freed DDR stays in the process, as on the cluster (see its docstring)
     comm = MPI.COMM_WORLD
     ctl = Control.for_job(comm, timeout)
     if backstop:

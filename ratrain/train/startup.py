@@ -25,6 +25,7 @@ from ratrain.hf import check_hf, import_model_section
 from ratrain.exec.context import sgemm_rate
 from ratrain.plan.check import available_memory, run_plan
 from ratrain.plan.hetero import resolve, with_measured_rates
+from ratrain.shim import allocator
 from ratrain.shim.platform import class_map, node_name
 from ratrain.job.runctl import check_writable, lock_dirs
 
@@ -141,6 +142,7 @@ def measured_rate(cfg: Config) -> float:
 
 def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
+    allocator.tune(cfg.run.malloc)  # freed DDR stays in the process, as on the cluster
     agree(comm, cfg.check_world, comm.Get_size())
     device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
     cfg, classes = rank_classes(cfg, comm)
