@@ -19,6 +19,7 @@ from ratrain.comm.engine import CommEngine
 from ratrain.comm.topology import Topology
 from ratrain.comm.wire import recv_op, send_op
 from ratrain.config import CommConfig, ConfigError, load_config
+from ratrain.plan.__main__ import main as plan_main
 from ratrain.plan.cost import CostModel, Rates
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Link
@@ -164,6 +165,8 @@ def test_an_unknown_algorithm_is_refused_at_start_up(tmp_path_factory, capsys):
     assert ("comm.allreduce='butterfly' is not one of: auto, ring, tree, hier (registered in "
             "ratrain.comm.algos)") in err
     assert not os.path.exists(f"{job}/bad")
+    assert plan_main(["--config", "jobs/tiny.yaml", "--set", "comm.allreduce=butterfly"]) == 2
+    assert "comm.allreduce='butterfly' is not one of" in capsys.readouterr().err  # the planner
 
 
 # -- MPI -----------------------------------------------------------------------------------------

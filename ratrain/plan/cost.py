@@ -227,6 +227,7 @@ class CostModel:
     @classmethod
     def from_config(cls, cfg: Config, rates: Rates | None = None,
                     algo: str | None = None) -> CostModel:
+        algos.check_choice(algo or cfg.comm.allreduce)  # one the runtime could run
         return cls(
             cfg.model,
             rates or Rates.from_config(cfg),
