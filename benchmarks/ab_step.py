@@ -93,12 +93,13 @@ def main(argv=None) -> int:
     }
     print(json.dumps(out))
     if a.record:
-        from board_step import record  # the local record writer (beside this script)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from record import write_record  # the shared record writer, beside this script
 
         figures = {k: v for k, v in out.items() if not isinstance(v, list)}
         figures["ratio_min"], figures["ratio_max"] = out["ratio_range"]
         cmd = "python benchmarks/ab_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        print("record:", record(a.record, cmd, figures, load0[0]))
+        print("record:", write_record(a.record, cmd, figures, load_before=load0[0]))
     return 0
 
 

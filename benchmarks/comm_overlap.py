@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
+from ratrain.comm import algos
 from ratrain.comm.bench import parse_size
 from ratrain.comm.engine import CommEngine
 from ratrain.shim.link import Link
@@ -25,7 +26,7 @@ from ratrain.shim import allocator
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", default="64M")
-    ap.add_argument("--algo", default="ring")
+    ap.add_argument("--algo", default="ring", choices=algos.names("allreduce", runtime=True) + ("auto",))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gemm", type=int, default=256, help="GEMM size n (n x n @ n x n, float32)")
     ap.add_argument("--link", action="store_true")

@@ -19,9 +19,9 @@ for r in $(seq "$ROUNDS"); do
     case $part in
     ring)  # ring busbw at 64 MiB vs MPI_Allreduce, interleaved (4 ranks, no throttle)
       run $MPI -n 4 $PY $B --op allreduce --algo ring,mpi --sizes 64M --iters 10 --warmup 2 ;;
-    tree)  # tree latency at 8 B vs MPI_Allreduce (4 and 2 ranks)
-      run $MPI -n 4 $PY $B --op allreduce --algo tree,mpi --sizes 8 --iters 200 --warmup 20
-      run $MPI -n 2 $PY $B --op allreduce --algo tree,mpi --sizes 8 --iters 200 --warmup 20 ;;
+    tree)  # tree and auto (hier) latency at 8 B vs MPI_Allreduce (4 and 2 ranks)
+      run $MPI -n 4 $PY $B --op allreduce --algo tree,auto,mpi --sizes 8 --iters 200 --warmup 20
+      run $MPI -n 2 $PY $B --op allreduce --algo tree,auto,mpi --sizes 8 --iters 200 --warmup 20 ;;
     throttle)  # 1 GB/s, 20 us: 64 MiB ring all-reduce vs 2(p-1)(a + n/(pB)) (4 ranks)
       run $MPI -n 4 $PY $B --op allreduce --algo ring --sizes 64M --iters 5 --warmup 1 --link \
         --bandwidth 1e9 --latency 2e-5 ;;

@@ -49,10 +49,12 @@ for part in $PARTS; do
     "$PY" -c "import transformers" 2>/dev/null || "$PY" -m pip install -q transformers ||
       { echo "error: could not install transformers; parity needs it" >&2; failed+=(hf-parity); continue; }
     rec hf-parity -- "$PY" benchmarks/hf_parity.py --steps "$(s 3 100)" --out "$WORK/hfp" ;;
-  comm)  # ~1 min: tree at 8 B vs MPI_Allreduce (4 ranks, 5 launches); throttled 64 MiB ring
+  comm)  # ~1 min: tree and auto (hier) at 8 B vs MPI_Allreduce (4 ranks, 5 launches);
+    # throttled 64 MiB ring
     rec comm-tree-8B --rounds "$(s 1 5)" \
-      --ratio "tree_over_mpi=allreduce/tree/4/8.time_s:allreduce/mpi/4/8.time_s" -- \
-      "${MPI[@]}" -n 4 "$PY" -m ratrain.comm.bench --op allreduce --algo tree,mpi --sizes 8 \
+      --ratio "tree_over_mpi=allreduce/tree/4/8.time_s:allreduce/mpi/4/8.time_s" \
+      --ratio "auto_over_mpi=allreduce/auto/4/8.time_s:allreduce/mpi/4/8.time_s" -- \
+      "${MPI[@]}" -n 4 "$PY" -m ratrain.comm.bench --op allreduce --algo tree,auto,mpi --sizes 8 \
       --iters "$(s 20 200)" --warmup "$(s 2 20)"
     rec comm-ring-throttled --rounds "$(s 1 3)" \
       --ratio "time_over_model=allreduce/ring/4/$(s 1048576 67108864).time_s:allreduce/ring/4/$(s 1048576 67108864).model_s" -- \

@@ -1,8 +1,10 @@
-"""Small all-reduce latency back to back (issue 15): MPI_Allreduce against ratrain's tree, with
-the shared-memory board (`comm.board`), through the default `algo="auto"`, and with messages
-(the board off), interleaved in the same processes. `comm.bench` times each operation alone between barriers (its figure includes
-how unevenly the ranks leave the barrier); this loop times calls that follow each other, where
-every rank's own work per call counts.
+"""Small all-reduce latency back to back (issue 15): MPI_Allreduce against ratrain's tree (the
+blocking path: one Sendrecv per step) and against what the runtime runs for its small
+all-reduces (the step's facts over the world: `algo="auto"` on a communicator grouped by node,
+the hierarchical rank-order fold), interleaved in the same processes. `comm.bench` times each
+operation alone between barriers (its figure includes how unevenly the ranks leave the
+barrier); this loop times calls that follow each other, where every rank's own work per call
+counts.
 
     mpirun -n 4 --oversubscribe --mca mpi_yield_when_idle 1 python benchmarks/tree_latency.py
 """
@@ -13,8 +15,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ratrain.comm import board
 from ratrain.comm import collectives as C
+from ratrain.comm.topology import Topology
 
 
 def main() -> None:
@@ -25,7 +27,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.bytes < 4 or a.bytes % 4:
         raise SystemExit(f"--bytes {a.bytes}: give a positive multiple of 4 (float32 elements)")
-    comm = MPI.COMM_WORLD.Dup()
+    topo = Topology(MPI.COMM_WORLD, 1, MPI.COMM_WORLD.Get_size())  # the ranks' nodes
+    comm, group = topo.dp_comm, topo.dp_group
     x = np.zeros(a.bytes // 4, np.float32)
 
     def mpi():
@@ -34,14 +37,11 @@ def main() -> None:
     def tree():
         C.allreduce(x, comm, "tree")
 
-    def auto():  # the default algo: the model picks tree for small arrays
-        C.allreduce(x, comm)
+    def auto():  # the runtime's rule on a communicator grouped by node: hier
+        C.allreduce(x, comm, group=group)
 
-    def messages():
-        with board.disabled():
-            C.allreduce(x, comm, "tree")
-
-    runs = {"mpi": mpi, "tree (board)": tree, "auto (board)": auto, "tree (messages)": messages}
+    chosen = C.choose_algo(x.nbytes, comm.Get_size(), group=group)
+    runs = {"mpi": mpi, "tree": tree, f"auto ({chosen})": auto}
     times: dict = {k: [] for k in runs}
     for _ in range(a.rounds):
         for name, f in runs.items():
@@ -56,11 +56,11 @@ def main() -> None:
     worst = {k: max(comm.allgather(float(np.median(v)))) for k, v in times.items()}
     if comm.Get_rank() == 0:
         base = worst["mpi"]
-        on = "on" if board.board_of(comm) is not None else "off (no numba, or RATRAIN_FUSED=0)"
-        print(f"{comm.Get_size()} ranks, {a.bytes} B, board {on}; median per call, slowest rank:")
+        print(f"{comm.Get_size()} ranks ({topo.describe()}), {a.bytes} B; median per call, "
+              "slowest rank:")
         for k, v in worst.items():
             print(f"  {k:16s} {v * 1e6:7.2f} us  {v / base:5.2f}x MPI_Allreduce")
-    comm.Free()
+    topo.free()
 
 
 if __name__ == "__main__":

@@ -40,9 +40,8 @@ def need(module: str, why: str = ""):
 
 
 def need_fast(path):
-    """A fast path's tests (`path`: `exec.fused` or `comm.board`): skipped when it was turned
-    off on purpose (RATRAIN_FUSED=0, or RATRAIN_BOARD=0 for the board), `missing(...)` when
-    numba is not there."""
+    """A fast path's tests (`path`: `exec.fused`): skipped when it was turned off on purpose
+    (RATRAIN_FUSED=0), `missing(...)` when numba is not there."""
     if path.enabled():
         return
     if path.why_off().startswith("turned off by "):

@@ -44,7 +44,8 @@ def test_no_rank_does_untimed_work_while_another_is_timed():
 
 def test_bad_arguments_exit_before_work(capsys):
     for argv in (["--algo", "nccl"], ["--algo", "mpi", "--link"], ["--sizes", "x:y"], ["--iters", "0"],
-                 ["--op", "bcast", "--algo", "hier"], ["--model"], ["--ranks-per-node", "0"]):
+                 ["--op", "bcast", "--algo", "hier"], ["--model"], ["--ranks-per-node", "0"],
+                 ["--op", "reduce_scatter", "--algo", "tree"]):  # the tree is an all-reduce
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
@@ -57,7 +58,8 @@ def records(capsys):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", bench.OPS)
 def test_every_op_reports_and_checks(capsys, op):
-    argv = ["--op", op, "--algo", "ring,tree,mpi", "--sizes", "8,20000", "--iters", "2", "--warmup", "1"]
+    algo = {"allreduce": "ring,tree,mpi", "bcast": "tree,mpi"}.get(op, "ring,mpi")
+    argv = ["--op", op, "--algo", algo, "--sizes", "8,20000", "--iters", "2", "--warmup", "1"]
     if op == "stream":
         argv += ["--window", "4"]
     assert bench.main(argv) == 0

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ratrain.comm import collectives as C
-from ratrain.comm import model
+from ratrain.comm import algos
 from ratrain.comm.bench import pattern
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Link
@@ -74,15 +74,16 @@ def test_reference_ring_order_is_the_documented_fold():
 
 def test_model_and_auto_choice():
     a, bw = 20e-6, 1e9
-    assert model.seconds("allreduce", "ring", 64 << 20, 4, a, bw) == pytest.approx(
+    assert algos.seconds("ring", "allreduce", 64 << 20, 4, a, bw) == pytest.approx(
         6 * (a + (16 << 20) / bw))
-    assert model.seconds("allreduce", "tree", 8, 4, a, bw) == pytest.approx(2 * (a + 8 / bw))
-    assert model.seconds("allreduce", "tree", 8, 5, a, bw) == pytest.approx(4 * (a + 8 / bw))
-    assert model.seconds("reduce_scatter", "ring", 64 << 20, 4, a, bw) == pytest.approx(
+    assert algos.seconds("tree", "allreduce", 8, 4, a, bw) == pytest.approx(2 * (a + 8 / bw))
+    assert algos.seconds("tree", "allreduce", 8, 5, a, bw) == pytest.approx(4 * (a + 8 / bw))
+    assert algos.seconds("ring", "reduce_scatter", 64 << 20, 4, a, bw) == pytest.approx(
         3 * (a + (16 << 20) / bw))
     assert C.choose_algo(8, 8) == "tree"
     assert C.choose_algo(64 << 20, 8) == "ring"
-    assert model.cheapest(64 << 20, 2, a, bw) == "tree"  # p=2: same bytes, fewer steps
+    # p=2: same bytes, fewer steps
+    assert algos.choose("allreduce", 64 << 20, 2, grouped=False, latency=a, bandwidth=bw) == "tree"
     link = Link(1e9, 1e-3)  # very slow latency: tree up to larger sizes
     assert C.choose_algo(1 << 20, 8, link) == "tree"
 

@@ -15,8 +15,8 @@ import zlib
 import numpy as np
 import pytest
 
+from ratrain.comm import algos, model
 from ratrain.comm import collectives as C
-from ratrain.comm import model
 from ratrain.comm.engine import CommEngine
 from ratrain.comm.hier import NodeGroup
 from ratrain.comm.shm import SharedSlots
@@ -106,9 +106,10 @@ def test_nodes_under_srun_are_the_allocations():
 
 def test_hier_cost_model():
     n, a_n, a_i, b_i, b_n = 64 << 20, 5e-6, 1e-6, 1e10, 1.25e8
-    fixed, intra, nic = model.hier_terms("allreduce", n, 2, 4, a_i, b_i, a_n, b_n)
+    links = model.Links(a_i, b_i, a_n, b_n)
+    fixed, intra, nic = model.hier_terms("allreduce", n, 2, 4, links)
     assert intra == pytest.approx(2 * 3 / 4 * n) and nic == n
-    terms = lambda op, R, L: model.hier_terms(op, n, R, L, a_i, b_i, a_n, b_n)  # noqa: E731
+    terms = lambda op, R, L: model.hier_terms(op, n, R, L, links)  # noqa: E731
     assert terms("allreduce", 3, 4)[2] == pytest.approx(2 * n)  # interior node
     assert terms("allreduce", 1, 4)[2] == 0.0  # one node: no network
     assert terms("reduce_scatter", 8, 4)[2] == pytest.approx(n)
@@ -118,13 +119,14 @@ def test_hier_cost_model():
     # resource per round after the first (a pipeline); checked against the throttle here:
     # 2 nodes x 2 ranks, mt3000 at time_scale 2400, 192 KiB 0.090 s and 1 MiB 0.193 s measured
     ts, k = 2400, 128 << 10
-    t = [model.hier_seconds("allreduce", nb, 2, 2, 1e-6 * ts, 2.56e10 / ts, 5e-6 * ts,
-                            2.5e10 / ts, k) for nb in (192 << 10, 1 << 20)]
+    slow = model.Links(1e-6 * ts, 2.56e10 / ts, 5e-6 * ts, 2.5e10 / ts)
+    t = [model.alone(model.hier_terms("allreduce", nb, 2, 2, slow, k), slow)
+         for nb in (192 << 10, 1 << 20)]
     assert t[0] == pytest.approx(0.097, rel=0.02) and t[1] == pytest.approx(0.194, rel=0.02)
     # on 2 nodes of 4, a slow network: the interface's n bytes and one round more (the flat
     # ring's busiest link carries 2 (p-1)/p n = 1.75 n)
-    t = model.hier_seconds("allreduce", n, 2, 4, a_i, b_i, a_n, b_n)
-    ring = model.seconds("allreduce", "ring", n, 8, a_n, b_n)
+    t = model.alone(model.hier_terms("allreduce", n, 2, 4, links), links)
+    ring = algos.seconds("ring", "allreduce", n, 8, a_n, b_n)
     assert n / b_n < t < 1.05 * n / b_n and ring / t > 1.5
     assert model.hier_chunk_bytes(64 << 20, 4) == 4 << 20  # one node: big rounds
     assert model.hier_chunk_bytes(64 << 20, 4, nodes=2) == 256 << 10  # a short pipeline fill

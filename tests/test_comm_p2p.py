@@ -92,14 +92,17 @@ def test_forward_and_backward_chains(mode):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_log_messages_switch(capfd, monkeypatch):
-    monkeypatch.setattr(wire, "LOG_MESSAGES", True)
+def test_log_messages_switch(capfd):
     topo = Topology(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size(), 1)
     p2p = P2P(topo)
-    if not topo.is_first:
-        p2p.recv_forward((4,), np.float64)
-    p2p.send_forward(np.zeros(4))
-    topo.free()
+    wire.log_messages(True)
+    try:
+        if not topo.is_first:
+            p2p.recv_forward((4,), np.float64)
+        p2p.send_forward(np.zeros(4))
+    finally:
+        wire.log_messages(False)
+        topo.free()
     err = capfd.readouterr().err
     r = MPI.COMM_WORLD.Get_rank()
     if not topo.is_last:

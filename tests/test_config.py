@@ -119,9 +119,9 @@ def test_switch_variables_override_the_file_and_set_overrides_both(monkeypatch):
         monkeypatch.delenv(s.env, raising=False)
     assert load_config("jobs/tiny.yaml").run.fused == "auto"
     monkeypatch.setenv("RATRAIN_FUSED", "0")
-    monkeypatch.setenv("RATRAIN_BOARD", "1")
+    monkeypatch.setenv("RATRAIN_LOG_MESSAGES", "1")
     cfg = load_config("jobs/tiny.yaml")
-    assert (cfg.run.fused, cfg.comm.board) == ("off", True)
+    assert (cfg.run.fused, cfg.comm.log_messages) == ("off", True)
     assert "fused: 'off'" in cfg.to_yaml()  # recorded in the run's config.yaml
     assert load_config("jobs/tiny.yaml", ["run.fused=auto"]).run.fused == "auto"
     monkeypatch.setenv("RATRAIN_DEVKERNELS", "sometimes")

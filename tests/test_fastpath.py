@@ -19,8 +19,7 @@ RAISES = {
     "absent": 'raise ModuleNotFoundError("No module named \'numba\'", name="numba")',
     "broken": 'raise ImportError("Numba needs NumPy 2.3 or less. Got NumPy 2.9.")',
 }
-PROBE = ("from ratrain.exec import fused; from ratrain.comm import board; "
-         "print(fused.enabled(), board.enabled(), '|', fused.why_off())")
+PROBE = "from ratrain.exec import fused; print(fused.enabled(), '|', fused.why_off())"
 
 
 def _env(tmp_path, numba, **extra):
@@ -42,14 +41,14 @@ def _py(env, code=PROBE):
 def test_absent_numba_turns_the_fast_paths_off_with_the_reason(tmp_path, ci):
     p = _py(_env(tmp_path, "absent", CI=ci))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "False False | numba is not installed (the fast extra)"
+    assert p.stdout.strip() == "False | numba is not installed (the fast extra)"
     assert "Warning" not in p.stderr
 
 
 def test_broken_numba_outside_ci_is_off_with_a_loud_warning(tmp_path):
     p = _py(_env(tmp_path, "broken"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("False False | numba is installed but broken: ImportError: Numba")
+    assert p.stdout.startswith("False | numba is installed but broken: ImportError: Numba")
     assert "RuntimeWarning" in p.stderr and "NumPy 2.9" in p.stderr
 
 
@@ -62,17 +61,7 @@ def test_broken_numba_under_ci_is_an_error(tmp_path):
 def test_ratrain_fused_0_turns_an_importable_numba_off(tmp_path):
     need("numba")  # this case needs the real one
     p = _py(_env(tmp_path, None, RATRAIN_FUSED="0"))
-    assert p.stdout.strip() == "False False | turned off by RATRAIN_FUSED=0", p.stderr
-
-
-def test_the_board_is_off_by_default_and_ratrain_board_1_turns_it_on(tmp_path):
-    need("numba")  # the real one
-    env = {k: v for k, v in _env(tmp_path, None).items() if k != "RATRAIN_BOARD"}
-    code = "from ratrain.comm import board; print(board.enabled(), '|', board.why_off())"
-    assert _py(env, code).stdout.strip() == "False | off by default (RATRAIN_BOARD=1 turns it on)"
-    assert _py(dict(env, RATRAIN_BOARD="1"), code).stdout.strip() == "True |"
-    assert _py(dict(env, RATRAIN_BOARD="0"), code).stdout.strip() == \
-        "False | turned off by RATRAIN_BOARD=0"
+    assert p.stdout.strip() == "False | turned off by RATRAIN_FUSED=0", p.stderr
 
 
 @pytest.mark.parametrize("numba", ["absent", "broken"])

@@ -6,17 +6,20 @@ wire, chunked under the shim's link throttle (`wire`); the generator protocol of
 their drivers (`progress`); point-to-point verbs named by direction (`p2p`); ring and tree
 collectives written on point-to-point (`ring`, `tree`), hierarchical ones on shared-memory
 windows inside a node and point-to-point chains across nodes (`hier`, its windows in `shm`),
-the choice among them (`collectives`, buffers and reductions in `arrays`), MPI's own as the
-reference only (`mpiref`); what each algorithm costs, pure arithmetic shared with the planner
-(`model`); the engine thread that overlaps communication with compute, with its operation
-timeout (`engine`); the benchmark `python -m ratrain.comm.bench`. The job's abort, watchdog
-and control plane live in `ratrain.job`.
+MPI's own as the reference only (`mpiref`); the registry of these algorithms, each with its
+operations, its documented order and its cost terms, and the one rule that chooses among them,
+shared with the planner (`algos`); what each algorithm costs, pure arithmetic (`model`); the
+collective calls by algorithm name (`collectives`, buffers and reductions in `arrays`); the
+engine thread that overlaps communication with compute, with its operation timeout (`engine`);
+the benchmark `python -m ratrain.comm.bench`. The job's abort, watchdog and control plane live
+in `ratrain.job`.
 
-May import: `ratrain.shim` (the link model and throttle, the allocator), `ratrain.config` and
-`ratrain.fastpath` (the switch of the compiled board);
-mpi4py and numpy. Never exec, lifecycle, plan or the commands. Importing this package does not
-initialise MPI; the submodules that need it import mpi4py.MPI (which does); `model` and
-`topology` never do.
+May import: `ratrain.shim` (the link model and throttle, the allocator), `ratrain.config` (the
+`comm` section: the all-reduce algorithm, the message log); mpi4py and numpy. Never exec,
+lifecycle, plan or the commands. Importing this package does not initialise MPI; the
+submodules that need it import mpi4py.MPI (which does); `algos`, `model`, `arrays` and
+`topology` never do. No `RATRAIN_*` variable is read here (the config's `comm` section says
+how a rank communicates); only the launcher's own (a node's rank count, srun's node).
 
 Importing it sets `OMPI_MCA_osc=^ucx` unless the environment sets OMPI_MCA_osc: the shared-memory
 windows of `shm` need Open MPI's `sm` one-sided component, and the pip wheel's UCX component

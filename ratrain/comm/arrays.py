@@ -1,12 +1,12 @@
 """Buffers and reductions shared by the collectives: segments, work dtypes, reduction ops,
-scratch arrays accounted in the DDR ledger."""
+scratch arrays accounted in the DDR ledger. Loads no MPI (`algos` and the planner use it)."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import numpy as np
-from mpi4py import MPI
 
 _OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -16,11 +16,12 @@ def as_ufunc(op):
         if op not in _OPS:
             raise ValueError(f"op={op!r} is not one of {', '.join(_OPS)}")
         return _OPS[op]
-    for name, mpi_op in (("sum", MPI.SUM), ("max", MPI.MAX), ("min", MPI.MIN)):
-        if op == mpi_op:
-            return _OPS[name]
     if op in _OPS.values():
         return op
+    MPI = sys.modules.get("mpi4py.MPI")  # an MPI op comes from an MPI that is loaded already
+    for name in _OPS if MPI is not None else ():
+        if op == getattr(MPI, name.upper()):
+            return _OPS[name]
     raise ValueError(f"op={op!r}: use 'sum', 'max' or 'min'")
 
 
@@ -52,7 +53,6 @@ def scratch(ledger, tag: str, n: int, dtype):
     finally:
         if ledger is not None:
             ledger.free(arr)
-
 
 
 __all__ = ["as_ufunc", "flat", "scratch", "segments", "work_dtype"]

@@ -22,13 +22,21 @@ values of `--profile`) in two tiers: `--bandwidth` / `--latency` are a node's in
 its ranks), `--intra-bandwidth` / `--intra-latency` the path inside a node (default: free);
 `--engine` submits through the CommEngine thread.
 
+`--algo` names algorithms of the registry (`comm.algos`), or `auto`, the registry's rule: `hier`
+here, as the runtime's topology groups every communicator by node (`algos.choose`). An
+algorithm without the op (the tree has no reduce-scatter) is refused; `--op bcast` runs the
+binomial tree, or MPI's with `mpi`. `--log-messages` prints every message (the config's
+`comm.log_messages`; debug only).
+
 `--algo hier` is the hierarchical algorithm (`comm.hier`) over the nodes the ranks are on (MPI's
 shared-memory split and processor names; `--ranks-per-node K` cuts a host into nodes of K
 ranks; with `--link`, every rank is its own node unless `--ranks-per-node` says otherwise).
 `--shared` keeps the buffers in the node's shared memory (`NodeGroup.shared_array`), where
 the hierarchical all-reduce of a one-node group works in place (without it, what the runtime's
-gradients do: copied through the staging window). `--model` prints `model_s`, the two-tier model's time (`comm.model`), from the rates given, for
-a run that is not throttled (real nodes: scripts/cluster.sh); with `--link` it is always there.
+gradients do: copied through the staging window). `--model` prints `model_s`, the two-tier
+model's time (the algorithm's terms, `comm.model`) over the ranks' nodes, from the rates given,
+for a run that is not throttled (real nodes: scripts/cluster.sh); with `--link` it is always
+there.
 Every record names `nodes` x `ranks_per_node`.
 """
 
@@ -48,13 +56,14 @@ from ratrain.shim import allocator
 from ratrain.shim.link import Link, Tiers
 from ratrain.shim.platform import load_profile
 
+from . import algos
 from . import collectives as coll
 from . import model as cost
 from .engine import CommEngine
 from .progress import run, run_all
 from .shm import SharedSlots
 from .topology import NodeLinks, Topology, teardown
-from .wire import exchange_op, recv_op, send_op
+from .wire import exchange_op, log_messages, recv_op, send_op
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv", "pingpong", "stream")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -96,7 +105,7 @@ def _args(argv=None):
     ap.add_argument("--op", default="allreduce", choices=OPS,
                     help="collective or point-to-point test (default allreduce)")
     ap.add_argument("--algo", default="ring",
-                    help="ring|tree|hier|auto|mpi, or several: hier,ring,mpi")
+                    help=f"{'|'.join(algos.names())}|auto, or several: hier,ring,mpi")
     ap.add_argument("--sizes", default="8:256M", help="MIN:MAX (x --factor) or a list 8,64M")
     ap.add_argument("--factor", type=int, default=4,
                     help="size step between MIN and MAX of --sizes (default 4)")
@@ -129,17 +138,22 @@ def _args(argv=None):
                     help="keep the buffers in the node's shared memory (NodeGroup.shared_array): "
                     "hier then all-reduces one node's buffers in place; every algorithm uses them")
     ap.add_argument("--window", type=int, default=64, help="messages per window for --op stream")
+    ap.add_argument("--log-messages", action="store_true",
+                    help="print every message to stderr (debug only: slow; comm.log_messages)")
     a = ap.parse_args(argv)
     a.algos = a.algo.split(",")
     if a.op in ("sendrecv", "pingpong", "stream"):
         a.algos = ["p2p"]  # point to point: no algorithm to choose
     for algo in a.algos:
-        if algo not in coll.ALGOS + ("p2p",):
-            ap.error(f"--algo {algo!r} is not one of {', '.join(coll.ALGOS)}")
+        if algo not in algos.names() + ("auto", "p2p"):
+            ap.error(f"--algo {algo!r} is not one of {', '.join(algos.names())}, auto")
         if algo == "mpi" and (a.link or a.engine):
             ap.error("--algo mpi is MPI's own collective: it cannot run with --link or --engine")
-        if algo == "hier" and a.op not in ("allreduce", "reduce_scatter", "allgather"):
-            ap.error(f"--algo hier: there is no hierarchical {a.op}")
+        if a.op in cost.OPS and algo != "auto" and not algos.get(algo).has(a.op):
+            ap.error(f"--algo {algo}: it has no {a.op}; use one of "
+                     f"{', '.join(algos.names(a.op))}, auto")
+        if a.op == "bcast" and algo not in ("tree", "mpi"):
+            ap.error(f"--algo {algo}: the broadcast is the binomial tree (tree) or MPI's (mpi)")
     if a.ranks_per_node is not None and a.ranks_per_node < 1:
         ap.error("--ranks-per-node must be >= 1")
     if a.model and not (a.link or a.bandwidth):
@@ -237,12 +251,10 @@ class Runner:
                 coll.allreduce(self.buf, c, algo, link=link, group=g)
             self.result = self.buf
         elif op == "reduce_scatter":
-            algo = algo if algo in ("mpi", "hier") else "ring"
             self.result = coll.reduce_scatter(self.buf, c, algo=algo, link=link, group=g)
             b = coll.segments(self.n, p)
             self.expect_view = self.expect[b[r]:b[r + 1]]
         elif op == "allgather":
-            algo = algo if algo in ("mpi", "hier") else "ring"
             coll.allgather(self.buf, c, algo=algo, link=link, group=g)
             self.result = self.buf
         elif op == "bcast":
@@ -309,24 +321,27 @@ def _measure(runner, a, comm):
     return times, checks
 
 
-def _model_s(a, algo, nb, p, rt, group) -> float:
-    """What the link model says the op should take (emulated rates: the link's x time_scale).
-    `rt`: the tiers' rates; `group`: the NodeGroup (runs) for `hier`."""
+def _model_s(a, algo, nb, p, rt, group, link) -> float:
+    """What the link model says the op should take (emulated rates: the link's x time_scale):
+    a collective by its algorithm's terms (`auto` chosen as `collectives` chooses) over the
+    nodes of `group` (the NodeGroup: its runs and lanes). `rt`: the tiers' rates."""
     ts = a.time_scale if a.link else 1.0
     bw, lat = rt["bandwidth"] / ts, rt["latency"] * ts
-    if algo == "hier" and group is not None:
+    if a.op in cost.OPS:
+        name = algo if algo != "auto" else coll.choose_algo(nb, p, link, group, op=a.op)
+        links = cost.Links(rt["intra_latency"] * ts, rt["intra_bandwidth"] / ts, lat, bw)
         nodes, local = len(group.runs), group.lanes
-        wide = 2 if a.dtype == "float16" and a.op != "allgather" else 1  # partials in float32
-        return cost.hier_seconds(a.op, wide * nb, nodes, local, rt["intra_latency"] * ts,
-                                 rt["intra_bandwidth"] / ts, lat, bw,
-                                 group.staging.chunk_bytes)
-    if a.op == "allreduce":
-        chosen = algo if algo not in ("auto", "hier") else coll.choose_algo(nb, p)
-        model = cost.seconds("allreduce", chosen, nb, p, lat, bw)
-        if a.dtype == "float16":  # partial sums travel as float32
-            wide = cost.seconds("allreduce", chosen, 2 * nb, p, lat, bw)
-            model = (model + wide) / 2 if chosen == "ring" else wide
-        return model
+        chunk = group.staging.chunk_bytes if name == "hier" else None
+
+        def alone(nbytes):
+            terms = algos.get(name).terms(a.op, nbytes, nodes, local, links, chunk)
+            return cost.alone(terms, links)
+
+        if a.dtype != "float16" or a.op == "allgather":
+            return alone(nb)
+        if name == "ring" and a.op == "allreduce":  # partials in float32, the gather in float16
+            return (alone(nb) + alone(2 * nb)) / 2
+        return alone(2 * nb)  # partial sums travel as float32
     if a.op in ("pingpong", "sendrecv"):
         return lat + nb / bw
     if a.op == "stream":
@@ -350,9 +365,8 @@ def _record(a, algo, p, nb, t, errs, digests, link, topo) -> dict:
         rec["identical"] = len(set(digests)) == 1
     if link is not None or a.model:
         rt = rates(a)
-        if algo != "mpi" and (a.op in ("allreduce", "pingpong", "sendrecv", "stream")
-                              or algo == "hier"):
-            rec["model_s"] = _model_s(a, algo, nb, p, rt, topo.dp_group)
+        if algo != "mpi" and a.op != "bcast":
+            rec["model_s"] = _model_s(a, algo, nb, p, rt, topo.dp_group, link)
         rec["link"] = {**rt, "time_scale": a.time_scale if link is not None else 1.0,
                        "throttled": link is not None}
         if link is not None:
@@ -376,6 +390,7 @@ def main(argv=None) -> int:
         if r == 0:
             print(f"--op {a.op} needs at least 2 ranks", file=sys.stderr)
         return 2
+    log_messages(a.log_messages)
     topo, link, slots = open_topology(a, comm, max(a.size_list))
     engine = CommEngine(comm, watchdog_s=600, link=link) if a.engine else None
     runner = Runner(a, comm, link, engine, topo.dp_group)

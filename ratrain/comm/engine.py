@@ -3,13 +3,16 @@
 The main thread computes; it hands communication to the engine and gets a
 `concurrent.futures.Future` back:
 
-    engine = CommEngine(topo, watchdog_s=120, link=Link.from_profile(prof), ledger=ledger)
+    engine = CommEngine(topo, watchdog_s=120, link=Link.from_profile(prof), ledger=ledger,
+                        config=cfg.comm)                 # comm.allreduce, comm.log_messages
     fut = engine.allreduce(grad_flat, topo.dp_comm)      # runs while the main thread computes
     ...
     fut.result()                                         # re-raises any error from the engine
 
 Operations are the generators of `ratrain.comm.wire` / `collectives` (or any generator of the
-same kind, or a plain function). The engine thread drives all in-flight operations together
+same kind, or a plain function). A collective's `algo="auto"` is the registry's rule
+(`algos.choose`) with the config's `comm.allreduce`; `comm.log_messages` turns the message log
+on (`wire.log_messages`, for the process). The engine thread drives all in-flight operations together
 with a `progress.Scheduler`: it tests their MPI requests and timers without blocking, so a
 gradient all-reduce and the pipeline's messages progress at the same time and share the
 throttled link. When nothing is ready it sleeps in short, growing steps (`poll_s` up to
@@ -43,12 +46,13 @@ from concurrent.futures import Future
 
 from mpi4py import MPI
 
-from . import board
-from . import collectives as coll
+from ratrain.config import CommConfig
 from ratrain.shim.link import fine_sleep
 
+from . import algos
+from . import collectives as coll
 from .progress import SPIN_S, Deadline, Scheduler, Task, sleep_until
-from .wire import recv_op, send_op
+from .wire import log_messages, recv_op, send_op
 
 COLL_TAG_BASE = 20000
 COLL_TAG_SPAN = 8192
@@ -64,7 +68,8 @@ class EngineClosed(RuntimeError):
 
 class CommEngine:
     def __init__(self, comm_or_topology=None, watchdog_s: float | None = 300.0, *, link=None,
-                 ledger=None, poll_s: float = 2e-5, max_poll_s: float = 5e-4, name: str = "comm"):
+                 ledger=None, poll_s: float = 2e-5, max_poll_s: float = 5e-4, name: str = "comm",
+                 config: CommConfig | None = None):
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise RuntimeError(
                 "CommEngine needs MPI initialised with at least MPI_THREAD_SERIALIZED (mpi4py's "
@@ -75,7 +80,10 @@ class CommEngine:
         self.comm = obj.comm if self.topology is not None else obj
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.watchdog_s = watchdog_s
-        board.set_wait_limit(watchdog_s)  # blocking board rounds: the same bound
+        self.configured = config.allreduce if config else "auto"  # comm.allreduce
+        algos.check_choice(self.configured)
+        if config is not None:
+            log_messages(config.log_messages)
         self.link, self.ledger = link, ledger
         self.poll_s, self.max_poll_s = poll_s, max_poll_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -129,7 +137,7 @@ class CommEngine:
         comm = comm if comm is not None else self.comm
         nbytes, group = buf.nbytes, self._group(comm)
         if algo == "auto":
-            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link, group)
+            algo = coll.choose_algo(nbytes, comm.Get_size(), self.link, group, self.configured)
         tag = self._coll_tag(comm)
         return self.submit(coll.allreduce_op, buf, comm, algo, op, tag, self.link, self.ledger,
                            group, name=f"allreduce({algo}, {nbytes} B, {comm.Get_size()} ranks)")

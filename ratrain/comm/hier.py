@@ -18,7 +18,7 @@ whatever the grouping into nodes: lane c's partial of a chunk leaves run 0 as th
 run j-1 and passes it on, and the last run holds the result, which goes back (all-reduce:
 everything, back along the chain; reduce-scatter: each earlier run its members' segments,
 directly from the last run). So a run is bitwise the same however its ranks are packed into
-nodes, one node or one rank per node (`collectives.reference_allreduce(xs, "hier")` computes
+nodes, one node or one rank per node (`algos.reference(xs, "hier")` computes
 it in one process). float16 is reduced in float32 and rounded once, on the way out; the
 all-gather moves bytes only (prefixes forward along the chain, suffixes back).
 
@@ -525,4 +525,27 @@ def hier_allgather_op(buf, group, tag=0, link=None):
     return buf
 
 
-__all__ = ["DEPTH", "NodeGroup", "hier_allgather_op", "hier_reduce_op"]
+def _need(group, what: str):
+    if group is None:
+        raise ValueError(f"{what} with algo='hier' needs the communicator's NodeGroup (group=; "
+                         "Topology.group(comm) or hier.NodeGroup(comm, nodes))")
+    return group
+
+
+# the registry's signatures (`algos`): the group is the communicator's
+
+def allreduce_op(buf, comm, op="sum", tag=0, link=None, ledger=None, group=None):
+    return hier_reduce_op(buf, _need(group, "allreduce"), op, tag, link, ledger)
+
+
+def reduce_scatter_op(buf, comm, op="sum", tag=0, link=None, ledger=None, group=None):
+    return hier_reduce_op(buf, _need(group, "reduce_scatter"), op, tag, link, ledger,
+                          scatter=True)
+
+
+def allgather_op(buf, comm, tag=0, link=None, group=None):
+    return hier_allgather_op(buf, _need(group, "allgather"), tag, link)
+
+
+__all__ = ["DEPTH", "NodeGroup", "allgather_op", "allreduce_op", "hier_allgather_op",
+           "hier_reduce_op", "reduce_scatter_op"]

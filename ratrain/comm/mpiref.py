@@ -1,5 +1,6 @@
-"""MPI's own collectives, as operations of the same shape as ours: the reference of the tests
-and the benchmark (`algo="mpi"`) only; the runtime never uses them."""
+"""MPI's own collectives, as operations of the same shape as ours (`algos`' signatures): the
+reference of the tests and the benchmark (`algo="mpi"`) only; the runtime never uses them, and
+they cannot run through the link throttle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from .arrays import as_ufunc, flat, segments
 _MPI_OPS = {np.add: MPI.SUM, np.maximum: MPI.MAX, np.minimum: MPI.MIN}
 
 
-def mpi_allreduce_op(buf, comm, op="sum", **_):
+def _no_link(link) -> None:
+    if link is not None:
+        raise ValueError("algo='mpi' cannot run through the link throttle; use ring or tree")
+
+
+def mpi_allreduce_op(buf, comm, op="sum", tag=None, link=None, ledger=None, group=None):
+    _no_link(link)  # raised when the operation is driven
     x = flat(buf)
     w = x.astype(np.float32) if x.dtype == np.float16 else x
     comm.Allreduce(MPI.IN_PLACE, w, _MPI_OPS[as_ufunc(op)])
@@ -21,7 +28,8 @@ def mpi_allreduce_op(buf, comm, op="sum", **_):
     yield  # a generator, like the others
 
 
-def mpi_reduce_scatter_op(buf, comm, op="sum", **_):
+def mpi_reduce_scatter_op(buf, comm, op="sum", tag=None, link=None, ledger=None, group=None):
+    _no_link(link)  # raised when the operation is driven
     x = flat(buf)
     p, r = comm.Get_size(), comm.Get_rank()
     b = segments(x.size, p)
@@ -33,7 +41,8 @@ def mpi_reduce_scatter_op(buf, comm, op="sum", **_):
     yield
 
 
-def mpi_allgather_op(buf, comm, **_):
+def mpi_allgather_op(buf, comm, tag=None, link=None, group=None):
+    _no_link(link)  # raised when the operation is driven
     x = flat(buf)
     p = comm.Get_size()
     b = segments(x.size, p)
@@ -45,11 +54,10 @@ def mpi_allgather_op(buf, comm, **_):
     yield
 
 
-def mpi_bcast_op(buf, comm, root=0, **_):
+def mpi_bcast_op(buf, comm, root=0):
     comm.Bcast([flat(buf).view(np.uint8), MPI.BYTE], root)
     return buf
     yield
-
 
 
 __all__ = ["mpi_allgather_op", "mpi_allreduce_op", "mpi_bcast_op", "mpi_reduce_scatter_op"]

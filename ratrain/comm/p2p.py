@@ -11,7 +11,7 @@ Forward messages use tag 1, backward messages tag 2, on `topo.pp_comm`; MPI keep
 of one direction between two stages in order, so the i-th recv_forward gets the i-th
 send_forward. With an engine every verb goes through the engine thread (so it shares the
 throttled link with the collectives); blocking verbs wait on the future.
-`RATRAIN_LOG_MESSAGES=1` logs every message to stderr.
+`comm.log_messages` (`wire.log_messages`) logs every message to stderr.
 """
 
 from __future__ import annotations

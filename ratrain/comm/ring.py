@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from .arrays import as_ufunc, flat, scratch, segments, work_dtype
 from .progress import SPIN_S, Deadline
-from .wire import END_MARKER, LOG_MESSAGES, exchange_op
+from .wire import END_MARKER, LOG, exchange_op, log_message
 
 COLL_TAG = 30000  # tag of blocking collectives; the engine gives each op its own tag
 MARKER_POLL_S = 5e-5  # between its last chunk and the end marker, land chunks this often
@@ -87,6 +87,9 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps, t_posted):
             s, q = (r - j) % p, (r - j - 1) % p
             plan.append((x, s, x, q, None))
 
+    def verb(k):
+        return "ring.rs" if k < p - 1 else "ring.ag"
+
     def chunks_of(arr, seg):  # element ranges of a segment's message
         n, item = b[seg + 1] - b[seg], arr.itemsize
         return [(lo // item, hi // item) for lo, hi in link.chunks(n * item)] if n else []
@@ -121,6 +124,8 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps, t_posted):
             if k > 1 and done[k - 2] < total[k - 2]:
                 break
             arr, seg = plan[k][2], plan[k][3]
+            if LOG.on and lo == 0:  # a step's message, logged as the step-by-step ring does
+                log_message(f"{verb(k)}.recv", comm, prv, tag, total[k] * arr.itemsize)
             base = b[seg] if arr is x else 0  # all-gather lands in place; reduce-scatter in tmp
             view = arr[base + lo : base + hi]
             posted.append((comm.Irecv([view.view(np.uint8), MPI.BYTE], prv, tag), k, lo, hi))
@@ -162,6 +167,9 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps, t_posted):
                 if k != started:  # a message's first chunk pays the latency
                     end = link.reserve(nbytes, after=None, t0=t_ready)
                     started = k
+                    if LOG.on:
+                        log_message(f"{verb(k)}.send", comm, nxt, tag,
+                                    (b[seg + 1] - b[seg]) * arr.itemsize)
                 else:
                     end = link.reserve(nbytes, after=max(end, t_ready))
                 si += 1
@@ -186,7 +194,7 @@ def _ring_pipelined_op(x, w, comm, ufunc, tag, link, tmps, t_posted):
     yield send_reqs + ([end_req] if end_req is not None else [])
 
 
-def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None):
+def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None, group=None):
     x = flat(buf)
     p = comm.Get_size()
     if p == 1 or x.size == 0:
@@ -194,7 +202,7 @@ def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
     if link is not None and hasattr(link, "resolve"):  # two tiers: the one to the next rank
         link = link.resolve(comm, (comm.Get_rank() + 1) % p)
-    if link is not None and not LOG_MESSAGES:
+    if link is not None:
         posted = link.clock()  # the latency runs from here, while the scratch is made
         seg = x.size // p + (x.size % p > 0)
         # two scratch segments, allocated apart (two smaller blocks are reused by the allocator
@@ -220,7 +228,7 @@ def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     return buf
 
 
-def reduce_scatter_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None):
+def reduce_scatter_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None, group=None):
     x = flat(buf)
     p, r = comm.Get_size(), comm.Get_rank()
     b = segments(x.size, p)
@@ -235,12 +243,10 @@ def reduce_scatter_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
     return x[b[r]:b[r + 1]]
 
 
-def allgather_op(buf, comm, tag=COLL_TAG, link=None):
+def allgather_op(buf, comm, tag=COLL_TAG, link=None, group=None):
     if comm.Get_size() > 1:
         yield from ring_allgather_op(flat(buf), comm, tag, link)
     return buf
-
-
 
 
 __all__ = ["COLL_TAG", "allgather_op", "reduce_scatter_op", "ring_allgather_op", "ring_allreduce_op",

@@ -21,7 +21,6 @@ its data-parallel group), for the hierarchical collectives.
     topo.dp_comm                          # the ranks of my stage, ordered by replica
     topo.prev_rank, topo.next_rank        # neighbours in pp_comm (None at the pipeline's ends)
     topo.group(topo.dp_comm)              # the NodeGroup of a communicator (None for pp_comm)
-    topo.boards                           # the world's and dp group's `board.Board` (or None)
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ class Topology:
         """Collective over `comm`. `ranks_per_node`: cut each host's ranks into nodes of that
         many (None: one node per host); `shm_bytes`: the largest buffer the data-parallel
         group's collectives usually carry (sizes its staging window)."""
-        from ratrain.comm.board import attach  # loads MPI: comm is MPI's
-        from ratrain.comm.hier import NodeGroup  # loads MPI too
+        from ratrain.comm.hier import NodeGroup  # loads MPI: comm is MPI's
 
         assert isinstance(pp, int) and pp >= 1, f"pp must be a positive integer, got {pp!r}"
         assert isinstance(dp, int) and dp >= 1, f"dp must be a positive integer, got {dp!r}"
@@ -141,9 +139,6 @@ class Topology:
         dp_nodes = [self.node_of[int(w)] for w in self.grid[:, self.stage]]
         self.world_group = NodeGroup(comm, self.node_of, nbytes=WORLD_BYTES)
         self.dp_group = NodeGroup(self.dp_comm, dp_nodes, nbytes=shm_bytes)
-        # the small all-reduces (the step's facts, flags) of a one-node world or data-parallel
-        # group go through its board (`board`; None where it does not apply)
-        self.boards = [attach(comm), attach(self.dp_comm)]
 
     def world_rank(self, stage: int, replica: int) -> int:
         assert 0 <= stage < self.pp and 0 <= replica < self.dp, (
@@ -166,9 +161,8 @@ class Topology:
 
     @property
     def shm_bytes(self) -> int:
-        """Bytes of shared memory this rank holds for the collectives' staging and boards."""
-        boards = sum(b.nbytes for b in self.boards if b is not None and b.rank == 0)
-        return self.world_group.staging.nbytes + self.dp_group.staging.nbytes + boards
+        """Bytes of shared memory this rank holds for the collectives' staging."""
+        return self.world_group.staging.nbytes + self.dp_group.staging.nbytes
 
     def describe(self) -> str:
         """`2 nodes x 4 ranks` (or the ranks of each node when they differ)."""

@@ -1,38 +1,31 @@
 """Tree collectives on point-to-point: the all-reduce by recursive doubling (log2(p) exchanges,
 the latency-optimal path for small messages) and the binomial-tree broadcast. With m the
 largest power of two <= p, rank i < p - m first adds rank i + m's data, the m ranks then sum
-pairwise over rank order, and ranks >= m receive the result from rank i - m (see `collectives`
-for the documented order).
-
-On one node, without a link throttle or message logging, arrays of up to `board.BOARD_BYTES`
-go through the communicator's shared-memory board instead (`board`: one compiled call per rank,
-the same order, the same bits): the blocking call makes the board on first use, an operation
-uses one made before (`board.attach`, which `Topology` does for its world and data-parallel
-communicators).
+pairwise over rank order, and ranks >= m receive the result from rank i - m (see `algos` for
+the documented order). Without a link throttle the messages are typed MPI buffers, one request
+list per step (`tree_allreduce_op`), or one Sendrecv per step in the caller's thread
+(`tree_allreduce_blocking`, the latency path of small arrays); with `wire.log_messages` on,
+every path logs its messages.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import board
 from .arrays import as_ufunc, flat, scratch, work_dtype
+from .progress import run
 from .ring import COLL_TAG
-from .wire import LOG_MESSAGES, exchange_op, recv_op, send_op
+from .wire import LOG, exchange_op, log_exchange, recv_op, send_op
+
+TYPED = "fdilq"  # work dtypes MPI sends as typed buffers (the paths without a link)
 
 
-def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None):
+def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None, group=None):
     x = flat(buf)
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
-    if link is None and not LOG_MESSAGES:
-        code = board.fits(x, ufunc)
-        b = board.board_of(comm) if code is not None else None
-        if board.usable(b):
-            yield from b.allreduce_op(x, code)
-            return buf
     m = 1 << (p.bit_length() - 1)  # largest power of two <= p
     extra = p - m
     with scratch(ledger, "comm.tree", x.size, wd) as tmp, \
@@ -41,22 +34,33 @@ def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
             np.copyto(w, x)
         else:
             w = x
-        if link is None and not LOG_MESSAGES and w.dtype.char in "fdilq":
+        if link is None and w.dtype.char in TYPED:
             # Fast path for small messages (the same messages, minus per-message overhead):
             # typed buffers, one request list per step.
+            nb = w.nbytes if LOG.on else None
             if r >= m:
+                if nb:
+                    log_exchange("tree.fold", comm, r - m, nb, None, None, tag)
                 yield [comm.Isend(w, r - m, tag)]
+                if nb:
+                    log_exchange("tree.result", comm, None, None, r - m, nb, tag)
                 yield [comm.Irecv(w, r - m, tag)]
             else:
                 if r < extra:
+                    if nb:
+                        log_exchange("tree.fold", comm, None, None, r + m, nb, tag)
                     yield [comm.Irecv(tmp, r + m, tag)]
                     ufunc(w, tmp, out=w)
                 d = 1
                 while d < m:
+                    if nb:
+                        log_exchange("tree.step", comm, r ^ d, nb, r ^ d, nb, tag)
                     yield [comm.Irecv(tmp, r ^ d, tag), comm.Isend(w, r ^ d, tag)]
                     ufunc(w, tmp, out=w)
                     d <<= 1
                 if r < extra:
+                    if nb:
+                        log_exchange("tree.result", comm, r + m, nb, None, None, tag)
                     yield [comm.Isend(w, r + m, tag)]
         elif r >= m:  # fold in, then wait for the result
             yield from send_op(w, r - m, tag, comm, link, verb="tree.fold")
@@ -79,35 +83,40 @@ def tree_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None)
 
 def tree_allreduce_blocking(buf, comm, op="sum", tag=COLL_TAG):
     """The tree all-reduce without a link, blocking: same messages and order as
-    `tree_allreduce_op`, with one Sendrecv per step (the latency path for small messages), or
-    on one node the board (made here on first use: every rank is in this call)."""
+    `tree_allreduce_op`, with one Sendrecv per step (the latency path for small messages)."""
     x = flat(buf)
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
-    code = board.fits(x, ufunc)
-    if code is not None:
-        b = board.attach(comm)
-        if board.usable(b):
-            b.allreduce(x, code)
-            return buf
+    if wd.char not in TYPED:  # no typed MPI buffer: the operation's messages
+        return run(tree_allreduce_op(buf, comm, op, tag))
     w = x if wd == x.dtype else x.astype(wd)
     tmp = np.empty_like(w)
     m = 1 << (p.bit_length() - 1)
+    nb = w.nbytes if LOG.on else None
     if r >= m:
+        if nb:
+            log_exchange("tree.fold", comm, r - m, nb, None, None, tag)
+            log_exchange("tree.result", comm, None, None, r - m, nb, tag)
         comm.Send(w, r - m, tag)
         comm.Recv(w, r - m, tag)
     else:
         if r < p - m:
+            if nb:
+                log_exchange("tree.fold", comm, None, None, r + m, nb, tag)
             comm.Recv(tmp, r + m, tag)
             ufunc(w, tmp, out=w)
         d = 1
         while d < m:
+            if nb:
+                log_exchange("tree.step", comm, r ^ d, nb, r ^ d, nb, tag)
             comm.Sendrecv(w, r ^ d, tag, tmp, r ^ d, tag)
             ufunc(w, tmp, out=w)
             d <<= 1
         if r < p - m:
+            if nb:
+                log_exchange("tree.result", comm, r + m, nb, None, None, tag)
             comm.Send(w, r + m, tag)
     if w is not x:
         np.copyto(x, w, casting="same_kind")
@@ -133,5 +142,4 @@ def bcast_op(buf, comm, root=0, tag=COLL_TAG, link=None):
     return buf
 
 
-
-__all__ = ["bcast_op", "tree_allreduce_blocking", "tree_allreduce_op"]
+__all__ = ["TYPED", "bcast_op", "tree_allreduce_blocking", "tree_allreduce_op"]

@@ -19,12 +19,13 @@ Message order: MPI keeps messages of one (communicator, peer, tag) in order. A t
 is several MPI messages posted over time, so throttled sends to the same (communicator, peer,
 tag) go one after another (a FIFO per key); receives post all their chunks at once and need none.
 
-`RATRAIN_LOG_MESSAGES=1` prints every message (rank, verb, peer, tag, bytes) to stderr.
+`log_messages(True)` (the config's `comm.log_messages`, debug only: the engine sets it) prints
+every message (rank, verb, peer, tag, bytes) to stderr, on whichever path carries it: every
+sender of messages logs them (`log_exchange`), and no path is chosen by it.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import deque
 
@@ -33,7 +34,19 @@ from mpi4py import MPI
 
 from .progress import Deadline
 
-LOG_MESSAGES = os.environ.get("RATRAIN_LOG_MESSAGES", "0") not in ("", "0")
+
+
+class _Log:
+    on = False  # print every message (`log_messages`)
+
+
+LOG = _Log()
+
+
+def log_messages(on: bool) -> None:
+    """Print every message of this process to stderr from now on (or no longer)."""
+    LOG.on = bool(on)
+
 
 _send_fifo: dict[tuple, deque] = {}
 END_MARKER = np.empty(0, np.uint8)  # the end-of-message marker (zero bytes: one buffer serves all)
@@ -58,6 +71,16 @@ def log_message(verb: str, comm, peer: int, tag: int, nbytes: int) -> None:
     )
 
 
+def log_exchange(verb: str, comm, dest, nsend, source, nrecv, tag: int) -> None:
+    """Log the messages of one exchange (`nsend` bytes to `dest`, `nrecv` from `source`;
+    either side None): `verb`, or `verb.send` / `verb.recv` when there are both."""
+    both = nsend is not None and nrecv is not None
+    if nsend is not None:
+        log_message(f"{verb}.send" if both else verb, comm, dest, tag, nsend)
+    if nrecv is not None:
+        log_message(f"{verb}.recv" if both else verb, comm, source, tag, nrecv)
+
+
 def send_op(arr: np.ndarray, dest: int, tag: int, comm, link=None, verb: str = "send"):
     """Send `arr` to `dest` (a rank of `comm`)."""
     yield from exchange_op(arr, dest, None, None, tag, comm, link, verb=verb)
@@ -76,11 +99,9 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
     """
     sbuf = as_bytes(send) if send is not None else None
     rbuf = as_bytes(recv) if recv is not None else None
-    if LOG_MESSAGES:
-        if sbuf is not None:
-            log_message(verb if recv is None else f"{verb}.send", comm, dest, tag, sbuf.size)
-        if rbuf is not None:
-            log_message(verb if send is None else f"{verb}.recv", comm, source, tag, rbuf.size)
+    if LOG.on:
+        log_exchange(verb, comm, dest, None if sbuf is None else sbuf.size, source,
+                     None if rbuf is None else rbuf.size, tag)
     item = recv.itemsize if recv is not None else 1
     slink = rlink = link
     if link is not None and hasattr(link, "resolve"):  # two tiers: the link each peer is behind
@@ -155,4 +176,5 @@ def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, slink, rlink, on_ch
     yield sends
 
 
-__all__ = ["END_MARKER", "LOG_MESSAGES", "as_bytes", "exchange_op", "recv_op", "send_op"]
+__all__ = ["END_MARKER", "LOG", "as_bytes", "exchange_op", "log_exchange", "log_messages",
+           "recv_op", "send_op"]

@@ -489,18 +489,22 @@ class CommConfig:
     timeout: seconds a rank may give no sign of life (stopped, hung, its node lost) before the
         job ends on every rank naming it (exit 3); also the longest a message or collective of a
         step may wait; 0 = no watchdog
-    board: small all-reduces inside a node on a compiled shared-memory board (needs numba; whole
-        steps measured slower with it, docs/BENCHMARKS.md); RATRAIN_BOARD overrides it
+    allreduce: the algorithm of the runtime's all-reduces (gradients, the step's global facts):
+        auto (the registry's rule, `comm.algos.choose`: hier, the rank-order fold whose bits do
+        not depend on how ranks are packed into nodes) or a registered name (ring, tree, hier,
+        or one registered by the program); the planner prices the same
     log_messages: debug only: print every message (rank, verb, peer, tag, bytes) to stderr;
         never changes which algorithm runs; RATRAIN_LOG_MESSAGES overrides it
     """
     timeout: float = 300.0  # seconds; 0 = no watchdog
-    board: bool = False  # RATRAIN_BOARD
+    allreduce: str = "auto"  # auto | a name registered in ratrain.comm.algos
     log_messages: bool = False  # debug only (RATRAIN_LOG_MESSAGES)
 
     def check(self) -> None:
         if self.timeout < 0 or 0 < self.timeout < 1:
             raise ConfigError(f"comm.timeout={self.timeout} must be 0 (off) or >= 1 second")
+        if not self.allreduce:
+            raise ConfigError("comm.allreduce='' is empty: give auto or an algorithm's name")
 
 
 def _positive(obj, section: str, key: str) -> None:

@@ -48,7 +48,6 @@ SWITCHES = (
     Switch("run.fused", "RATRAIN_FUSED", _ON_OFF),
     Switch("run.devkernels", "RATRAIN_DEVKERNELS", {**_ON_OFF, "sim": "sim"}),
     Switch("run.malloc", "RATRAIN_MALLOC", {"tuned": "tuned", "default": "default"}),
-    Switch("comm.board", "RATRAIN_BOARD", _BOOL),
     Switch("comm.log_messages", "RATRAIN_LOG_MESSAGES", _BOOL, debug=True),
 )
 

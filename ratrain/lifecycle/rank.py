@@ -138,7 +138,7 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
             tiers = Tiers.from_profile(profile, shared=slots)
         engine = CommEngine(topo, watchdog_s=watchdog_s,
                             link=NodeLinks(tiers, topo) if tiers is not None else None,
-                            ledger=ledger)
+                            ledger=ledger, config=cfg.comm)
     except BaseException:
         teardown(engine, slots, topo)
         raise

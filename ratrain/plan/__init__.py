@@ -11,8 +11,9 @@ for mixed clusters, layer splits and replica shares by each rank's class (`heter
 `python -m ratrain.plan`.
 
 May import: `ratrain.lifecycle` (the schedules and the memory model are the runtime's own),
-`ratrain.exec` (model shapes and flops), `ratrain.comm.model` (collective costs) and
-`ratrain.comm.topology` (the grid's placement on ranks; neither loads MPI),
+`ratrain.exec` (model shapes and flops), `ratrain.comm.algos` (the collective algorithms'
+registry and the rule that chooses, the runtime's), `ratrain.comm.model` (collective costs) and
+`ratrain.comm.topology` (the grid's placement on ranks; none of them loads MPI),
 `ratrain.shim` (profiles), `ratrain.config`, `ratrain.job.metrics` (calibration reads a run's step times). Never train or the other commands; nothing below it
 imports it.
 """

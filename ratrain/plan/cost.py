@@ -16,10 +16,11 @@ rates (`Rates`), each carrying its source:
   data-parallel group spans;
 - point-to-point: one message of n bytes costs `latency + n / bandwidth` on the tier it
   crosses (the shim's link model);
-- collectives across the data-parallel replicas: the hierarchical collectives the runtime runs
-  (`comm.model.hier_terms`: latency, bytes through each rank's intra-node link, bytes through
-  the busiest interface); the flat ring / tree formulas (`allreduce_terms`) stay for
-  comparisons;
+- collectives across the data-parallel replicas: the algorithm the runtime runs, chosen by the
+  registry's rule (`comm.algos.choose`, with `comm.allreduce`: `hier` unless another is
+  configured), priced by its terms (`comm.model`: fixed seconds, bytes through each rank's
+  intra-node link, bytes through the busiest interface); the flat formulas (`allreduce_terms`,
+  one rank per node) stay for comparisons;
 - memory-bound lifecycle work: an AdamW update moves `exec.optim.ADAMW_BYTES_PER_PARAM` bytes
   per parameter, a view cast `exec.params.view_cast_bytes_per_param`, both at `mem_bandwidth`
   (the shim paces them the same way under emulation, at the profile's DDR bandwidth).
@@ -36,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ratrain.comm import algos
 from ratrain.comm import model as comm_model
 from ratrain.comm.topology import grid
 from ratrain.config import Config, ModelConfig
@@ -46,7 +48,6 @@ from ratrain.shim.platform import resolve_platform
 
 # The DDR bandwidth when the profile has no `ddr_bandwidth` fact (mt3000 has; this is its value).
 DEFAULT_MEM_BANDWIDTH = 25.6e9
-ALGOS = ("ring", "tree", "auto")
 
 
 @dataclass(frozen=True)
@@ -140,15 +141,17 @@ def p2p_time(nbytes: float, bandwidth: float, latency: float) -> float:
     return latency + nbytes / bandwidth
 
 
-def allreduce_terms(nbytes: float, p: int, algo: str, bandwidth: float, latency: float):
-    """(latency part in s, bytes this rank puts on its link) of one all-reduce, for a simulator
-    that shares a link between flows: time alone = latency part + wire bytes / B. `auto`: the
-    cheaper of ring and tree (`comm.model.cheapest`, as the runtime chooses)."""
-    if algo not in ALGOS:
-        raise ValueError(f"all-reduce algo {algo!r} is not one of {', '.join(ALGOS)}")
-    if algo == "auto":
-        algo = comm_model.cheapest(nbytes, p, latency, bandwidth)
-    return comm_model.terms("allreduce", algo, nbytes, p, latency)
+def allreduce_terms(nbytes: float, p: int, algo: str, bandwidth: float, latency: float,
+                    op: str = "allreduce"):
+    """(latency part in s, bytes this rank puts on its link) of one all-reduce (or `op`) over p
+    ranks of one node each, for a simulator that shares a link between flows: time alone =
+    latency part + wire bytes / B. `auto`: the registry's rule for a bare communicator (the
+    cheapest; `comm.algos.choose`)."""
+    name = algos.choose(op, nbytes, p, grouped=False, configured=algo, latency=latency,
+                        bandwidth=bandwidth)
+    fixed, _, wire = algos.get(name).terms(op, nbytes, p, 1,
+                                           comm_model.Links.flat(latency, bandwidth))
+    return fixed, wire
 
 
 @dataclass(frozen=True)
@@ -218,17 +221,19 @@ class CostModel:
     rates: Rates
     micro_batch: int = 1
     precision: str = "fp16"
-    algo: str = "auto"  # flat all-reduce algorithm of `allreduce_time` (comparisons)
+    algo: str = "auto"  # the all-reduce algorithm: comm.allreduce (auto: the registry's rule)
     placement: str = "pp"  # parallel.placement
 
     @classmethod
-    def from_config(cls, cfg: Config, rates: Rates | None = None, algo: str = "auto") -> CostModel:
+    def from_config(cls, cfg: Config, rates: Rates | None = None,
+                    algo: str | None = None) -> CostModel:
+        algos.check_choice(algo or cfg.comm.allreduce)  # one the runtime could run
         return cls(
             cfg.model,
             rates or Rates.from_config(cfg),
             cfg.parallel.micro_batch,
             cfg.precision,
-            algo,
+            algo or cfg.comm.allreduce,
             cfg.parallel.placement,
         )
 
@@ -289,23 +294,28 @@ class CostModel:
             return p2p_time(n, r.intra_bandwidth, r.intra_latency)
         return p2p_time(n, r.link_bandwidth, r.link_latency)
 
+    @property
+    def links(self) -> comm_model.Links:
+        """The two tiers' rates (inside a node, through the node's interface)."""
+        r = self.rates
+        return comm_model.Links(r.intra_latency, r.intra_bandwidth, r.link_latency,
+                                r.link_bandwidth)
+
     def collective_terms(self, op: str, nbytes: float, nodes: int, local: int,
                          chunk_bytes: int | None = None):
         """(fixed s, bytes through each rank's intra-node link, bytes through the busiest
-        interface) of the runtime's hierarchical `op` over `nodes` nodes of `local` ranks, in
-        rounds of `chunk_bytes` per lane (`comm.model.hier_terms`)."""
-        r = self.rates
-        return comm_model.hier_terms(op, nbytes, nodes, local, r.intra_latency,
-                                     r.intra_bandwidth, r.link_latency, r.link_bandwidth,
-                                     chunk_bytes)
+        interface) of the runtime's `op` over a data-parallel group of `nodes` nodes of `local`
+        ranks: the algorithm the runtime chooses for it (`comm.algos.choose` for a group by
+        node: hier, unless `algo` names another all-reduce), in rounds of `chunk_bytes` per
+        lane (hier's)."""
+        name = algos.choose(op, nbytes, nodes * local, grouped=True, configured=self.algo)
+        return algos.get(name).terms(op, nbytes, nodes, local, self.links, chunk_bytes)
 
     def collective_time(self, op: str, nbytes: float, nodes: int, local: int,
                         chunk_bytes: int | None = None) -> float:
-        """The hierarchical `op` alone on its links (`comm.model.hier_seconds`)."""
-        r = self.rates
-        return comm_model.hier_seconds(op, nbytes, nodes, local, r.intra_latency,
-                                       r.intra_bandwidth, r.link_latency, r.link_bandwidth,
-                                       chunk_bytes)
+        """The runtime's `op` alone on its links (`collective_terms`, `comm.model.alone`)."""
+        return comm_model.alone(self.collective_terms(op, nbytes, nodes, local, chunk_bytes),
+                                self.links)
 
     def staging_chunk(self, blocks, nodes: int, local: int) -> int:
         """The chunk the runtime's data-parallel group uses for a stage of `blocks`: sized for
@@ -327,7 +337,8 @@ class CostModel:
     def ring_half_terms(self, nbytes: float, p: int):
         """(latency part, wire bytes) of one ring reduce-scatter or all-gather of `nbytes`
         across `p` ranks: (p-1) a and (p-1) n / p (half a ring all-reduce)."""
-        return comm_model.terms("reduce_scatter", "ring", nbytes, p, self.rates.link_latency)
+        return allreduce_terms(nbytes, p, "ring", self.rates.link_bandwidth,
+                               self.rates.link_latency, op="reduce_scatter")
 
     # -- memory-bound lifecycle work ---------------------------------------------------------------
 
@@ -350,7 +361,6 @@ class CostModel:
 
 
 __all__ = [
-    "ALGOS",
     "CostModel",
     "DEFAULT_MEM_BANDWIDTH",
     "NodeLayout",

@@ -1,6 +1,7 @@
 """Start-up of a run: every check of the input before any work, on every rank, agreed.
 
-`startup(args, comm)` resolves the config and checks it against the world, finds every rank's
+`startup(args, comm)` resolves the config and checks it against the world and the registered
+collective algorithms (`comm.allreduce`), finds every rank's
 class (`platform.classes`: measured where a class says `calibrate`) and resolves what the
 config leaves to the planner (`parallel.layers_per_stage` / `replica_shares`: auto), then checks the data, a Hugging
 Face import, the memory plan (`plan.check`: against the DDR cap, or the node's memory without
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from ratrain.job import tblog
 from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
 from ratrain.checkpoint.space import room_problem
+from ratrain.comm.algos import check_choice
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.device import Device, local_rank, open_device
@@ -144,6 +146,7 @@ def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     allocator.tune(cfg.run.malloc)  # freed DDR stays in the process, as on the cluster
     agree(comm, cfg.check_world, comm.Get_size())
+    agree(comm, check_choice, cfg.comm.allreduce)  # a registered algorithm (`comm.algos`)
     device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
     cfg, classes = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
