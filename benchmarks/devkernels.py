@@ -119,7 +119,7 @@ def cases(cp, dk, act):
         dk.adamw(p, m, v, g, *adam[:1], 1.0, *adam[1:], cp)
         return p
 
-    def cast_ref():  # params.materialize_view's cast (fused.assign: dst[...] = src on cupy)
+    def cast_ref():  # params.materialize_view's cast (a GPU table's assign: dst[...] = src)
         view16[0][...] = p
         return view16[0]
 

@@ -1,15 +1,20 @@
-"""The switch of the compiled fast paths (`exec.fused`, `comm.board`) and the one place numba,
-their compiler (the `fast` extra), is imported.
+"""The one place numba, the compiler of the fast paths (`exec.fused`, `comm.board`; the `fast`
+extra), is imported.
 
 `load_numba()` tells three cases apart:
 
-    importable  the fast paths are on, unless RATRAIN_FUSED is 0 or off
-    absent      numba itself is not installed (ModuleNotFoundError for `numba`): off, and
-                `why_off` says so
+    importable  the fast paths can run (whether they do is the config's choice: `run.fused`
+                in the kernel table, `exec.backends`)
+    absent      numba itself is not installed (ModuleNotFoundError for `numba`): they cannot,
+                and the reason says so
     broken      numba is installed but its import fails (its own ImportError "NumPy version
                 too new", a missing llvmlite, anything else): under CI (`CI=true`) an
                 ImportError naming the error, so a fast path that should be tested cannot pass
                 as absent; elsewhere off, with a RuntimeWarning naming the error
+
+`FastPath` is the board's switch until `comm.board` reads its config key (`comm.board`); the
+exec kernels no longer use it. It reads RATRAIN_FUSED and the board's variable once, when the
+board's module is imported.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def load_numba():
 
 
 class FastPath:
-    """The switch of one compiled fast path: `on` when numba imports, `RATRAIN_FUSED` is unset
+    """The board's switch (see the module): `on` when numba imports, `RATRAIN_FUSED` is unset
     or not 0/off, and the path's own variable `own` (if any) allows it: unset means
     `default_on`, 0/off turns it off, any other value on. `why_off` says why not; `available`
     whether numba imports; `disabled()` / `forced()` run a block on the plain / compiled path

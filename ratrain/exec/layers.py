@@ -20,13 +20,16 @@ fp16 mode on the CPU every weight view is converted to fp32 once per call into s
 (`scratch.gemm`) so that each GEMM is an sgemm. Activations crossing blocks and kept in caches
 are ctx.dtype; inside a call everything is fp32 (GEMM accumulation, norms, softmax, loss).
 In fp16 mode q, k, v are rounded to fp16 before attention (they are kept in fp16), so that a
-recomputation from the kept values reproduces the forward bit for bit.
+recomputation from the kept values reproduces the forward bit for bit. Every op runs through
+the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
+(`exec.attention`), handed q, k, v in the backend's `dtype` and giving back o and the softmax
+statistics (lse) in a named cache.
 
 `recompute` (schedule.recompute's per-layer value: what the backward re-runs, hence what the
 cache holds for it):
     "none"       x, rstd, q, k, v (after RoPE), attention output o and its logsumexp, h, gate|up
     "selective"  the same less o and logsumexp: backward recomputes the attention core
-                 (flash forward: cheap, and o is as large as x)
+                 (the attention forward: cheap, and o is as large as x)
     "full"       x only: backward re-runs the forward (full recomputation)
 Backward gives bitwise the same gradients whatever `recompute` was.
 """
