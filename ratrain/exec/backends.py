@@ -49,8 +49,12 @@ from ratrain.exec.gemm import matmul
 from ratrain.exec.kernels import block_sq_norm
 from ratrain.exec.profile import timed
 
-OPS = ("gemm", "rmsnorm", "rope", "swiglu", "attention", "cross_entropy", "adamw", "grad_norm",
-       "cast")
+# each op (but attention, an object of its own) and the table's fields that implement it
+ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
+           "rope": ("rope_forward", "rope_backward"), "swiglu": ("swiglu_forward", "swiglu_backward"),
+           "cross_entropy": ("logsumexp_rows",), "adamw": ("adamw",), "grad_norm": ("grad_norm",),
+           "cast": ("cast", "assign")}
+OPS = (*ENTRIES, "attention")
 ENGINES = {"fused": "numba", "devkernels": "numba-cuda"}  # the compilers, for the banner
 
 
@@ -174,22 +178,16 @@ def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
     fast = _fast_kernels(device, precision, str(fused_mode), str(devkernels_mode))
     attn = attention if isinstance(attention, AttentionBackend) else \
         attention_backend(attention, device, precision)
-    ref = {"cpu": "numpy", "gpu": "cupy", "standin": "standin"}[device]
-    impl = {op: ref for op in OPS}
-    entries = dict(_REFERENCE)
-    if fast == "fused":
-        ops = ("rope", "swiglu", "adamw", "cast") + (("rmsnorm",) if precision == "fp32" else ())
-        entries.update(_FUSED)  # fp16 runs: the norms' weights are fp16 views, the reference's
-        impl.update(dict.fromkeys(ops, "fused"))
-        if precision != "fp32":
-            entries.update(rmsnorm_forward=kernels.rmsnorm_forward,
-                           rmsnorm_backward=kernels.rmsnorm_backward)
-    elif fast == "devkernels":
-        entries.update(_DEVICE)
-        impl.update(dict.fromkeys(("rmsnorm", "rope", "swiglu", "cross_entropy", "adamw",
-                                   "grad_norm"), "devkernels"))
-    impl["attention"] = attn.name
-    return Kernels(device, impl, attention=attn, **entries)
+    reference = {"cpu": "numpy", "gpu": "cupy", "standin": "standin"}[device]
+    names = dict.fromkeys(ENTRIES, reference)
+    if fast is not None:  # every op the compiled kernels cover
+        names.update((op, fast) for op, fields in ENTRIES.items()
+                     if all(f in _COMPILED[fast] for f in fields))
+        if fast == "fused" and precision != "fp32":
+            names["rmsnorm"] = reference  # fp16 runs: the norms' weights are fp16 views
+    table = {f: _COMPILED.get(impl, _REFERENCE)[f] for op, impl in names.items()
+             for f in ENTRIES[op]}
+    return Kernels(device, {**names, "attention": attn.name}, attention=attn, **table)
 
 
 @functools.cache
@@ -316,7 +314,9 @@ _DEVICE = dict(
     swiglu_forward=_dev_swiglu_forward, swiglu_backward=_dev_swiglu_backward,
     logsumexp_rows=_dev_logsumexp_rows, adamw=devkernels.adamw, grad_norm=_dev_grad_norm)
 
+_COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compiler provides
 
-__all__ = ["ATTENTION", "AUTO", "OPS", "AttentionEntry", "BackendError", "Kernels",
+
+__all__ = ["ATTENTION", "AUTO", "ENTRIES", "OPS", "AttentionEntry", "BackendError", "Kernels",
            "attention_backend", "default_kernels", "kernel_table", "kernels_for",
            "register_attention", "unregister_attention"]
