@@ -1,5 +1,6 @@
-"""The fused device kernels (ratrain.exec.devkernels) against the plain cupy composition of
-ratrain.exec.kernels / optim, on one GPU, at the 124M model's shapes (issue 19: hidden 768,
+"""The fused device kernels (ratrain.exec.devkernels, and those no run calls yet:
+tests/_unwired_devkernels.py) against the plain cupy composition of ratrain.exec.kernels / optim
+(the references, which the kernel table replaces on a GPU rank), on one GPU, at the 124M model's shapes (issue 19: hidden 768,
 12 heads of 64, seq 1024, micro-batch 8, ffn 2048, vocab 32000; 124M parameters for AdamW,
 the gradient norm and the casts).
 
@@ -25,6 +26,8 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
 
 B, T, C, H, D, F, V = 8, 1024, 768, 12, 64, 2048, 32000  # the 124M model, one micro-batch
 PARAMS = 124_000_000  # AdamW, the gradient norm, the casts: the whole model's flat buffers
@@ -63,6 +66,7 @@ def device():
 def cases(cp, dk, act):
     """name -> (cupy composition, fused call), each a no-argument function returning an array."""
     from ratrain.exec import kernels, optim
+    from tests import _unwired_devkernels as ux  # the kernels no run calls yet
 
     rng = cp.random.default_rng(0)
 
@@ -82,7 +86,7 @@ def cases(cp, dk, act):
     logits, targets = rand(B * T, V, scale=4.0), rng.integers(0, V, B * T)
     scores, dp = rand(B, H, T, T), rand(B, H, T, T)
     scale = 1.0 / math.sqrt(D)
-    p32 = dk.softmax_forward(scores, cp, scale=scale)
+    p32 = ux.softmax_forward(scores, cp, scale=scale)
     p, m, v, g = (rand(PARAMS, dtype=cp.float32, scale=s) for s in (1, 0.1, 0.01, 1))
     v = cp.abs(v)
     tmp = cp.empty_like(p)
@@ -115,7 +119,7 @@ def cases(cp, dk, act):
         dk.adamw(p, m, v, g, *adam[:1], 1.0, *adam[1:], cp)
         return p
 
-    def cast_ref():  # params.materialize_view's cast (fused.assign: dst[...] = src on cupy)
+    def cast_ref():  # params.materialize_view's cast (a GPU table's assign: dst[...] = src)
         view16[0][...] = p
         return view16[0]
 
@@ -133,16 +137,16 @@ def cases(cp, dk, act):
             lambda: dk.rope_forward(xq, cos3, sin3, cp, out=qout[1].transpose(0, 2, 1, 3))[0]),
         "rope backward": (lambda: kernels.rope_backward(xq, (cos3, sin3), cp),
                           lambda: dk.rope_backward(xq, (cos3, sin3), cp)),
-        "cross-entropy loss + dlogits": (ce_ref, lambda: dk.cross_entropy_fused(
+        "cross-entropy loss + dlogits": (ce_ref, lambda: ux.cross_entropy_fused(
             logits, targets, 1.0 / (B * T), cp)[2]),
-        "attention softmax forward": (softmax_ref, lambda: dk.softmax_forward(scores, cp,
+        "attention softmax forward": (softmax_ref, lambda: ux.softmax_forward(scores, cp,
                                                                                scale=scale)),
-        "attention softmax backward": (softmax_bwd_ref, lambda: dk.softmax_backward(
+        "attention softmax backward": (softmax_bwd_ref, lambda: ux.softmax_backward(
             dp, p32, cp, scale=scale)),
         "adamw (124M)": (adam_ref, adam_dev),
         "grad sum of squares (124M)": (lambda: cp.asarray(optim.block_sq_norm(g, cp)),
                                        lambda: dk.sum_squares(g, cp)),
-        "cast fp32 -> fp16 (124M)": (cast_ref, lambda: dk.cast(p, cp.float16, cp, out=view16[1])),
+        "cast fp32 -> fp16 (124M)": (cast_ref, lambda: ux.cast(p, cp.float16, cp, out=view16[1])),
     }
 
 

@@ -1,11 +1,12 @@
-"""The switch of the compiled fast paths (`exec.fused`, `comm.board`) and the one place numba,
-their compiler (the `fast` extra), is imported.
+"""The one place numba, the compiler of the CPU's fast paths (`exec.fused`; the `fast` extra), is
+imported.
 
 `load_numba()` tells three cases apart:
 
-    importable  the fast paths are on, unless RATRAIN_FUSED is 0 or off
-    absent      numba itself is not installed (ModuleNotFoundError for `numba`): off, and
-                `why_off` says so
+    importable  the fast paths can run (whether they do is the config's choice: `run.fused`
+                in the kernel table, `exec.backends`)
+    absent      numba itself is not installed (ModuleNotFoundError for `numba`): they cannot,
+                and the reason says so
     broken      numba is installed but its import fails (its own ImportError "NumPy version
                 too new", a missing llvmlite, anything else): under CI (`CI=true`) an
                 ImportError naming the error, so a fast path that should be tested cannot pass
@@ -14,7 +15,6 @@ their compiler (the `fast` extra), is imported.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
@@ -43,45 +43,3 @@ def load_numba():
                           "numba)") from err
     warnings.warn(f"{why}; the fast paths are off", RuntimeWarning, stacklevel=2)
     return None, why
-
-
-class FastPath:
-    """The switch of one compiled fast path: `on` when numba imports, `RATRAIN_FUSED` is unset
-    or not 0/off, and the path's own variable `own` (if any) allows it: unset means
-    `default_on`, 0/off turns it off, any other value on. `why_off` says why not; `available`
-    whether numba imports; `disabled()` / `forced()` run a block on the plain / compiled path
-    (tests compare the two)."""
-
-    def __init__(self, own: str | None = None, default_on: bool = True):
-        numba, self.why_off = load_numba()
-        self.available = numba is not None
-        own_on = own is None or os.environ.get(own, "1" if default_on else "0") not in ("0", "off")
-        if os.environ.get("RATRAIN_FUSED", "1") in ("0", "off"):
-            why = "turned off by RATRAIN_FUSED=0"
-        elif not own_on:
-            why = (f"turned off by {own}=0" if own in os.environ else
-                   f"off by default ({own}=1 turns it on)")
-        else:
-            why = ""
-        if self.available and why:
-            self.why_off = why
-        self.on = self.available and not why
-
-    @contextlib.contextmanager
-    def forced(self):
-        """The compiled path on for a block (tests); numba must import."""
-        if not self.available:
-            raise RuntimeError(f"cannot force a fast path on: {self.why_off}")
-        before, self.on = self.on, True
-        try:
-            yield
-        finally:
-            self.on = before
-
-    @contextlib.contextmanager
-    def disabled(self):
-        before, self.on = self.on, False
-        try:
-            yield
-        finally:
-            self.on = before

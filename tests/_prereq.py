@@ -39,14 +39,14 @@ def need(module: str, why: str = ""):
         missing(f"{module} does not import ({type(e).__name__}: {e})" + (f"; {why}" if why else ""))
 
 
-def need_fast(path):
-    """A fast path's tests (`path`: `exec.fused`): skipped when it was turned off on purpose
-    (RATRAIN_FUSED=0), `missing(...)` when numba is not there."""
-    if path.enabled():
-        return
-    if path.why_off().startswith("turned off by "):
-        pytest.skip(path.why_off())
-    missing(path.why_off())
+def need_fast():
+    """The fused kernels' tests (`exec.fused`, numba): `missing(...)` when numba does not
+    import. (They pick the fused or the plain path by the kernel table, so no switch of the
+    environment turns them off.)"""
+    from ratrain.exec import fused
+
+    if not fused.available():
+        missing(fused.why_off())
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Every bad input of `python -m ratrain.train` is one line, exit 2, before any work, nothing
 written: a directory or a non-UTF-8 file as --config, YAML syntax (line, column and the fix), an
-empty config, bad keys, values and --set, missing data or checkpoints, an unwritable run.dir;
+empty config, bad keys, values and --set, missing data or checkpoints, an unwritable run.dir, an
+attention backend nobody registered;
 the config cases also under --dry-run and --print-config."""
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CASES = {
     "read-only run.dir": (JOB, ["run.dir=RO/run"], ["cannot write run.dir=RO/run", "set run.dir"],
                           False),
     "run.dir is a file": (JOB, ["run.dir=FILE"], ["run.dir", "FILE"], False),
+    "unknown attention": (JOB, ["run.attention=nope"],
+                          ["run.attention='nope' is not a registered", "tiled-64"], False),
 }
 
 

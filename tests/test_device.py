@@ -23,6 +23,7 @@ from ratrain.device import (
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
 from ratrain.exec import devkernels, layers
+from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import ExecContext
 from ratrain.lifecycle.rank import build_rank
 from ratrain.plan.check import run_plan
@@ -196,9 +197,10 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch):
     # model of one tiny layer, one fp32 step, against the host's numpy (the GPU check runs
     # every device test with these kernels on the card)
     need("numba.cuda")
+    cfg = tiny_config(model=SMALL, m=1, micro_batch=1)
     if devkernels.simulated():
         device = "standin"
-        monkeypatch.setenv("RATRAIN_DEVKERNELS", "sim")
+        cfg = replace(cfg, run=replace(cfg.run, devkernels="sim"))
         # the simulator's cost is per block and per thread: one block per grid-stride kernel,
         # blocks of 8 threads (the kernels are correct at any grid; tests/test_devkernels.py
         # checks each at several)
@@ -207,17 +209,17 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch):
     else:  # the simulator off: a GPU (scripts/gpu-check.sh), where cupy ranks take them
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         device = "gpu"
-    dxp = MODULES[device]
-    assert devkernels.usable(dxp, dxp.zeros(2, dxp.float32))
-    assert not devkernels.usable(np, np.zeros(2, np.float32))
-    cfg = tiny_config(model=SMALL, m=1, micro_batch=1)
+    table = kernels_for(cfg, MODULES[device])
+    assert table.names["rmsnorm"] == table.names["grad_norm"] == "devkernels", table.names
+    assert kernels_for(cfg, MODULES["standin"] if device == "gpu" else np).names["rmsnorm"] != \
+        "devkernels"  # the other device of this run does not take them
     (host_res, _), = _steps(cfg, "cpu", steps=1)[0]
     launched = []
     real = devkernels._launch
     monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
     dev_steps, dev_params = _steps(cfg, device, steps=1)
     names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
-    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "adamw",
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "lse_rows", "adamw",
             "sum_squares"} <= names, names
     assert dev_steps[0][0].loss == pytest.approx(host_res.loss, rel=1e-6)
     assert dev_steps[0][0].grad_norm == pytest.approx(host_res.grad_norm, rel=1e-5)

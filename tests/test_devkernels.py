@@ -1,4 +1,5 @@
-"""The device kernels (`ratrain.exec.devkernels`, numba-cuda) against the numpy reference.
+"""The device kernels (`ratrain.exec.devkernels`, numba-cuda; and those no run calls yet,
+tests/_unwired_devkernels.py) against the numpy reference (`exec.kernels`).
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1, tests/conftest.py's default: CI has no GPU) the
 kernels run on numpy arrays, one Python thread per CUDA thread, so the shapes are tiny, the
@@ -18,7 +19,8 @@ import pytest
 
 from ratrain.device import to_host
 from ratrain.exec import fused, kernels
-from ratrain.exec.optim import block_sq_norm
+from tests import _unwired_devkernels as ux
+from ratrain.exec.kernels import block_sq_norm
 from tests._prereq import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,22 +85,17 @@ def half_close(got, want):
     assert np.all(np.abs(got.astype(np.float64) - want) <= ulp)
 
 
-def reference(fn):
-    with fused.disabled():  # the plain numpy reference (the fused path is tested against it)
-        return fn()
-
-
 @pytest.mark.parametrize("dtype", [np.float32, F16])
 def test_rmsnorm_forward_backward(dk, xp, dtype, monkeypatch):
     monkeypatch.setattr(dk, "ROW_GROUPS", 4)  # 6 rows on 4 blocks: dw partials of 1-2 rows
     x, w, dy = rand(2, 3, 45, dtype=dtype), rand(45, dtype=dtype), rand(2, 3, 45, dtype=dtype)
     y, cache = dk.rmsnorm_forward(xp.asarray(x), xp.asarray(w), 1e-5, xp, threads=TPB)
-    ry, rcache = reference(lambda: kernels.rmsnorm_forward(x, w, 1e-5, np))
+    ry, rcache = kernels.rmsnorm_forward(x, w, 1e-5, np)
     assert y.dtype == ry.dtype == np.float32 and cache[1].shape == rcache[1].shape == (2, 3, 1)
     close(y, ry)
     close(cache[1], rcache[1])
     dx, dw = dk.rmsnorm_backward(xp.asarray(dy), cache, xp, threads=TPB)
-    rdx, rdw = reference(lambda: kernels.rmsnorm_backward(dy, rcache, np))
+    rdx, rdw = kernels.rmsnorm_backward(dy, rcache, np)
     close(dx, rdx)
     close(dw, rdw)
     y16, _ = dk.rmsnorm_forward(xp.asarray(x), xp.asarray(w), 1e-5, xp,
@@ -114,9 +111,9 @@ def test_swiglu_on_strided_halves_and_a_grid_smaller_than_the_work(dk, xp, dtype
     dgu = xp.asarray(gu)
     gate, up = dgu[:, :37], dgu[:, 37:]  # the layer's views: strided
     with np.errstate(over="ignore"):
-        ra, _ = reference(lambda: kernels.swiglu_forward(gu[:, :37], gu[:, 37:], np))
-        rg, ru, ract = reference(lambda: kernels.swiglu_backward(
-            dact, (gu[:, :37], gu[:, 37:]), np, with_act=True))
+        ra, _ = kernels.swiglu_forward(gu[:, :37], gu[:, 37:], np)
+        rg, ru, ract = kernels.swiglu_backward(
+            dact, (gu[:, :37], gu[:, 37:]), np, with_act=True)
     a, _ = dk.swiglu_forward(gate, up, xp, threads=TPB)
     close(a, ra)
     dg, du, act = dk.swiglu_backward(xp.asarray(dact), (gate, up), xp, with_act=True, threads=TPB)
@@ -137,21 +134,21 @@ def test_rope_both_layouts_into_a_strided_output(dk, xp, dtype):
     out = xp.empty((B, H, T, D), np.float32)
     c3, s3 = xp.asarray(cos[:, None]), xp.asarray(sin[:, None])
     dk.rope_forward(xp.asarray(x), c3, s3, xp, out=out.transpose(0, 2, 1, 3), threads=TPB)
-    ry, _ = reference(lambda: kernels.rope_forward(x, cos[:, None], sin[:, None], np))
+    ry, _ = kernels.rope_forward(x, cos[:, None], sin[:, None], np)
     same(dk, out.transpose(0, 2, 1, 3), ry)
     dx = dk.rope_backward(xp.asarray(x), (c3, s3), xp, threads=TPB)
-    same(dk, dx, reference(lambda: kernels.rope_backward(x, (cos[:, None], sin[:, None]), np)))
+    same(dk, dx, kernels.rope_backward(x, (cos[:, None], sin[:, None]), np))
     # head-major x with (T, D) tables
     xh = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
     y, _ = dk.rope_forward(xp.asarray(xh), xp.asarray(cos), xp.asarray(sin), xp, threads=TPB)
-    same(dk, y, reference(lambda: kernels.rope_forward(xh, cos, sin, np))[0])
+    same(dk, y, kernels.rope_forward(xh, cos, sin, np)[0])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
 def test_cross_entropy_forward_backward_and_fused(dk, xp, dtype):
     N, V = 5, 37
     z, t = rand(N, V, dtype=dtype, scale=4.0), RNG.integers(0, V, N)
-    loss, cache = dk.cross_entropy_forward(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
+    loss, cache = ux.cross_entropy_forward(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
     rloss, rcache = kernels.cross_entropy_forward(z, t, np)
     assert loss.shape == () and loss.dtype == np.float32
     close(loss, rloss)
@@ -159,22 +156,22 @@ def test_cross_entropy_forward_backward_and_fused(dk, xp, dtype):
     close(dk.logsumexp_rows(xp.asarray(z), xp, threads=TPB), kernels.logsumexp_rows(
         z.astype(np.float32), np))
     rd = kernels.cross_entropy_backward(3.0, rcache, np)
-    close(dk.cross_entropy_backward(3.0, cache, xp, threads=TPB), rd)
+    close(ux.cross_entropy_backward(3.0, cache, xp, threads=TPB), rd)
     # one launch: losses, lse and the gradient, written over the logits themselves
     zz = xp.asarray(z.astype(np.float32))
-    losses, lse, d = dk.cross_entropy_fused(zz, xp.asarray(t), 3.0 / N, xp, out=zz, threads=TPB)
+    losses, lse, d = ux.cross_entropy_fused(zz, xp.asarray(t), 3.0 / N, xp, out=zz, threads=TPB)
     assert d is zz
     close(losses, rcache[2] - z.astype(np.float32)[np.arange(N), t])
     close(lse, rcache[2])
     close(d, rd)
-    _, _, d16 = dk.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 3.0 / N, xp,
+    _, _, d16 = ux.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 3.0 / N, xp,
                                        out=xp.empty((N, V), F16), threads=TPB)
     half_close(d16, rd)
 
 
 def test_cross_entropy_target_out_of_range_is_a_nan_loss_not_a_stray_read(dk, xp):
     z, t = rand(3, 20), np.array([0, 20, -1])
-    losses, _, d = dk.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 1.0, xp, threads=TPB)
+    losses, _, d = ux.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 1.0, xp, threads=TPB)
     got = host(losses)
     assert np.isfinite(got[0]) and np.isnan(got[1:]).all()
     assert np.isfinite(host(d)).all()
@@ -186,18 +183,18 @@ def test_softmax_forward_backward_is_the_reference_attentions(dk, xp):
     _, (qg, kg, vg, rp) = kernels.attention_forward(q, k, v, np)  # rp (B, KV, G, T, T)
     s = qg @ kg.swapaxes(-1, -2)  # raw scores
     scale = 1.0 / np.sqrt(D)
-    p, lse = dk.softmax_forward(xp.asarray(s), xp, scale=scale, with_lse=True, threads=TPB)
+    p, lse = ux.softmax_forward(xp.asarray(s), xp, scale=scale, with_lse=True, threads=TPB)
     close(p, rp)
     ss = np.where(np.triu(np.ones((T, T), bool), 1), -np.inf, s * np.float32(scale))
     close(lse, np.log(np.exp(ss - ss.max(-1, keepdims=True)).sum(-1)) + ss.max(-1))
     dq, dk_, _ = kernels.attention_backward(do, (qg, kg, vg, rp), np)
     dog = do.reshape(qg.shape)
     dp = dog @ vg.swapaxes(-1, -2)  # (B, KV, G, T, T)
-    ds = host(dk.softmax_backward(xp.asarray(dp), p, xp, scale=scale, threads=TPB))
+    ds = host(ux.softmax_backward(xp.asarray(dp), p, xp, scale=scale, threads=TPB))
     close((ds @ kg).reshape(dq.shape), dq)
     close((ds.swapaxes(-1, -2) @ qg).sum(axis=2), dk_)
     delta = (do * kernels.attention_forward(q, k, v, np)[0]).sum(-1).reshape(B, KV, -1, T)
-    ds2 = dk.softmax_backward(xp.asarray(dp), p, xp, scale=scale, delta=xp.asarray(delta),
+    ds2 = ux.softmax_backward(xp.asarray(dp), p, xp, scale=scale, delta=xp.asarray(delta),
                               out=xp.asarray(dp), threads=TPB)  # flash's rowsum(dO * O)
     close(ds2, ds)
 
@@ -207,13 +204,13 @@ def test_softmax_of_a_tile_masks_by_global_positions(dk, xp):
     q, k = np.arange(10, 18)[:, None], np.arange(1, 18)[None, :]
     z = np.where(k > q, -np.inf, s * np.float32(0.5))  # the reference's order: scale, mask
     e = np.exp(z - z.max(-1, keepdims=True))
-    tile, lse = dk.softmax_forward(xp.asarray(s), xp, scale=0.5, q0=10, k0=1, with_lse=True,
+    tile, lse = ux.softmax_forward(xp.asarray(s), xp, scale=0.5, q0=10, k0=1, with_lse=True,
                                    threads=TPB)
     close(tile, e / e.sum(-1, keepdims=True))
     close(lse, np.log(e.sum(-1)) + z.max(-1))
     assert host(tile)[0, 10:].max() == 0.0 and host(tile)[0, :10].min() > 0  # query 10: keys 1..10
     # keys 15..17 against queries 0..2: nothing visible
-    p, lse = dk.softmax_forward(xp.asarray(s[:3, :3]), xp, q0=0, k0=15, with_lse=True,
+    p, lse = ux.softmax_forward(xp.asarray(s[:3, :3]), xp, q0=0, k0=15, with_lse=True,
                                 threads=TPB)
     assert (host(p) == 0).all() and (host(lse) == -np.inf).all()
 
@@ -254,14 +251,14 @@ def test_casts_round_as_numpy_and_scale_before_rounding(dk, xp, monkeypatch):
     with np.errstate(over="ignore"):
         want16 = a.astype(F16)
         scaled = (a * np.float32(0.125)).astype(F16)
-    h = dk.cast(xp.asarray(a), F16, xp, threads=TPB)
+    h = ux.cast(xp.asarray(a), F16, xp, threads=TPB)
     np.testing.assert_array_equal(host(h).view(np.uint16), want16.view(np.uint16))
-    np.testing.assert_array_equal(host(dk.cast(xp.asarray(a), F16, xp, scale=0.125,
+    np.testing.assert_array_equal(host(ux.cast(xp.asarray(a), F16, xp, scale=0.125,
                                                threads=TPB)).view(np.uint16),
                                   scaled.view(np.uint16))
-    back = dk.cast(h, np.float32, xp, threads=TPB)
+    back = ux.cast(h, np.float32, xp, threads=TPB)
     np.testing.assert_array_equal(host(back), want16.astype(np.float32))
-    nan = dk.cast(xp.asarray(np.array([np.nan], np.float32)), F16, xp)
+    nan = ux.cast(xp.asarray(np.array([np.nan], np.float32)), F16, xp)
     assert np.isnan(host(nan)).all()
 
 
@@ -272,11 +269,11 @@ def test_bad_input_is_one_line_before_any_launch(dk, xp):
     with pytest.raises(ValueError, match="threads=48: a block is a power of two"):
         dk.swiglu_forward(x, x, xp, threads=48)
     with pytest.raises(ValueError, match=r"out: shape \(2, 8\) float32, expected \(8, 2\)"):
-        dk.cast(x.T, F16, xp, out=x)
+        ux.cast(x.T, F16, xp, out=x)
     with pytest.raises(ValueError, match="logits \\(N, V\\) and targets \\(N,\\)"):
-        dk.cross_entropy_forward(x, xp.zeros(3, np.int64), xp)
+        ux.cross_entropy_forward(x, xp.zeros(3, np.int64), xp)
     with pytest.raises(TypeError, match="targets are token ids \\(integers\\), not float32"):
-        dk.cross_entropy_forward(x, x[:, 0], xp)
+        ux.cross_entropy_forward(x, x[:, 0], xp)
     other = None if xp is np else np  # the module that does not go with this run
     if other is None:
         with pytest.raises(TypeError, match="simulator .* take numpy or stand-in arrays: pass xp=numpy"):

@@ -1,5 +1,6 @@
-"""The fast paths' switch (`ratrain.fastpath`): numba absent, broken or turned off, each told
-apart, and what the tests of a fast path do in each case (CI fails, elsewhere they skip).
+"""The compiled fast paths and numba (`ratrain.fastpath`): numba absent, broken or turned off,
+each told apart; what the kernel table makes of them (`run.fused`); and what the tests of a fast
+path do in each case (CI fails, elsewhere they skip).
 
 numba is shadowed by a package on PYTHONPATH whose import raises what an absent numba raises
 (ModuleNotFoundError for `numba`) or what a broken one does (numba's own ImportError when NumPy
@@ -19,7 +20,8 @@ RAISES = {
     "absent": 'raise ModuleNotFoundError("No module named \'numba\'", name="numba")',
     "broken": 'raise ImportError("Numba needs NumPy 2.3 or less. Got NumPy 2.9.")',
 }
-PROBE = "from ratrain.exec import fused; print(fused.enabled(), '|', fused.why_off())"
+PROBE = ("from ratrain.exec import fused; from ratrain.exec.backends import kernel_table; "
+         "print(fused.available(), '|', fused.why_off(), '|', kernel_table().names['swiglu'])")
 
 
 def _env(tmp_path, numba, **extra):
@@ -41,7 +43,7 @@ def _py(env, code=PROBE):
 def test_absent_numba_turns_the_fast_paths_off_with_the_reason(tmp_path, ci):
     p = _py(_env(tmp_path, "absent", CI=ci))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "False | numba is not installed (the fast extra)"
+    assert p.stdout.strip() == "False | numba is not installed (the fast extra) | numpy"
     assert "Warning" not in p.stderr
 
 
@@ -58,17 +60,35 @@ def test_broken_numba_under_ci_is_an_error(tmp_path):
     assert "numba is installed but broken" in p.stderr and "NumPy 2.9" in p.stderr
 
 
-def test_ratrain_fused_0_turns_an_importable_numba_off(tmp_path):
+def test_ratrain_fused_0_turns_an_importable_numba_off(monkeypatch):
     need("numba")  # this case needs the real one
-    p = _py(_env(tmp_path, None, RATRAIN_FUSED="0"))
-    assert p.stdout.strip() == "False | turned off by RATRAIN_FUSED=0", p.stderr
+    from ratrain.config import load_config
+    from ratrain.exec.backends import kernels_for
+
+    assert kernels_for(load_config(None)).names["swiglu"] == "fused"
+    monkeypatch.setenv("RATRAIN_FUSED", "0")  # read once, by load_config: run.fused=off
+    cfg = load_config(None)
+    assert cfg.run.fused == "off" and kernels_for(cfg).names["swiglu"] == "numpy"
+
+
+def test_run_fused_on_without_numba_is_refused_at_start_up(tmp_path):
+    env = _env(tmp_path, "absent")
+    p = subprocess.run([sys.executable, "-m", "ratrain.train", "--config", "jobs/tiny.yaml",
+                        "--set", "run.fused=on", "--set", f"run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        "error: run.fused=on but numba is not installed (the fast extra): install it (pip "
+        "install 'ratrain[fast]') or set run.fused=auto")
+    assert not (tmp_path / "run").exists()
+
 
 
 @pytest.mark.parametrize("numba", ["absent", "broken"])
 def test_a_fast_path_test_fails_under_ci_and_skips_elsewhere(tmp_path, numba):
     """The target: numba unimportable fails CI naming numba; outside CI, a skip with the reason
     (`fused` is the fast path's test module; its first test stands for them all)."""
-    test = "tests/test_fused.py::test_rmsnorm_forward_and_backward"
+    test = "tests/test_fused.py::test_the_host_table_takes_the_fused_kernels_where_they_apply"
     args = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test]
     env = _env(tmp_path, numba)
     out = {ci: subprocess.run(args, capture_output=True, text=True, env=dict(env, CI=ci),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ratrain.exec import kernels
+from ratrain.exec import attention, kernels
 from ratrain.exec.gemm import SCRATCH_TAG, matmul
 from ratrain.shim.ledger import Ledger
 
@@ -136,16 +136,17 @@ def test_flash_equals_plain(T, block, H, KV):
     B, D = 2, 8
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
     o, c = kernels.attention_forward(q, k, v, np)
-    of, cf = kernels.flash_attention_forward(q, k, v, np, block=block)
+    of, cf = attention.flash_attention_forward(q, k, v, np, block=block)
     np.testing.assert_allclose(of, o, rtol=1e-11, atol=1e-12)
-    # the cache is only (q, k, v, o, lse): nothing T x T
-    assert max(a.size for a in cf[:5]) == B * H * T * D or max(a.size for a in cf[:5]) == B * KV * T * D
+    # the cache is only q, k, v, o, lse: nothing T x T
+    assert max(a.size for a in (cf.q, cf.k, cf.v, cf.o, cf.lse)) == B * H * T * D
     s = (q.reshape(B, KV, H // KV, T, D) @ k[:, :, None].swapaxes(-1, -2)).reshape(B, H, T, T)
     s = s / np.sqrt(D) + np.triu(np.full((T, T), -np.inf), 1)
     lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
-    np.testing.assert_allclose(cf[4], lse, rtol=1e-12)
+    np.testing.assert_allclose(cf.lse, lse, rtol=1e-12)
     do = rand(*o.shape)
-    for a, b in zip(kernels.flash_attention_backward(do, cf, np), kernels.attention_backward(do, c, np)):
+    for a, b in zip(attention.flash_attention_backward(do, cf, np, block),
+                    kernels.attention_backward(do, c, np)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11)
 
 
@@ -153,25 +154,25 @@ def test_flash_batch_groups_equal(monkeypatch):
     B, H, KV, T, D = 3, 4, 2, 13, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
     do = rand(B, H, T, D)
-    o, c = kernels.flash_attention_forward(q, k, v, np, block=4)
-    ref = kernels.flash_attention_backward(do, c, np)
-    monkeypatch.setattr(kernels, "TILE_BYTES", 1)  # one sequence per group
-    o1, c1 = kernels.flash_attention_forward(q, k, v, np, block=4)
+    o, c = attention.flash_attention_forward(q, k, v, np, block=4)
+    ref = attention.flash_attention_backward(do, c, np, 4)
+    monkeypatch.setattr(attention, "TILE_BYTES", 1)  # one sequence per group
+    o1, c1 = attention.flash_attention_forward(q, k, v, np, block=4)
     np.testing.assert_array_equal(o1, o)
-    for a, b in zip(kernels.flash_attention_backward(do, c1, np), ref):
+    for a, b in zip(attention.flash_attention_backward(do, c1, np, 4), ref):
         np.testing.assert_array_equal(a, b)
 
 
 def test_flash_fd_and_strided_out():
     B, H, KV, T, D = 1, 4, 2, 11, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
-    o, c = kernels.flash_attention_forward(q, k, v, np, block=4)
+    o, c = attention.flash_attention_forward(q, k, v, np, block=4)
     r = rand(*o.shape)
-    grads = kernels.flash_attention_backward(r, c, np)
-    fd_check(lambda q, k, v: float((kernels.flash_attention_forward(q, k, v, np, block=4)[0] * r).sum()),
+    grads = attention.flash_attention_backward(r, c, np, 4)
+    fd_check(lambda q, k, v: float((attention.flash_attention_forward(q, k, v, np, block=4)[0] * r).sum()),
              [q, k, v], grads)
     buf = np.empty((B, T, H, D))  # token-major output, as the layers use it
-    kernels.flash_attention_forward(q, k, v, np, block=4, out=buf.transpose(0, 2, 1, 3))
+    attention.flash_attention_forward(q, k, v, np, block=4, out=buf.transpose(0, 2, 1, 3))
     np.testing.assert_allclose(buf.transpose(0, 2, 1, 3), o, rtol=1e-13)
 
 
@@ -179,8 +180,9 @@ def test_flash_fp32_close_to_fp64():
     B, H, KV, T, D = 2, 4, 2, 40, 16
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
     o, _ = kernels.attention_forward(q, k, v, np)
-    of, cf = kernels.flash_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), np, block=16)
-    assert of.dtype == np.float32 and cf[4].dtype == np.float32
+    of, cf = attention.flash_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), np,
+                                               block=16)
+    assert of.dtype == np.float32 and cf.lse.dtype == np.float32
     np.testing.assert_allclose(of, o, rtol=1e-4, atol=1e-5)
 
 

@@ -9,6 +9,8 @@ import pytest
 from ratrain.config import ModelConfig
 from ratrain.exec import kernels
 from ratrain.exec import layers
+from ratrain.exec.attention import TiledAttention
+from ratrain.exec.backends import kernel_table
 from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import model_blocks
 from ratrain.shim.ledger import Ledger
@@ -16,6 +18,12 @@ from tests._prereq import need
 
 M = ModelConfig(vocab_size=40, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                 seq_len=9, rope_theta=500.0)
+
+
+def tiled(precision, tile=4, **kw):
+    """An ExecContext of M whose attention runs tiles of `tile` (several a sequence)."""
+    table = kernel_table(np, precision, attention=TiledAttention(tile))
+    return ExecContext(M, precision, kernels=table, **kw)
 
 
 def make_params(m, dtype=np.float64, seed=0, scale=0.3):
@@ -64,7 +72,7 @@ def test_layer_matches_plain_reference(threads):
     P = make_params(M)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, M.seq_len, M.hidden))
-    with ExecContext(M, "fp64", threads=threads, attn_block=4) as ctx:
+    with tiled("fp64", threads=threads) as ctx:
         y, _ = layers.layer_forward(x, P[1], ctx)
     np.testing.assert_allclose(y, ref_layer(x, P[1], M), rtol=1e-12, atol=1e-12)
 
@@ -75,7 +83,7 @@ def test_layer_finite_differences():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, M.seq_len, M.hidden))
     r = rng.standard_normal(x.shape)
-    with ExecContext(M, "fp64", threads=2, attn_block=4) as ctx:
+    with tiled("fp64", threads=2) as ctx:
         _, dx, g, _ = run_layer(ctx, x, p, r)
 
         def loss():
@@ -103,7 +111,7 @@ def test_recompute_choices_give_bitwise_equal_gradients(precision, threads):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, M.seq_len, M.hidden)).astype(dt)
     dy = rng.standard_normal(x.shape).astype(dt)
-    with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
+    with tiled(precision, threads=threads) as ctx:
         y0, dx0, g0, c0 = run_layer(ctx, x, P[1], dy, "none")
         sizes = {"none": layers.cache_nbytes(c0)}
         for rc in ("selective", "full"):
@@ -127,10 +135,10 @@ def test_fp16_close_to_fp32_and_threads_deterministic():
     res = {}
     for precision, P in (("fp32", P32), ("fp16", P16)):
         for threads in (1, 2):
-            with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
+            with tiled(precision, threads=threads) as ctx:
                 dt = ctx.dtype
                 res[precision, threads] = run_layer(ctx, x.astype(dt), P[1], dy.astype(dt))
-    with ExecContext(M, "fp32", threads=2, attn_block=4) as ctx:  # same threads: same bits
+    with tiled("fp32", threads=2) as ctx:  # same threads: same bits
         again = run_layer(ctx, x, P32[1], dy)
     np.testing.assert_array_equal(again[1], res["fp32", 2][1])
     y32, dx32, g32, _ = res["fp32", 1]
@@ -160,7 +168,7 @@ def test_threads_give_bitwise_the_same_layer_and_head(precision, batch):
     t = rng.integers(0, M.vocab_size, (batch, M.seq_len))
     out = []
     for threads in (1, 2, 3, 4, 8):
-        with ExecContext(M, precision, threads=threads, attn_block=4) as ctx:
+        with tiled(precision, threads=threads) as ctx:
             y, dx, g, _ = run_layer(ctx, x, P[1], dy)
             loss, cache = layers.head_forward(x, t, P[-1], ctx)
             gh = zeros_like(P[-1], np.float32)
@@ -283,7 +291,7 @@ def test_against_transformers_llama(dtype):
     precision = "fp64" if dtype == "float64" else "fp32"
     Pn = [{k: v.astype(npdt) for k, v in b.items()} for b in P]
     G = [zeros_like(b, npdt) for b in Pn]
-    with ExecContext(M, precision, threads=2, attn_block=4) as ctx:
+    with tiled(precision, threads=2) as ctx:
         x, ce = layers.embed_forward(ids, Pn[0], ctx)
         caches = []
         for i in range(M.layers):

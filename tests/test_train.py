@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ratrain.data import write_tokens
+from ratrain.exec.backends import kernel_table
 
 TINY = """
 model: {vocab_size: 64, hidden: 32, layers: 2, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}
@@ -48,6 +49,8 @@ def test_run_writes_the_contract_files(job, tmp_path):
     p = train(job, run)
     assert "step     4/4" in p.stdout and "tok/s" in p.stdout
     assert "1 node x 1 rank (pp)" in p.stdout  # the banner names the nodes and the placement
+    # and the kernel table (exec.backends) the rank chose
+    assert kernel_table().describe() in p.stdout and ", attention tiled-64, " in p.stdout
     recs = metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for key in ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens", "step_time_s",

@@ -424,8 +424,9 @@ class RunConfig:
     devkernels: the fused device kernels (numba-cuda) on a GPU rank: auto (on when numba-cuda
         imports) | on (refused when it does not) | off (cupy only) | sim (on the stand-in, in
         numba-cuda's simulator: tests only); RATRAIN_DEVKERNELS overrides it
-    attention: the attention backend: auto (this device's best) or a backend's name (see
-        docs/INTERNALS.md, "Kernel backends")
+    attention: the attention backend: auto (this device's best) or a registered backend's name:
+        tiled-64 (the tiled online softmax at tile 64: the host's auto), tiled-1024 (tile 1024:
+        a device's auto), or one a program registered (docs/INTERNALS.md, "Kernel backends")
     malloc: the host allocator: tuned (freed memory stays in the process, as a cluster's DDR
         pool; ratrain/shim/allocator.py) | default (glibc's own); RATRAIN_MALLOC overrides it
     """

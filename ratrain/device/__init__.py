@@ -13,8 +13,10 @@ from ratrain.device.arrays import (
     HostStaging,
     host_floats,
     is_host,
+    kind_of,
     module_of,
     stacked_rows,
+    storage_of,
     synchronize,
     to_device,
     to_host,
@@ -22,5 +24,5 @@ from ratrain.device.arrays import (
 from ratrain.device.select import DEVICES, Device, DeviceError, local_rank, open_device
 
 __all__ = ["DEVICES", "Device", "DeviceError", "HostStaging", "host_floats", "is_host",
-           "local_rank", "module_of", "open_device", "stacked_rows", "synchronize", "to_device",
-           "to_host"]
+           "kind_of", "local_rank", "module_of", "open_device", "stacked_rows", "storage_of",
+           "synchronize", "to_device", "to_host"]

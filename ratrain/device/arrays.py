@@ -6,7 +6,9 @@ which module it holds:
 
     to_host(a)            a host numpy array of `a` (the same array when it is one already)
     to_device(xp, a)      `a` as an array of `xp` (a copy only when it crosses)
-    is_host(xp)           whether `xp` computes on the host (numpy)
+    is_host(xp)           whether `xp` computes on the host (numpy): the one way to ask
+    kind_of(xp)           which `run.device` `xp` is: cpu (numpy), gpu (cupy) or standin
+    storage_of(a)         the numpy array a stand-in array keeps its values in (in place)
     host_floats(xp, vs)   Python floats of device scalars, all in one download
     module_of(a)          the array module owning `a`
     synchronize(xp)       wait for the device's queued work (nothing on the host)
@@ -24,6 +26,23 @@ from ratrain.device.standin import StandinArray, standin
 
 def is_host(xp) -> bool:
     return xp is np
+
+
+def kind_of(xp) -> str:
+    """The `run.device` whose array module `xp` is: "cpu" (numpy), "standin" or "gpu" (cupy)."""
+    if xp is np:
+        return "cpu"
+    return "standin" if xp is standin else "gpu"
+
+
+def storage_of(a):
+    """The numpy array in which a stand-in array keeps its values (the same memory: writes go
+    through), for numba-cuda's simulator, which runs device kernels on host arrays in place; a
+    numpy array is its own storage; None for anything else (a scalar; a cupy array's values
+    are on its card)."""
+    if type(a) is StandinArray:
+        return a._a
+    return a if isinstance(a, np.ndarray) else None
 
 
 def _is_cupy(a) -> bool:

@@ -1,17 +1,18 @@
 """Execution on one rank: the model's arithmetic, with no communication.
 
-Owns: what the model is made of, its blocks, parameters, stage split and flops (`spec`); pure
-kernels `forward(x, ..., xp) -> (y, cache)` / `backward(dy, cache, xp)` over numpy or cupy
-(`kernels`), the fp16 GEMM (`gemm`), the blocks built from them with their caches and
-recompute choices (`layers`), the execution context of threads, dtypes and RoPE tables
-(`context`); a stage's flat buffers of masters, moments, views and gradients (`params`); AdamW,
-clipping, the LR schedule and loss scaling (`optim`); the GPU path's fused elementwise and row
-kernels (`devkernels`, numba-cuda, imported on first use).
+Owns: what the model is made of, its blocks, parameters, stage split and flops (`spec`); the
+plain reference kernels `forward(x, ..., xp) -> (y, cache)` / `backward(dy, cache, xp)` over
+numpy or cupy (`kernels`), the fp16 GEMM (`gemm`), attention behind its seam (`attention`: the
+backend interface, its cache, the tiled kernels), the fast paths (`fused`, numba on the host;
+`devkernels`, numba-cuda on a GPU, imported on first use) and the table that picks, once per
+rank, which implementation runs each op (`backends`, with the registry of attention backends);
+the blocks built from them with their caches and recompute choices (`layers`), the execution
+context of threads, dtypes, the kernel table and RoPE tables (`context`); a stage's flat buffers
+of masters, moments, views and gradients (`params`); AdamW, clipping, the LR schedule and loss
+scaling (`optim`).
 
-May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (the `FastPath`
-switch of the fused kernels), `ratrain.device` (the array module's transfers and syncs) and
-third-party numerics
-(numpy, threadpoolctl; cupy when given as `xp`; numba-cuda in `devkernels`). Never MPI, comm,
-lifecycle or plan: buffers are
-allocated through a ledger passed in, never imported.
+May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (numba,
+loaded once), `ratrain.device` (the array module's kind, transfers and syncs) and third-party
+numerics (numpy, threadpoolctl; cupy when given as `xp`; numba-cuda in `devkernels`). Never
+MPI, comm, lifecycle or plan: buffers are allocated through a ledger passed in, never imported.
 """

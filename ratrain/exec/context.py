@@ -1,8 +1,10 @@
 """ExecContext: what the block kernels need besides their inputs.
 
 It carries the array module `xp`, the `ModelConfig`, the compute dtype of activations and
-weight views (float32 or float16), RoPE tables cached per sequence length, the DDR ledger (GEMM
-scratch and transient workspace are accounted there while a block runs) and the compute threads.
+weight views (float32 or float16), the rank's kernel table (`kernels`: which implementation runs
+each op, attention included, chosen once in `exec.backends`), RoPE tables cached per sequence
+length, the DDR ledger (GEMM scratch and transient workspace are accounted there while a block
+runs) and the compute threads.
 
 Threads: a micro-batch of B sequences is cut into `min(B, BATCH_CHUNKS)` contiguous chunks
 whatever the thread count (`split`), and `threads` (run.threads; 0 = auto = the usable cores;
@@ -25,11 +27,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from ratrain.config import ModelConfig
+from ratrain.device import kind_of
+from ratrain.exec.backends import Kernels, default_kernels, kernels_for
 from ratrain.exec.kernels import rope_tables
-
-
-ATTN_BLOCK_HOST = 64  # the attention tile on the host (`ExecContext.attn_block`)
-ATTN_BLOCK_DEVICE = 1024  # on a device
 
 
 def auto_threads() -> int:
@@ -94,7 +94,10 @@ BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the
 
 
 class ExecContext:
-    """Execution context of the block kernels (see docs/INTERNALS.md, "Block kernels")."""
+    """Execution context of the block kernels (see docs/INTERNALS.md, "Block kernels").
+
+    `kernels`: the rank's table (`exec.backends.kernels_for`); without one, the `auto` table
+    of `xp` and `precision`. `host`: whether it computes on the host (numpy), asked once."""
 
     def __init__(
         self,
@@ -103,11 +106,16 @@ class ExecContext:
         xp=np,
         ledger=None,
         threads: int = 0,
-        attn_block: int | None = None,
         head_chunk_bytes: int = 16 << 20,
+        kernels: Kernels | None = None,
     ):
         if precision not in ("fp32", "fp16", "fp64"):
             raise ValueError(f"precision={precision!r}: expected fp32 or fp16 (fp64: tests)")
+        self.kernels = kernels if kernels is not None else default_kernels(xp, precision)
+        if self.kernels.device != kind_of(xp):
+            raise ValueError(f"a kernel table for {self.kernels.device} given to a context "
+                             f"computing on {kind_of(xp)}")
+        self.host = self.kernels.host
         self.xp = xp
         self.model = model
         self.precision = precision
@@ -116,31 +124,19 @@ class ExecContext:
         self.compute = np.dtype(np.float64 if precision == "fp64" else np.float32)
         self.ledger = ledger
         self.threads = threads if threads > 0 else auto_threads()
-        # attention tile: sized for a CPU core's cache on the host, for a device's SMs there
-        # (measured on an H100, 124M model, seq 1024: tile 64 0.71 s, 256 0.067 s, 1024
-        # 0.022 s a layer)
-        if attn_block is None:
-            attn_block = ATTN_BLOCK_HOST if xp is np else ATTN_BLOCK_DEVICE
-        self.attn_block = attn_block
+        # the layers' GEMMs in fp16 (tensor cores, fp32 accumulation): fp16 mode on a device;
+        # the host keeps fp32 GEMMs (fp16 operands converted by tiles, `exec.gemm`)
+        self.device_half = not self.host and self.dtype == np.float16
         self.head_chunk_bytes = head_chunk_bytes  # bound on the fp32 logits of one head chunk
         self._rope: dict[int, tuple] = {}
         self._pool = None
 
     @classmethod
     def from_config(cls, cfg, xp=np, ledger=None, **kw) -> ExecContext:
+        kw.setdefault("kernels", kernels_for(cfg, xp))
         return cls(cfg.model, cfg.precision, xp, ledger, cfg.run.threads, **kw)
 
     # -- numerics ---------------------------------------------------------------------------
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.xp is np
-
-    @property
-    def device_half(self) -> bool:
-        """Whether the layers' GEMMs run in fp16 (tensor cores, fp32 accumulation): fp16 mode on
-        a device. The host keeps fp32 GEMMs (fp16 operands converted by tiles, `exec.gemm`)."""
-        return not self.on_cpu and self.dtype == np.float16
 
     def rope(self, seq_len: int):
         """(cos, sin), each (T, D) in the compute dtype, for `seq_len` tokens (cached)."""
@@ -169,19 +165,19 @@ class ExecContext:
     def split(self, batch: int) -> list[slice]:
         """The batch's contiguous chunks: `min(batch, BATCH_CHUNKS)` of them on the CPU (one on
         a GPU), a function of the batch alone (never of the thread count)."""
-        n = min(BATCH_CHUNKS, batch) if self.on_cpu else 1
+        n = min(BATCH_CHUNKS, batch) if self.host else 1
         return [slice(batch * i // n, batch * (i + 1) // n) for i in range(max(n, 1))]
 
     def parts(self) -> int:
         """How many pieces to cut purely elementwise work into (copies, additions): one per
         thread. Never use it to decide an order of reduction."""
-        return max(1, self.threads) if self.on_cpu else 1
+        return max(1, self.threads) if self.host else 1
 
     def map(self, fn, items):
         """[fn(item) for item in items]: the items in up to `threads` threads, each thread a
         contiguous group of them in order, every BLAS call single-threaded."""
         items = list(items)
-        if not self.on_cpu:
+        if not self.host:
             return [fn(it) for it in items]
         n = min(self.threads, len(items))
         with BLAS.limit(1):

@@ -1,11 +1,11 @@
 """Fused device kernels (numba-cuda): one launch where the cupy composition of `kernels` makes
 several, for the GPU path's elementwise and row work.
 
-Each public function takes the array module `xp` (cupy on a GPU; numpy under numba-cuda's
-simulator, `NUMBA_ENABLE_CUDASIM=1`, which runs the same kernels on a CPU, in the tests),
-allocates its outputs with `xp.empty` (cupy's pool owns them) and launches through `_launch`:
-on a GPU on cupy's current stream, the arrays passed by their CUDA array interface (no copy,
-no host sync); under the simulator numpy arrays in place (views and aliases included).
+Each public function takes the array module `xp` (cupy on a GPU; numpy or the stand-in under
+numba-cuda's simulator, `NUMBA_ENABLE_CUDASIM=1`, which runs the same kernels on a CPU, in the
+tests), allocates its outputs with `xp.empty` (cupy's pool owns them) and launches through
+`_launch`: on a GPU on cupy's current stream, the arrays passed by their CUDA array interface
+(no copy, no host sync); under the simulator host arrays in place (views and aliases included).
 
     kernel                    matches                                     launch
     rmsnorm_forward/backward  kernels.rmsnorm_* (fused._rmsnorm_*)         a block per row; dw:
@@ -13,16 +13,15 @@ no host sync); under the simulator numpy arrays in place (views and aliases incl
                                                                             then a column sum
     swiglu_forward/backward   kernels.swiglu_* (fused._swiglu_*)           grid-stride
     rope_forward/backward     kernels.rope_* (fused._rope)                 grid-stride
-    cross_entropy_forward     kernels.cross_entropy_forward (mean loss)    a block per row
-    cross_entropy_backward    kernels.cross_entropy_backward               grid-stride
-    cross_entropy_fused       both at once: losses, lse, dlogits           a block per row
-    logsumexp_rows            kernels.logsumexp_rows                       a block per row
-    softmax_forward           attention_forward's softmax of a score tile  a block per row
-    softmax_backward          attention_backward's dS                      a block per row
+    logsumexp_rows            kernels.logsumexp_rows (the head's loss)     a block per row
     adamw                     fused.adamw (optim._adam_core's arithmetic)  grid-stride
-    sum_squares               optim.block_sq_norm (fp64 accumulation)      per-block partials,
+    sum_squares               kernels.block_sq_norm (fp64 accumulation)      per-block partials,
                                                                             then one block
-    cast                      fused.cast_into (round to nearest even)      grid-stride
+
+The kernel table (`exec.backends`) puts them in the references' place on a GPU rank (and on the
+stand-in under the simulator, `run.devkernels: sim`). Kernels no run calls (the fused
+cross-entropy, the attention softmax, the cast) live with their tests and benchmark
+(tests/_unwired_devkernels.py), built on `device_functions` and `_launch`.
 
 Numerics: inputs are float32 or float16 (float64 stays on `kernels`, the reference); every
 value is loaded into fp32 and computed in fp32 in the reference's operator order, and results
@@ -33,34 +32,31 @@ reference does. Under the simulator the arithmetic is numpy's fp32 (exp, log, sq
 double); on a GPU libdevice's expf/logf (within 2 ulps) and the compiler's fused
 multiply-adds may change the last bit, so the tests compare with tolerances, not bitwise.
 Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
-reference's fp32 copy holds).
-
-Block size: `threads` per block, a power of two (on a GPU 256, 1024 for cross-entropy's long
-rows; 32 under the simulator, which runs one Python thread per CUDA thread); each kernel set is
-compiled once per block size.
+reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256,
+1024 for the logsumexp's long rows; 32 under the simulator, one Python thread per CUDA
+thread); each kernel set is compiled once per block size.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from ratrain.device.standin import StandinArray
+from ratrain.device import kind_of, storage_of
+from ratrain.exec import fused
 
 # numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
 # `cuda` global of a kernel's module for its per-thread stand-in
-cuda = None
-float32 = float64 = None
+cuda = float32 = float64 = None
 _SIM = None  # whether numba.cuda is the simulator (set by `load()`)
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 GPU_THREADS = 256  # threads per block on a GPU (8 warps)
-LONG_ROW_THREADS = 1024  # cross-entropy's rows of V logits on a GPU: fewer rows in flight, so a
-# row's second and third reads hit L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
+LONG_ROW_THREADS = 1024  # rows of V logits on a GPU: fewer rows in flight, so a row's second
+# read hits L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
 SIM_THREADS = 32  # under the simulator: one Python thread each
 MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
@@ -91,26 +87,13 @@ def load():
 
 
 @functools.cache
-def _available() -> bool:
+def why_off() -> str:
+    """Why these kernels cannot run here ("" when numba-cuda imports)."""
     try:
         load()
-    except ImportError:
-        return False
-    return True
-
-
-def usable(xp, *arrays) -> bool:
-    """Whether `kernels` and `optim` take these kernels for `arrays` (None entries ignored):
-    float32 / float16 arrays of a device, that is cupy on a GPU (numba-cuda importable and not
-    turned off by RATRAIN_DEVKERNELS=0), or the stand-in (`device.standin`) under the simulator
-    when RATRAIN_DEVKERNELS=sim (how the CPU tests run the wiring: slow, tiny shapes only)."""
-    mode = os.environ.get("RATRAIN_DEVKERNELS", "1")
-    name = getattr(xp, "__name__", "")
-    if not ((name == "cupy" and mode != "0") or (name == "standin" and mode == "sim")):
-        return False
-    if not _available() or simulated() != (name == "standin"):
-        return False
-    return all(a is None or a.dtype in (F32, F16) for a in arrays)
+    except ImportError as e:
+        return str(e)
+    return ""
 
 
 def simulated() -> bool:
@@ -128,7 +111,7 @@ def simulated() -> bool:
 def _check(xp, *arrays) -> None:
     """One line on a wrong array module or dtype, before any launch."""
     sim = simulated()
-    if sim and xp is not np and getattr(xp, "__name__", "") != "standin":
+    if sim and kind_of(xp) == "gpu":
         raise TypeError("devkernels under the simulator (NUMBA_ENABLE_CUDASIM=1) take numpy "
                         "or stand-in arrays: pass xp=numpy")
     if not sim and xp is np:
@@ -167,10 +150,9 @@ def _launch(kernel, blocks: int, threads: int, xp, *args) -> None:
 
         # its device arrays wrap numpy arrays in place (plain numpy arguments would be copied
         # in and back, which loses writes through aliases and refuses strided views); a
-        # stand-in array is the numpy array it holds
-        args = [a._a if type(a) is StandinArray else a for a in args]
-        kernel[blocks, threads](*[FakeCUDAArray(a) if isinstance(a, np.ndarray) else a
-                                  for a in args])
+        # stand-in array's values are a numpy array (`storage_of`)
+        held = [storage_of(a) for a in args]
+        kernel[blocks, threads](*[a if h is None else FakeCUDAArray(h) for a, h in zip(args, held)])
         return
     stream = _stream(xp.cuda.get_current_stream().ptr)
     # ordered on the same stream as the arrays' producers: no host sync (sync=False)
@@ -209,7 +191,9 @@ def _two_d(name, a):
 
 
 @functools.cache
-def _kernels(TPB: int) -> SimpleNamespace:
+def device_functions(TPB: int) -> SimpleNamespace:
+    """The device functions the kernels share, for blocks of TPB threads: fexp, flog, fmax,
+    block_reduce (kernels of other modules may call them too)."""
     load()
     inf = math.inf
 
@@ -249,6 +233,30 @@ def _kernels(TPB: int) -> SimpleNamespace:
         total = sh[0]
         cuda.syncthreads()  # all have read sh[0] before the next tree writes sh
         return total
+
+    @cuda.jit(device=True)
+    def row_logsumexp(sh, z, r, t):
+        """log(sum(exp(z[r] - max))) + max of row r of z (N, V), the max and the sum by
+        `block_reduce`; every thread gets it. Called by all the block's threads alike."""
+        m = float32(-inf)
+        for c in range(t, z.shape[1], TPB):
+            m = fmax(m, float32(z[r, c]))
+        m = block_reduce(sh, t, m, True)
+        acc = float32(0.0)
+        for c in range(t, z.shape[1], TPB):
+            acc += fexp(float32(z[r, c]) - m)
+        return flog(block_reduce(sh, t, acc, False)) + m
+
+    return SimpleNamespace(fexp=fexp, flog=flog, fmax=fmax, block_reduce=block_reduce,
+                           row_logsumexp=row_logsumexp)
+
+
+@functools.cache
+def _kernels(TPB: int) -> SimpleNamespace:
+    f = device_functions(TPB)
+    fexp, block_reduce, row_logsumexp = f.fexp, f.block_reduce, f.row_logsumexp
+    rope_pair = cuda.jit(device=True)(fused.rope_pair)
+    adam_moments = cuda.jit(device=True)(fused.adam_moments)
 
     # -- RMSNorm --------------------------------------------------------------------------
 
@@ -343,120 +351,29 @@ def _kernels(TPB: int) -> SimpleNamespace:
             j //= H
             tt = j % T
             b = j // T
-            c, s = float32(cos[tt, k]), float32(sin[tt, k])
-            x1, x2 = float32(x[b, tt, h, k]), float32(x[b, tt, h, k + d])
-            if sign > 0:
-                out[b, tt, h, k] = x1 * c - x2 * s
-                out[b, tt, h, k + d] = x2 * c + x1 * s
-            else:
-                out[b, tt, h, k] = x1 * c + x2 * s
-                out[b, tt, h, k + d] = x2 * c - x1 * s
+            y1, y2 = rope_pair(float32(x[b, tt, h, k]), float32(x[b, tt, h, k + d]),
+                               float32(cos[tt, k]), float32(sin[tt, k]), sign)
+            out[b, tt, h, k] = y1
+            out[b, tt, h, k + d] = y2
             i += step
 
-    # -- Cross-entropy ---------------------------------------------------------------------
+    # -- Cross-entropy's row logsumexp ----------------------------------------------------
 
     @cuda.jit
-    def ce_rows(z, targets, lse, losses, d, scale, with_loss, with_grad):
-        """A block per row of z (N, V): lse = log(sum(exp(z - max))) + max; the row's loss
-        lse - z[t] (NaN for a target outside [0, V)); d = (exp(z - lse) - onehot) * scale."""
+    def lse_rows(z, lse):  # a block per row of z (N, V)
         sh = cuda.shared.array(TPB, float32)
-        r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        V = z.shape[1]
-        m = float32(-inf)
-        for c in range(t, V, TPB):
-            m = fmax(m, float32(z[r, c]))
-        m = block_reduce(sh, t, m, True)
-        acc = float32(0.0)
-        for c in range(t, V, TPB):
-            acc += fexp(float32(z[r, c]) - m)
-        tr = targets[r]
-        zt = float32(math.nan)  # the target's logit, read before the barrier (d may be z)
-        if t == 0 and with_loss and 0 <= tr < V:
-            zt = float32(z[r, tr])
-        ls = flog(block_reduce(sh, t, acc, False)) + m
-        if t == 0:
-            lse[r] = ls
-            if with_loss:
-                losses[r] = ls - zt
-        if with_grad:  # every read of the row is done (the tree synchronised): d may be z
-            for c in range(t, V, TPB):
-                p = fexp(float32(z[r, c]) - ls)
-                if c == tr:
-                    p -= float32(1.0)
-                d[r, c] = p * scale
+        lse_r = row_logsumexp(sh, z, cuda.blockIdx.x, cuda.threadIdx.x)
+        if cuda.threadIdx.x == 0:
+            lse[cuda.blockIdx.x] = lse_r
+
+    # -- AdamW, the gradient norm -----------------------------------------------------------
 
     @cuda.jit
-    def ce_grad(z, targets, lse, scale, d):  # elementwise from the rows' lse
-        V = z.shape[1]
-        i, step = cuda.grid(1), cuda.gridsize(1)
-        while i < z.shape[0] * V:
-            r = i // V
-            c = i - r * V
-            p = fexp(float32(z[r, c]) - float32(lse[r]))
-            if c == targets[r]:
-                p -= float32(1.0)
-            d[r, c] = p * scale
-            i += step
-
-    # -- Attention softmax of a score tile -------------------------------------------------
-
-    @cuda.jit
-    def softmax_fwd(s, p, lse, scale, causal, q0, k0, tq, with_lse):
-        """A block per row of s (R, Tk), row r the query q0 + r % tq against keys k0...: the
-        scaled, causally masked softmax; lse of the scaled row (-inf, p = 0 when all masked)."""
-        sh = cuda.shared.array(TPB, float32)
-        r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        K = s.shape[1]
-        last = K if not causal else min(K, q0 + r % tq - k0 + 1)  # keys c < last are visible
-        m = float32(-inf)
-        for c in range(t, last, TPB):
-            m = fmax(m, float32(s[r, c]) * scale)
-        m = block_reduce(sh, t, m, True)
-        acc = float32(0.0)
-        if m != float32(-inf):
-            for c in range(t, last, TPB):
-                acc += fexp(float32(s[r, c]) * scale - m)
-        total = block_reduce(sh, t, acc, False)
-        if with_lse and t == 0:
-            lse[r] = flog(total) + m
-        for c in range(t, K, TPB):
-            if c < last:
-                p[r, c] = fexp(float32(s[r, c]) * scale - m) / total
-            else:
-                p[r, c] = float32(0.0)
-
-    @cuda.jit
-    def softmax_bwd(dp, p, ds, scale, delta, with_delta):
-        """ds = p * (dp - rowsum(dp * p)) * scale (rowsum given as delta: the flash form)."""
-        sh = cuda.shared.array(TPB, float32)
-        r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        K = p.shape[1]
-        if with_delta:
-            rs = float32(delta[r])
-        else:
-            acc = float32(0.0)
-            for c in range(t, K, TPB):
-                acc += float32(dp[r, c]) * float32(p[r, c])
-            rs = block_reduce(sh, t, acc, False)
-        for c in range(t, K, TPB):
-            ds[r, c] = float32(p[r, c]) * (float32(dp[r, c]) - rs) * scale
-
-    # -- AdamW, the gradient norm, casts -----------------------------------------------------
-
-    @cuda.jit
-    def adamw(p, m, v, g, gscale, keep, b2, omb2, w, lerp_low, step_size, bc2, eps):
-        one = float32(1.0)
+    def adamw(p, m, v, g, gscale, keep, b2, omb2, w, omw, lerp_low, step_size, bc2, eps):
         i, step = cuda.grid(1), cuda.gridsize(1)
         while i < p.shape[0]:
-            gi = g[i] * gscale
-            t = gi - m[i]  # m = lerp(m, g, w), torch's two formulas
-            if lerp_low:
-                mi = m[i] + t * w
-            else:
-                mi = gi - t * (one - w)
-            vi = v[i] * b2 + gi * omb2 * gi
-            denom = float32(math.sqrt(vi)) / bc2 + eps
-            p[i] = p[i] * keep + (mi * (-step_size)) / denom
+            mi, vi = adam_moments(m[i], v[i], g[i] * gscale, b2, omb2, w, omw, lerp_low)
+            p[i] = p[i] * keep + (mi * (-step_size)) / (float32(math.sqrt(vi)) / bc2 + eps)
             m[i] = mi
             v[i] = vi
             i += step
@@ -485,16 +402,6 @@ def _kernels(TPB: int) -> SimpleNamespace:
         total = block_reduce(sh, t, acc, False)
         if t == 0:
             out[0] = total
-
-    @cuda.jit
-    def cast(src, dst, scale, scaled):  # flat; dst = src (* scale in fp32), rounded once
-        i, step = cuda.grid(1), cuda.gridsize(1)
-        while i < src.shape[0]:
-            if scaled:
-                dst[i] = float32(src[i]) * scale
-            else:
-                dst[i] = src[i]
-            i += step
 
     return SimpleNamespace(**{k: v for k, v in locals().items() if hasattr(v, "py_func")})
 
@@ -611,107 +518,24 @@ def rope_backward(dy, cache, xp, out=None, threads=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Cross-entropy (mean over tokens)
+# Cross-entropy's row logsumexp (the head's loss)
 # --------------------------------------------------------------------------------------------
-
-
-def _ce(logits, targets, xp, scale, losses, grad, out, threads):
-    _check(xp, logits)
-    tpb = _threads(threads, LONG_ROW_THREADS)
-    if logits.ndim != 2 or tuple(targets.shape) != (logits.shape[0],):
-        raise ValueError(f"cross-entropy: logits (N, V) and targets (N,), got "
-                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
-    if targets.dtype.kind not in "iu":
-        raise TypeError(f"cross-entropy: targets are token ids (integers), not {targets.dtype}")
-    N = logits.shape[0]
-    lse = xp.empty(N, F32)
-    loss = xp.empty(N, F32) if losses else None
-    d = _out(out, logits.shape, F32, xp) if grad else None
-    if N:
-        _launch(_kernels(tpb).ce_rows, N, tpb, xp, logits, targets, lse,
-                loss if losses else lse, d if grad else logits, np.float32(scale), losses, grad)
-    return loss, lse, d
 
 
 def logsumexp_rows(z, xp, threads=None):
     """log(sum(exp(z), -1)) of rows of z (N, V), the max subtracted first: float32 (N,)."""
-    return _ce(z, xp.zeros(z.shape[0], np.int32), xp, 1.0, False, False, None, threads)[1]
-
-
-def cross_entropy_forward(logits, targets, xp, threads=None):
-    """logits (N, V), targets (N,) integer -> (mean loss, 0-d float32, cache (logits, targets,
-    lse)): `kernels.cross_entropy_forward`. A target outside [0, V) makes its row's loss NaN
-    (the reference raises IndexError; a kernel cannot, and must not read out of bounds)."""
-    losses, lse, _ = _ce(logits, targets, xp, 1.0, True, False, None, threads)
-    return losses.mean(dtype=F32), (logits, targets, lse)
-
-
-def cross_entropy_backward(dloss, cache, xp, out=None, threads=None):
-    """-> dlogits (N, V) = (softmax(logits) - onehot(targets)) * dloss / N, float32 (or `out`'s
-    dtype): `kernels.cross_entropy_backward`. `float(dloss)`: give a Python number (a device
-    0-d array would be a host sync)."""
-    z, targets, lse = cache
     _check(xp, z)
-    tpb = _threads(threads)
-    d = _out(out, z.shape, F32, xp)
-    if z.size:
-        _launch(_kernels(tpb).ce_grad, _grid(z.size, tpb), tpb, xp, z, targets, lse,
-                np.float32(float(dloss) / z.shape[0]), d)
-    return d
-
-
-def cross_entropy_fused(logits, targets, scale, xp, out=None, threads=None):
-    """Loss and gradient in one launch, a block per row: -> (losses (N,), lse (N,), dlogits)
-    with losses = lse - logits[t] (float32), dlogits = (softmax - onehot(t)) * scale (float32,
-    or `out`'s dtype; `out` may be `logits` itself: each row is read before it is written).
-    `kernels.cross_entropy_forward` / `_backward` with scale = dloss / N (the mean's factor;
-    the head passes dscale / (B * T))."""
-    return _ce(logits, targets, xp, scale, True, True, out, threads)
+    if z.ndim != 2:
+        raise ValueError(f"logsumexp_rows: z (N, V), got shape {tuple(z.shape)}")
+    tpb = _threads(threads, LONG_ROW_THREADS)
+    lse = xp.empty(z.shape[0], F32)
+    if z.shape[0]:
+        _launch(_kernels(tpb).lse_rows, z.shape[0], tpb, xp, z, lse)
+    return lse
 
 
 # --------------------------------------------------------------------------------------------
-# Attention: the softmax of a materialised or tiled score block
-# --------------------------------------------------------------------------------------------
-
-
-def softmax_forward(s, xp, scale=1.0, causal=True, q0=0, k0=0, out=None, with_lse=False,
-                    threads=None):
-    """s (..., Tq, Tk) raw scores of queries q0 + i against keys k0 + j -> p = softmax(s * scale)
-    along the last axis with keys j > i masked (causal), float32 (or `out`'s dtype; `out` may be
-    `s`); with `with_lse` also the rows' logsumexp of the scaled scores (..., Tq) float32 (-inf,
-    and p = 0, for a row whose keys are all masked). `kernels.attention_forward`'s softmax
-    (scale applied to the scores, then the mask, the max subtracted, divided by the sum)."""
-    _check(xp, s)
-    if s.ndim < 2:
-        raise ValueError(f"softmax: scores (..., Tq, Tk), got shape {tuple(s.shape)}")
-    tpb = _threads(threads)
-    p = _out(out, s.shape, F32, xp)
-    lse = xp.empty(s.shape[:-1], F32) if with_lse else None
-    s2 = _rows(s)
-    if s2.shape[0] and s.shape[-1]:
-        _launch(_kernels(tpb).softmax_fwd, s2.shape[0], tpb, xp, s2, _rows(p),
-                lse.reshape(-1) if with_lse else s2[:, 0], np.float32(scale), bool(causal),
-                int(q0), int(k0), int(s.shape[-2]), bool(with_lse))
-    return (p, lse) if with_lse else p
-
-
-def softmax_backward(dp, p, xp, scale=1.0, delta=None, out=None, threads=None):
-    """dS = p * (dp - rowsum(dp * p)) * scale of (..., Tq, Tk) tiles, float32 (or `out`'s dtype;
-    `out` may be `dp`): `kernels.attention_backward`'s ds. `delta` (..., Tq): the rows' sums
-    given (flash attention's rowsum(dO * O), equal to rowsum(dP * P))."""
-    _check(xp, dp, p)
-    tpb = _threads(threads)
-    ds = _out(out, p.shape, F32, xp)
-    p2 = _rows(p)
-    if p2.shape[0] and p.shape[-1]:
-        _launch(_kernels(tpb).softmax_bwd, p2.shape[0], tpb, xp, _rows(dp), p2, _rows(ds),
-                np.float32(scale), p2[:, 0] if delta is None else delta.reshape(-1),
-                delta is not None)
-    return ds
-
-
-# --------------------------------------------------------------------------------------------
-# AdamW, the gradient norm, casts
+# AdamW, the gradient norm
 # --------------------------------------------------------------------------------------------
 
 
@@ -724,16 +548,14 @@ def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp, th
     if not all(a.dtype == F32 and a.ndim == 1 for a in (p, m, v, g)):
         raise TypeError("adamw: p, m, v, g are flat float32 arrays")
     tpb = _threads(threads)
-    f = np.float32
-    w = f(1 - b1)
     if p.size:
-        _launch(_kernels(tpb).adamw, _grid(p.size, tpb), tpb, xp, p, m, v, g, f(grad_scale),
-                f(keep), f(b2), f(1 - b2), w, bool(w < 0.5), f(step_size), f(bc2_sqrt), f(eps))
+        _launch(_kernels(tpb).adamw, _grid(p.size, tpb), tpb, xp, p, m, v, g,
+                *fused.adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps))
 
 
 def sum_squares(a, xp, threads=None):
     """Sum of squares of a flat array, accumulated in float64, as a 0-d float64 array on the
-    device (`float(...)` of it is the one host sync): `optim.block_sq_norm` (a non-finite
+    device (`float(...)` of it is the one host sync): `kernels.block_sq_norm` (a non-finite
     element makes it non-finite, the fp16 overflow signal). Per-block partials of a grid-stride
     pass, then one block sums them: the order is fixed by len(a) and `threads` alone."""
     _check(xp, a)
@@ -750,30 +572,9 @@ def sum_squares(a, xp, threads=None):
     return out.reshape(())
 
 
-def cast(src, dtype, xp, scale=1.0, out=None, threads=None):
-    """src (float32 or float16) -> a C-contiguous `dtype` array (or into `out`) of src * scale,
-    the product in fp32, rounded once to nearest even (scale 1: `fused.cast_into`, bitwise).
-    The fp32 masters' fp16 views and fp16 activations' fp32 copies."""
-    _check(xp, src)
-    dtype = np.dtype(dtype)
-    if dtype not in (F32, F16):
-        raise TypeError(f"cast: to float32 or float16, not {dtype}")
-    tpb = _threads(threads)
-    dst = _out(out, src.shape, dtype, xp)
-    if dst.dtype != dtype:
-        raise ValueError(f"out: {dst.dtype}, expected {dtype}")
-    if src.size:
-        _launch(_kernels(tpb).cast, _grid(src.size, tpb), tpb, xp, src.reshape(-1),
-                dst.reshape(-1), np.float32(scale), scale != 1.0)
-    return dst
-
-
 __all__ = [
     "adamw",
-    "cast",
-    "cross_entropy_backward",
-    "cross_entropy_forward",
-    "cross_entropy_fused",
+    "device_functions",
     "load",
     "logsumexp_rows",
     "rmsnorm_backward",
@@ -781,9 +582,8 @@ __all__ = [
     "rope_backward",
     "rope_forward",
     "simulated",
-    "softmax_backward",
-    "softmax_forward",
     "sum_squares",
     "swiglu_backward",
     "swiglu_forward",
+    "why_off",
 ]

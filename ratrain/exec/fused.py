@@ -4,18 +4,17 @@ On the CPU most of a step that is not GEMM is elementwise work (SwiGLU, RMSNorm,
 casts), and numpy runs each operator as a separate pass over arrays far larger than the
 caches, with a temporary for each intermediate. The kernels here compute the same formulas, in
 the same operator order, in one loop each, compiled by numba (an optional dependency: the
-`fast` extra). `kernels.py` and `optim.py` stay the plain reference: they call these when
-`usable(...)` and fall back to their numpy code otherwise (no numba, `RATRAIN_FUSED=0`, cupy,
-float64, float16), and the tests check each fused kernel against the reference.
+`fast` extra). Each public function has the signature of its plain reference in `kernels`
+(`optim` for AdamW) and calls that reference for what it does not take (float64, float16,
+layouts it does not handle); the kernel table (`exec.backends`) puts them in the references'
+place on a host rank where `run.fused` allows and numba imports, and the tests check each
+against its reference.
 
 Numerics: operator for operator the same fp32 arithmetic (no fast-math, no contraction into
 fused multiply-adds), so AdamW, RoPE and the elementwise parts are bitwise those of the
 reference, exponentials included (they are numpy's own); only RMSNorm's row means are summed in
-row order where numpy sums pairwise: a few ulps, within the tests' tolerance. Every kernel is serial and deterministic; the caller's
-threads split the work as they split the numpy path.
-
-    if fused.usable(np, x):
-        fused.swiglu_forward(gate, up, out)
+row order where numpy sums pairwise: a few ulps, within the tests' tolerance. Every kernel is
+serial and deterministic; the caller's threads split the work as they split the numpy path.
 """
 
 from __future__ import annotations
@@ -24,31 +23,27 @@ import functools
 
 import numpy as np
 
-from ratrain.fastpath import FastPath, load_numba
+from ratrain.exec import kernels
+from ratrain.exec.kernels import as_dtype, compute_dtype
+from ratrain.exec.profile import timed
+from ratrain.fastpath import load_numba
 
-numba = load_numba()[0]  # the `fast` extra: None when absent (or broken, outside CI)
-_state = FastPath()
+numba, _WHY_OFF = load_numba()  # the `fast` extra: None when absent (or broken, outside CI)
 F32 = np.dtype(np.float32)
 
 
-def enabled() -> bool:
-    """Whether the fused path is on (numba importable, not turned off by RATRAIN_FUSED=0)."""
-    return _state.on
+def available() -> bool:
+    """Whether numba imports, so that these kernels compile."""
+    return numba is not None
 
 
 def why_off() -> str:
-    """Why the fused path is off ("" when on)."""
-    return _state.why_off
+    """Why they cannot run here ("" when numba imports)."""
+    return _WHY_OFF
 
 
-def usable(xp, *arrays) -> bool:
-    """The fused path applies: on, numpy arrays, all float32."""
-    return _state.on and xp is np and all(a.dtype == F32 for a in arrays)
-
-
-def disabled():
-    """Run the block on the numpy reference (tests compare the two)."""
-    return _state.disabled()
+def _f32(*arrays) -> bool:
+    return all(a.dtype == F32 for a in arrays)
 
 
 def _jit(fn):
@@ -90,15 +85,26 @@ def _exp_neg(gate):
     return np.exp(e, out=e)
 
 
-def swiglu_forward(gate, up, out):
-    _swiglu_fwd(gate, up, _exp_neg(gate), out)
-    return out
+@timed("swiglu")
+def swiglu_forward(gate, up, xp, out=None):
+    """`kernels.swiglu_forward` of float32 (N, F) arrays (any strides)."""
+    if not (gate.ndim == 2 and _f32(gate, up)):
+        return kernels.swiglu_forward(gate, up, xp, out)
+    a = np.empty(gate.shape, F32) if out is None else out
+    _swiglu_fwd(gate, up, _exp_neg(gate), a)
+    return a, (gate, up)
 
 
-def swiglu_backward(dact, gate, up, dgate, dup, act=None):
-    e = _exp_neg(gate)
-    _swiglu_bwd(dact, gate, up, e, dgate, dup, act if act is not None else dgate,
-                act is not None)
+@timed("swiglu")
+def swiglu_backward(dact, cache, xp, out=None, with_act=False):
+    """`kernels.swiglu_backward` of float32 (N, F) arrays (any strides)."""
+    gate, up = cache
+    if not (gate.ndim == 2 and _f32(gate, up, dact)):
+        return kernels.swiglu_backward(dact, cache, xp, out, with_act)
+    dgate, dup = out if out is not None else (np.empty(gate.shape, F32), np.empty(gate.shape, F32))
+    act = np.empty(gate.shape, F32) if with_act else None
+    _swiglu_bwd(dact, gate, up, _exp_neg(gate), dgate, dup, act if with_act else dgate, with_act)
+    return (dgate, dup, act) if with_act else (dgate, dup)
 
 
 # -- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ----------------------------------------------
@@ -132,22 +138,46 @@ def _rmsnorm_bwd(dy, x, rstd, w, dx, dw):  # dy, x, dx (R, C); rstd (R,); w, dw 
             dx[r, c] = (dy[r, c] * w[c] - xhat * m) * s
 
 
-def rmsnorm_forward(x2, w, eps, y2):
-    """x2, y2 (R, C) views; returns rstd (R, 1)."""
-    rstd = np.empty((x2.shape[0], 1), F32)
-    _rmsnorm_fwd(x2, w, np.float32(eps), y2, rstd[:, 0])
-    return rstd
+@timed("rmsnorm")
+def rmsnorm_forward(x, w, eps, xp, out=None):
+    """`kernels.rmsnorm_forward` of a C-contiguous float32 x (..., C) and float32 w."""
+    x = as_dtype(x, compute_dtype(x, w))
+    if not (_f32(x, w) and x.flags.c_contiguous):
+        return kernels.rmsnorm_forward(x, w, eps, xp, out)
+    C = x.shape[-1]
+    y = np.empty(x.shape, F32) if out is None else out
+    rstd = np.empty((*x.shape[:-1], 1), F32)
+    _rmsnorm_fwd(x.reshape(-1, C), w, np.float32(eps), y.reshape(-1, C), rstd.reshape(-1))
+    return y, (x, rstd, w)
 
 
-def rmsnorm_backward(dy2, x2, rstd, w):
-    """-> (dx (R, C), dw (C,))."""
-    dx = np.empty(x2.shape, F32)
-    dw = np.zeros(x2.shape[1], F32)
-    _rmsnorm_bwd(dy2, x2, rstd.reshape(-1), w, dx, dw)
+@timed("rmsnorm")
+def rmsnorm_backward(dy, cache, xp):
+    """`kernels.rmsnorm_backward` of C-contiguous float32 dy and x, and a float32 w."""
+    x, rstd, w = cache
+    dy = as_dtype(dy, x.dtype)
+    if not (_f32(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous):
+        return kernels.rmsnorm_backward(dy, cache, xp)
+    C = x.shape[-1]
+    dx = np.empty(x.shape, F32)
+    dw = np.zeros(C, F32)
+    _rmsnorm_bwd(dy.reshape(-1, C), x.reshape(-1, C), rstd.reshape(-1), w, dx.reshape(-1, C), dw)
     return dx, dw
 
 
 # -- RoPE: y = x * cos + rotate_half(x) * sin ------------------------------------------------
+
+
+def rope_pair(x1, x2, c, s, sign):
+    """One rotated pair of RoPE, (x1 c - x2 s, x2 c + x1 s), or for sign -1 (the backward) the
+    transpose's (x1 c + x2 s, x2 c - x1 s): the formula this module's and `devkernels`' RoPE
+    kernels compile."""
+    if sign > 0:
+        return x1 * c - x2 * s, x2 * c + x1 * s
+    return x1 * c + x2 * s, x2 * c - x1 * s
+
+
+_rope_pair = numba.njit(inline="always")(rope_pair) if numba is not None else rope_pair
 
 
 @_jit
@@ -157,50 +187,75 @@ def _rope(x, cos, sin, out, sign):  # x, out (B, T, H, D); cos, sin (T, D); sign
         for t in range(x.shape[1]):
             for h in range(x.shape[2]):
                 for i in range(d):
-                    c, s = cos[t, i], sin[t, i]
-                    x1, x2 = x[b, t, h, i], x[b, t, h, i + d]
-                    if sign > 0:
-                        out[b, t, h, i] = x1 * c - x2 * s
-                        out[b, t, h, i + d] = x2 * c + x1 * s
-                    else:
-                        out[b, t, h, i] = x1 * c + x2 * s
-                        out[b, t, h, i + d] = x2 * c - x1 * s
+                    y1, y2 = _rope_pair(x[b, t, h, i], x[b, t, h, i + d], cos[t, i], sin[t, i],
+                                        sign)
+                    out[b, t, h, i] = y1
+                    out[b, t, h, i + d] = y2
 
 
-def rope(x, cos, sin, out, backward=False):
-    """x, out (B, T, H, D) views; cos, sin (T, D) float32."""
-    _rope(x, cos, sin, out, -1 if backward else 1)
+@timed("rope")
+def rope_forward(x, cos, sin, xp, out=None):
+    """`kernels.rope_forward` of float32 x (B, T, H, D) (views welcome) with (T, 1, D) tables."""
+    if out is None:
+        out = np.empty(x.shape, compute_dtype(x, cos))
+    if not (x.ndim == 4 and cos.ndim == 3 and _f32(x, cos, sin, out)):
+        return kernels.rope_forward(x, cos, sin, xp, out)
+    _rope(x, cos[:, 0], sin[:, 0], out, 1)
+    return out, (cos, sin)
+
+
+@timed("rope")
+def rope_backward(dy, cache, xp, out=None):
+    """`kernels.rope_backward` of float32 dy (B, T, H, D) with (T, 1, D) tables."""
+    cos, sin = cache
+    if out is None:
+        out = np.empty(dy.shape, compute_dtype(dy, cos))
+    if not (dy.ndim == 4 and cos.ndim == 3 and _f32(dy, cos, sin, out)):
+        return kernels.rope_backward(dy, cache, xp, out)
+    _rope(dy, cos[:, 0], sin[:, 0], out, -1)
     return out
 
 
 # -- AdamW ---------------------------------------------------------------------------------
 
 
+def adam_moments(m, v, g, b2, omb2, w, omw, lerp_low):
+    """One element's new AdamW moments in torch's arithmetic: m = lerp(m, g, w) by torch's two
+    formulas on either side of w = 0.5 (omw = 1 - w), v = v b2 + ((1 - b2) g) g; the formula
+    this module's and `devkernels`' AdamW kernels compile."""
+    t = g - m
+    m = m + t * w if lerp_low else g - t * omw
+    return m, v * b2 + g * omb2 * g
+
+
+def adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
+    """The AdamW kernels' scalar arguments, rounded to fp32: grad_scale, keep, b2, 1 - b2,
+    w = 1 - b1, 1 - w, w < 0.5, step_size, bc2_sqrt, eps."""
+    f = np.float32
+    w = f(1 - b1)
+    return (f(grad_scale), f(keep), f(b2), f(1 - b2), w, f(1) - w, bool(w < 0.5), f(step_size),
+            f(bc2_sqrt), f(eps))
+
+
+_adam_moments = numba.njit(inline="always")(adam_moments) if numba is not None else adam_moments
+
+
 @_jit
-def _adamw(p, m, v, g, gscale, keep, b2, omb2, w, lerp_low, step, bc2, eps):
+def _adamw(p, m, v, g, gscale, keep, b2, omb2, w, omw, lerp_low, step, bc2, eps):
     one = np.float32(1.0)
     for i in range(p.shape[0]):
         gi = g[i] * gscale if gscale != one else g[i]
         pi = p[i] * keep if keep != one else p[i]
-        t = gi - m[i]  # m = lerp(m, g, w), torch's two formulas
-        if lerp_low:
-            mi = m[i] + t * w
-        else:
-            mi = gi - t * (one - w)
-        vi = v[i] * b2 + gi * omb2 * gi
-        denom = np.sqrt(vi) / bc2 + eps
-        p[i] = pi + (mi * (-step)) / denom
+        mi, vi = _adam_moments(m[i], v[i], gi, b2, omb2, w, omw, lerp_low)
+        p[i] = pi + (mi * (-step)) / (np.sqrt(vi) / bc2 + eps)
         m[i] = mi
         v[i] = vi
 
 
-def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
+def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp=None):
     """One AdamW update of flat fp32 ranges in place, `optim._adam_core`'s arithmetic with the
-    gradient scaling and the decay factor (`keep`, 1 for no decay) folded in."""
-    f = np.float32
-    w = f(1 - b1)
-    _adamw(p, m, v, g, f(grad_scale), f(keep), f(b2), f(1 - b2), w, bool(w < 0.5),
-           f(step_size), f(bc2_sqrt), f(eps))
+    gradient scaling and the decay factor (`keep`, 1 for no decay) folded in (`xp`: numpy)."""
+    _adamw(p, m, v, g, *adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps))
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,7 +313,7 @@ def _table():
 def cast_into(dst, src) -> bool:
     """dst[...] = src for a float32 <-> float16 pair of C-contiguous numpy arrays of one shape,
     bitwise as numpy; False (nothing done) when it does not apply (`assign` then casts)."""
-    if not (_state.on and isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
+    if not (isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
             and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous):
         return False
     if src.dtype == F32 and dst.dtype == _F16:
@@ -289,5 +344,6 @@ def assign(dst, src) -> None:
         dst[...] = src
 
 
-__all__ = ["adamw", "assign", "cast", "cast_into", "disabled", "enabled", "rmsnorm_backward",
-           "rmsnorm_forward", "rope", "swiglu_backward", "swiglu_forward", "usable"]
+__all__ = ["adamw", "assign", "available", "cast", "cast_into", "rmsnorm_backward",
+           "rmsnorm_forward", "rope_backward", "rope_forward", "swiglu_backward", "swiglu_forward",
+           "why_off"]

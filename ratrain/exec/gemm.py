@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ratrain.device import is_host
 from ratrain.exec.profile import add_flops, timed
 
 SCRATCH_BYTES = 8 << 20  # fp32 conversion scratch of one fp16 GEMM on the CPU
 SCRATCH_TAG = "scratch.gemm"
-
-
-def is_numpy(xp) -> bool:
-    return xp is np
 
 
 @timed("gemm")
@@ -41,9 +38,9 @@ def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_B
     an fp16 GEMM even for fp32 operands (ignored on numpy)."""
     add_flops(2.0 * a.size * b.shape[-1])  # 2 M N K (a: (..., M, K), b: (K, N))
     f16 = np.dtype(np.float16)
-    if a.dtype != f16 and b.dtype != f16 and not (half and not is_numpy(xp)):
+    if a.dtype != f16 and b.dtype != f16 and not (half and not is_host(xp)):
         return xp.matmul(a, b, out=out)
-    if not is_numpy(xp):
+    if not is_host(xp):
         # cuBLAS fp16 GEMM with fp32 accumulation (cupy's default compute type for half)
         r = xp.matmul(a if a.dtype == f16 else a.astype(f16),
                       b if b.dtype == f16 else b.astype(f16))

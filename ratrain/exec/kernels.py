@@ -10,9 +10,10 @@ Shapes: B batch, T sequence, C hidden, H query heads, KV key/value heads (H % KV
 query heads share one kv head, head h uses kv head h // G as Hugging Face's `repeat_kv`), D head
 size, F MLP hidden, V vocabulary. Weights use the Hugging Face layout (out, in): y = x @ W.T.
 
-Attention comes twice: `attention_*` is the plain reference (materialises the (T, T) scores),
-`flash_attention_*` the blocked online-softmax version whose transient memory is
-O(block^2 + block * D) per (batch, head) whatever T, and whose cache is only (q, k, v, o, lse).
+These are the plain references: the kernel table (`exec.backends`) puts a fast path (`fused` on
+the host, `devkernels` on a GPU) in their place where one applies, and the tests check each fast
+path against them. Attention here materialises the (T, T) scores: the reference of the
+attention backends (`exec.attention`), which the layers call through the table.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import math
 
 import numpy as np
 
-from ratrain.exec import devkernels, fused
-from ratrain.exec.profile import add_flops, timed
+from ratrain.device import is_host, module_of
+from ratrain.exec.profile import timed
 
 NEG_INF = -math.inf
 
@@ -35,8 +36,14 @@ def compute_dtype(*arrays):
     return np.dtype(np.float32)
 
 
-def _as(a, dt):
+def as_dtype(a, dt):
+    """`a` in dtype `dt`: itself when it has it, else a copy (the reference of `fused.cast`)."""
     return a if a.dtype == dt else a.astype(dt)
+
+
+def assign(dst, src) -> None:
+    """dst[...] = src, cast to dst's dtype (the reference of `fused.assign`)."""
+    dst[...] = src
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,13 +84,13 @@ def embedding_backward(dx, cache, xp, dw=None):
     if dw is None:
         dw = xp.zeros(wshape, compute_dtype(dx))
     flat = ids.reshape(-1)
-    if xp is not np:
+    if not is_host(xp):
         _embedding_backward_device(dx.reshape(-1, wshape[1]), flat, dw, xp)
         return dw
     order = xp.argsort(flat, kind="stable")  # rows of each token id together, in order
     sid = flat[order]
     starts = xp.flatnonzero(xp.concatenate([xp.ones(1, bool), sid[1:] != sid[:-1]]))
-    rows = _as(dx.reshape(-1, wshape[1])[order], dw.dtype)  # (N, C) sorted by id
+    rows = as_dtype(dx.reshape(-1, wshape[1])[order], dw.dtype)  # (N, C) sorted by id
     dw[sid[starts]] += xp.add.reduceat(rows, starts, axis=0)  # unique ids: no collisions
     return dw
 
@@ -118,21 +125,14 @@ def _embedding_backward_device(rows, flat, dw, xp) -> None:
 def rmsnorm_forward(x, w, eps, xp, out=None):
     """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w)."""
     ct = compute_dtype(x, w)
-    x = _as(x, ct)
-    if devkernels.usable(xp, x, w, out) and x.flags.c_contiguous:
-        return devkernels.rmsnorm_forward(x, w, eps, xp, out=out)
-    if fused.usable(xp, x, w) and x.flags.c_contiguous:
-        y = xp.empty(x.shape, ct) if out is None else out
-        rstd = fused.rmsnorm_forward(x.reshape(-1, x.shape[-1]), w, eps,
-                                     y.reshape(-1, x.shape[-1]))
-        return y, (x, rstd.reshape(*x.shape[:-1], 1), w)
+    x = as_dtype(x, ct)
     y = xp.multiply(x, x, out=out)  # (..., C) scratch for x^2
     rstd = y.mean(axis=-1, keepdims=True, dtype=ct)  # (..., 1)
     rstd += eps
     xp.sqrt(rstd, out=rstd)
     xp.reciprocal(rstd, out=rstd)
     xp.multiply(x, rstd, out=y)
-    y *= _as(w, ct)
+    y *= as_dtype(w, ct)
     return y, (x, rstd, w)
 
 
@@ -141,16 +141,10 @@ def rmsnorm_backward(dy, cache, xp):
     """-> (dx (..., C), dw (C,)), in the compute type."""
     x, rstd, w = cache
     ct = x.dtype
-    dy = _as(dy, ct)
-    if devkernels.usable(xp, x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
-        return devkernels.rmsnorm_backward(dy, cache, xp)
-    if fused.usable(xp, x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
-        dx, dw = fused.rmsnorm_backward(dy.reshape(-1, x.shape[-1]), x.reshape(-1, x.shape[-1]),
-                                        rstd, w)
-        return dx.reshape(x.shape), dw
+    dy = as_dtype(dy, ct)
     xhat = x * rstd  # (..., C)
     dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)  # (C,)
-    gy = dy * _as(w, ct)  # (..., C)
+    gy = dy * as_dtype(w, ct)  # (..., C)
     m = (gy * xhat).mean(axis=-1, keepdims=True, dtype=ct)  # (..., 1)
     xhat *= m
     gy -= xhat
@@ -182,14 +176,10 @@ def rope_forward(x, cos, sin, xp, out=None):
     x (..., D); cos, sin broadcastable to x ((T, D) for x (B, H, T, D), (T, 1, D) for
     x (B, T, H, D)). `out` may be a strided view (the layers write the head-major layout)."""
     ct = compute_dtype(x, cos)
-    if devkernels.usable(xp, x, cos, sin, out):
-        return devkernels.rope_forward(x, cos, sin, xp, out=out)
     if out is None:
         out = xp.empty(x.shape, ct)
-    if x.ndim == 4 and cos.ndim == 3 and fused.usable(xp, x, cos, sin, out):
-        return fused.rope(x, cos[:, 0], sin[:, 0], out), (cos, sin)  # (T, 1, D) tables
     d = x.shape[-1] // 2
-    c, s = _as(cos[..., :d], ct), _as(sin[..., :d], ct)  # the halves are equal
+    c, s = as_dtype(cos[..., :d], ct), as_dtype(sin[..., :d], ct)  # the halves are equal
     x1, x2 = x[..., :d], x[..., d:]
     o1, o2 = out[..., :d], out[..., d:]
     xp.multiply(x1, c, out=o1)
@@ -204,14 +194,10 @@ def rope_backward(dy, cache, xp, out=None):
     """dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = cat(z2, -z1)."""
     cos, sin = cache
     ct = compute_dtype(dy, cos)
-    if devkernels.usable(xp, dy, cos, sin, out):
-        return devkernels.rope_backward(dy, cache, xp, out=out)
     if out is None:
         out = xp.empty(dy.shape, ct)
-    if dy.ndim == 4 and cos.ndim == 3 and fused.usable(xp, dy, cos, sin, out):
-        return fused.rope(dy, cos[:, 0], sin[:, 0], out, backward=True)  # (T, 1, D) tables
     d = dy.shape[-1] // 2
-    c, s = _as(cos[..., :d], ct), _as(sin[..., :d], ct)
+    c, s = as_dtype(cos[..., :d], ct), as_dtype(sin[..., :d], ct)
     g1, g2 = dy[..., :d], dy[..., d:]
     o1, o2 = out[..., :d], out[..., d:]
     xp.multiply(g1, c, out=o1)
@@ -226,7 +212,8 @@ def rope_backward(dy, cache, xp, out=None):
 # --------------------------------------------------------------------------------------------
 
 
-def _groups(q, k):
+def gqa_shape(q, k):
+    """(B, H, T, D, KV, G) of q (B, H, T, D) and k (B, KV, T, D); G = H / KV query heads a kv head."""
     B, H, T, D = q.shape
     KV = k.shape[1]
     if H % KV:
@@ -237,10 +224,10 @@ def _groups(q, k):
 def attention_forward(q, k, v, xp):
     """Causal softmax(q k^T / sqrt(D)) v. q (B, H, T, D); k, v (B, KV, T, D) -> o (B, H, T, D).
     Materialises the (B, H, T, T) probabilities: the reference for the blocked kernel."""
-    B, H, T, D, KV, G = _groups(q, k)
+    B, H, T, D, KV, G = gqa_shape(q, k)
     ct = compute_dtype(q, k, v)
-    qg = _as(q, ct).reshape(B, KV, G, T, D)
-    kg, vg = _as(k, ct)[:, :, None], _as(v, ct)[:, :, None]  # (B, KV, 1, T, D)
+    qg = as_dtype(q, ct).reshape(B, KV, G, T, D)
+    kg, vg = as_dtype(k, ct)[:, :, None], as_dtype(v, ct)[:, :, None]  # (B, KV, 1, T, D)
     s = xp.matmul(qg, kg.swapaxes(-1, -2)) * (1.0 / math.sqrt(D))  # (B, KV, G, T, T)
     mask = xp.triu(xp.ones((T, T), dtype=bool), k=1)
     s = xp.where(mask, NEG_INF, s)
@@ -255,7 +242,7 @@ def attention_backward(do, cache, xp):
     """-> (dq (B, H, T, D), dk (B, KV, T, D), dv (B, KV, T, D))."""
     qg, kg, vg, p = cache
     B, KV, G, T, D = qg.shape
-    dog = _as(do, p.dtype).reshape(B, KV, G, T, D)
+    dog = as_dtype(do, p.dtype).reshape(B, KV, G, T, D)
     dv = xp.matmul(p.swapaxes(-1, -2), dog).sum(axis=2)  # (B, KV, T, D)
     dp = xp.matmul(dog, vg.swapaxes(-1, -2))  # (B, KV, G, T, T)
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
@@ -263,151 +250,6 @@ def attention_backward(do, cache, xp):
     dq = xp.matmul(ds, kg).reshape(B, KV * G, T, D)  # (B, H, T, D)
     dk = xp.matmul(ds.swapaxes(-1, -2), qg).sum(axis=2)  # (B, KV, T, D)
     return dq, dk, dv
-
-
-# --------------------------------------------------------------------------------------------
-# Causal grouped-query attention: blocked online softmax (flash-attention style)
-# --------------------------------------------------------------------------------------------
-
-
-def _causal_bias(i0, i1, j0, j1, ct, xp):
-    """(bq, bk) additive mask for query rows i0:i1 against keys j0:j1, or None if all visible."""
-    if j1 - 1 <= i0:
-        return None
-    rows = xp.arange(i0, i1)[:, None]
-    cols = xp.arange(j0, j1)[None, :]
-    return xp.where(cols > rows, NEG_INF, 0.0).astype(ct)  # (bq, bk)
-
-
-TILE_BYTES = 256 << 10  # score tiles of a batch group stay in a core's L2 cache
-
-
-def _batch_groups(B, H, block, itemsize):
-    n = max(1, TILE_BYTES // (H * block * block * itemsize))
-    return [slice(b0, min(b0 + n, B)) for b0 in range(0, B, n)]
-
-
-@timed("attention")
-def flash_attention_forward(q, k, v, xp, block=128, out=None):
-    """Causal GQA attention by blocks of `block` queries x `block` keys with an online softmax.
-
-    q (B, H, T, D); k, v (B, KV, T, D) -> o (B, H, T, D) (written into `out` when given, which
-    may be a strided view), cache (q, k, v, o, lse, block) with lse (B, H, T) the log-sum-exp
-    of each row of scaled scores. Transient memory: a few (B, H, block, block) tiles."""
-    B, H, T, D, KV, G = _groups(q, k)
-    ct = compute_dtype(q, k, v)
-    q, k, v = _as(q, ct), _as(k, ct), _as(v, ct)
-    scale = 1.0 / math.sqrt(D)
-    o = xp.empty((B, H, T, D), ct) if out is None else out
-    lse = xp.empty((B, H, T), ct)
-    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
-        _flash_fwd_group(q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp)
-    return o, (q, k, v, o, lse, block)
-
-
-def _flash_fwd_group(q, k, v, o, lse, block, scale, xp):
-    B, H, T, D, KV, G = _groups(q, k)
-    ct = q.dtype
-    qg = (q * scale).reshape(B, KV, G, T, D)  # scale folded into q: one pass over q, not s
-    og = o.reshape(B, KV, G, T, D)  # splitting an axis is always a view
-    lg = lse.reshape(B, KV, G, T)
-    kt = k.swapaxes(-1, -2)[:, :, None]  # (B, KV, 1, D, T)
-    vg = v[:, :, None]  # (B, KV, 1, T, D)
-    for i0 in range(0, T, block):
-        i1 = min(i0 + block, T)
-        qi = qg[:, :, :, i0:i1]  # (B, KV, G, bq, D)
-        m = l = acc = None
-        for j0 in range(0, i1, block):
-            j1 = min(j0 + block, i1)
-            s = xp.matmul(qi, kt[..., j0:j1])  # scaled scores (B, KV, G, bq, bk)
-            add_flops(4.0 * s.size * D)  # QK^T and PV of the tile
-            bias = _causal_bias(i0, i1, j0, j1, ct, xp)
-            if bias is not None:
-                s += bias
-            mj = s.max(axis=-1, keepdims=True)  # (B, KV, G, bq, 1)
-            if m is None:
-                m_new = mj
-            else:
-                m_new = xp.maximum(m, mj)
-            s -= m_new
-            p = xp.exp(s, out=s)  # (B, KV, G, bq, bk)
-            pv = xp.matmul(p, vg[:, :, :, j0:j1])  # (B, KV, G, bq, D)
-            if m is None:
-                l, acc = p.sum(axis=-1, keepdims=True), pv
-            else:
-                alpha = xp.exp(m - m_new)  # (B, KV, G, bq, 1)
-                l *= alpha
-                l += p.sum(axis=-1, keepdims=True)
-                acc *= alpha
-                acc += pv
-            m = m_new
-        xp.divide(acc, l, out=og[:, :, :, i0:i1])
-        xp.log(l, out=l)
-        l += m
-        lg[:, :, :, i0:i1] = l[..., 0]
-
-
-@timed("attention")
-def flash_attention_backward(do, cache, xp):
-    """Blocked backward from (q, k, v, o, lse): scores are recomputed tile by tile.
-
-    do (B, H, T, D) (may be a strided view) -> (dq (B, H, T, D), dk, dv (B, KV, T, D))."""
-    q, k, v, o, lse, block = cache
-    B, H, T, D, KV, G = _groups(q, k)
-    ct = q.dtype
-    scale = 1.0 / math.sqrt(D)
-    do = _as(do, ct)
-    dq = xp.empty((B, H, T, D), ct)
-    dk = xp.empty((B, KV, T, D), ct)
-    dv = xp.empty((B, KV, T, D), ct)
-    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
-        _flash_bwd_group(do[bs], q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp,
-                         dq[bs], dk[bs], dv[bs])
-    return dq, dk, dv
-
-
-def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
-    B, H, T, D, KV, G = _groups(q, k)
-    ct = q.dtype
-    delta = (do * o).sum(axis=-1, dtype=ct).reshape(B, KV, G, T, 1)  # rowsum(dO * O)
-    lg = lse.reshape(B, KV, G, T, 1)
-    qg = (q * scale).reshape(B, KV, G, T, D)  # scaled q: s = qs k^T, dk = dS^T qs
-    dog = do.reshape(B, KV, G, T, D)
-    dq[...] = 0
-    dqg = dq.reshape(B, KV, G, T, D)
-    for j0 in range(0, T, block):
-        j1 = min(j0 + block, T)
-        kj = k[:, :, None, j0:j1]  # (B, KV, 1, bk, D)
-        vj = v[:, :, None, j0:j1]  # (B, KV, 1, bk, D)
-        dkj = dvj = None
-        for i0 in range(j0, T, block):  # query blocks that see keys j0:j1
-            i1 = min(i0 + block, T)
-            qi, doi = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, KV, G, bq, D)
-            s = xp.matmul(qi, kj.swapaxes(-1, -2))  # scaled scores (B, KV, G, bq, bk)
-            add_flops(10.0 * s.size * D)  # the tile's five GEMMs
-            bias = _causal_bias(i0, i1, j0, j1, ct, xp)
-            if bias is not None:
-                s += bias
-            s -= lg[:, :, :, i0:i1]
-            p = xp.exp(s, out=s)  # probabilities (B, KV, G, bq, bk)
-            pt = p.swapaxes(-1, -2)  # (B, KV, G, bk, bq)
-            t = xp.matmul(pt, doi)  # (B, KV, G, bk, D)
-            if dvj is None:
-                dvj = t
-            else:
-                dvj += t
-            dp = xp.matmul(doi, vj.swapaxes(-1, -2))  # (B, KV, G, bq, bk)
-            dp -= delta[:, :, :, i0:i1]
-            dp *= p  # dS / scale (the scale is applied to dq at the end; qs carries it for dk)
-            dqg[:, :, :, i0:i1] += xp.matmul(dp, kj)
-            t = xp.matmul(dp.swapaxes(-1, -2), qi)  # (B, KV, G, bk, D)
-            if dkj is None:
-                dkj = t
-            else:
-                dkj += t
-        dk[:, :, j0:j1] = dkj.sum(axis=2) if G > 1 else dkj[:, :, 0]
-        dv[:, :, j0:j1] = dvj.sum(axis=2) if G > 1 else dvj[:, :, 0]
-    dq *= scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,17 +261,12 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
 def swiglu_forward(gate, up, xp, out=None):
     """act = gate * sigmoid(gate) * up, in the compute type; cache (gate, up)."""
     ct = compute_dtype(gate, up)
-    if gate.ndim == 2 and devkernels.usable(xp, gate, up, out):
-        return devkernels.swiglu_forward(gate, up, xp, out=out)
-    if gate.ndim == 2 and fused.usable(xp, gate, up):
-        a = xp.empty(gate.shape, ct) if out is None else out
-        return fused.swiglu_forward(gate, up, a), (gate, up)
-    g = _as(gate, ct)
+    g = as_dtype(gate, ct)
     a = xp.negative(g, out=out) if out is not None else xp.negative(g)  # (..., F)
     xp.exp(a, out=a)
     a += 1.0
     xp.divide(g, a, out=a)  # silu(g)
-    a *= _as(up, ct)
+    a *= as_dtype(up, ct)
     return a, (gate, up)
 
 
@@ -440,14 +277,7 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False):
     gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act)."""
     gate, up = cache
     ct = compute_dtype(gate, up, dact)
-    if gate.ndim == 2 and devkernels.usable(xp, gate, up, dact, *(out or ())):
-        return devkernels.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
-    if gate.ndim == 2 and fused.usable(xp, gate, up, dact):
-        dgate, dup = out if out is not None else (xp.empty(gate.shape, ct), xp.empty(gate.shape, ct))
-        act = xp.empty(gate.shape, ct) if with_act else None
-        fused.swiglu_backward(dact, gate, up, dgate, dup, act)
-        return (dgate, dup, act) if with_act else (dgate, dup)
-    g, u, da = _as(gate, ct), _as(up, ct), _as(dact, ct)
+    g, u, da = as_dtype(gate, ct), as_dtype(up, ct), as_dtype(dact, ct)
     dgate, dup = out if out is not None else (None, None)
     sig = xp.negative(g)  # (..., F)
     xp.exp(sig, out=sig)
@@ -485,6 +315,34 @@ def mlp_backward(dy, cache, xp):
 
 
 # --------------------------------------------------------------------------------------------
+# The gradient norm's sum of squares
+# --------------------------------------------------------------------------------------------
+
+
+NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
+
+
+@timed("grad norm")
+def block_sq_norm(grad_flat, xp=None):
+    """Sum of squares of a block's fp32 gradient, accumulated in float64: a Python float on
+    the host, a 0-d float64 array on a device (no host sync: the executor downloads a step's
+    sums together).
+
+    Deterministic: the block is summed in fixed chunks in order (the fused form on a device,
+    `devkernels.sum_squares`, in an order fixed by the size), so every rank holding the block
+    computes the same value. inf / nan in the gradient make the result non-finite.
+    """
+    if xp is None:
+        xp = module_of(grad_flat)
+    total = xp.zeros((), xp.float64)  # stays on the device until the end
+    n = grad_flat.shape[0]
+    for i in range(0, n, NORM_CHUNK):
+        c = grad_flat[i : i + NORM_CHUNK].astype(xp.float64)  # (chunk,)
+        total += xp.sum(c * c)  # pairwise summation: deterministic, thread-count independent
+    return float(total) if is_host(xp) else total
+
+
+# --------------------------------------------------------------------------------------------
 # Cross-entropy (mean over tokens), numerically stable
 # --------------------------------------------------------------------------------------------
 
@@ -494,7 +352,7 @@ def cross_entropy_forward(logits, targets, xp):
 
     Computed in the compute type with the row max subtracted. Returns (loss 0-d, cache)."""
     ct = compute_dtype(logits)
-    z = _as(logits, ct)
+    z = as_dtype(logits, ct)
     lse = logsumexp_rows(z, xp)  # (N,)
     n = z.shape[0]
     picked = z[xp.arange(n), targets]  # (N,)
@@ -505,8 +363,6 @@ def cross_entropy_forward(logits, targets, xp):
 @timed("head")
 def logsumexp_rows(z, xp):
     """log(sum(exp(z), -1)) of rows of z (N, V), with the max subtracted first."""
-    if devkernels.usable(xp, z) and z.flags.c_contiguous:
-        return devkernels.logsumexp_rows(z, xp)
     m = z.max(axis=-1, keepdims=True)  # (N, 1)
     e = z - m
     xp.exp(e, out=e)
@@ -525,15 +381,17 @@ def cross_entropy_backward(dloss, cache, xp):
 
 
 __all__ = [
+    "as_dtype",
+    "assign",
     "attention_backward",
     "attention_forward",
+    "block_sq_norm",
     "compute_dtype",
     "cross_entropy_backward",
     "cross_entropy_forward",
     "embedding_backward",
     "embedding_forward",
-    "flash_attention_backward",
-    "flash_attention_forward",
+    "gqa_shape",
     "linear_backward",
     "linear_forward",
     "logsumexp_rows",

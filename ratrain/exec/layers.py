@@ -20,13 +20,16 @@ fp16 mode on the CPU every weight view is converted to fp32 once per call into s
 (`scratch.gemm`) so that each GEMM is an sgemm. Activations crossing blocks and kept in caches
 are ctx.dtype; inside a call everything is fp32 (GEMM accumulation, norms, softmax, loss).
 In fp16 mode q, k, v are rounded to fp16 before attention (they are kept in fp16), so that a
-recomputation from the kept values reproduces the forward bit for bit.
+recomputation from the kept values reproduces the forward bit for bit. Every op runs through
+the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
+(`exec.attention`), handed q, k, v in the backend's `dtype` and giving back o and the softmax
+statistics (lse) in a named cache.
 
 `recompute` (schedule.recompute's per-layer value: what the backward re-runs, hence what the
 cache holds for it):
     "none"       x, rstd, q, k, v (after RoPE), attention output o and its logsumexp, h, gate|up
     "selective"  the same less o and logsumexp: backward recomputes the attention core
-                 (flash forward: cheap, and o is as large as x)
+                 (the attention forward: cheap, and o is as large as x)
     "full"       x only: backward re-runs the forward (full recomputation)
 Backward gives bitwise the same gradients whatever `recompute` was.
 """
@@ -38,10 +41,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ratrain.device import stacked_rows
-from ratrain.exec import fused, kernels
-from ratrain.exec.gemm import SCRATCH_TAG, matmul
+from ratrain.exec import kernels
+from ratrain.exec.attention import AttentionCache
+from ratrain.exec.gemm import SCRATCH_TAG
 from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
+
 WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
 HALF = np.dtype(np.float16)
 
@@ -71,18 +76,24 @@ def cache_nbytes(cache: BlockCache) -> int:
     return int(sum(a.nbytes for a in cache_arrays(cache)))
 
 
-def _c(ct, a):
-    return a if a.dtype == ct else fused.cast(a, ct)
+def _as(ctx, a, dtype):
+    """`a` in `dtype` (itself when it has it), through the table's cast."""
+    return a if a.dtype == dtype else ctx.kernels.cast(a, dtype)
 
 
-def _add_into(a, b, out, xp):
+def _c(ctx, a):
+    """`a` in the compute type."""
+    return _as(ctx, a, ctx.compute)
+
+
+def _add_into(a, b, out, ctx):
     """out[...] = a + b, summed in the compute type and rounded once into out's dtype (as
     numpy's add into a float16 out does); `b` is overwritten when out's dtype differs."""
     if out.dtype == b.dtype:
-        xp.add(a, b, out=out)
+        ctx.xp.add(a, b, out=out)
         return
-    xp.add(a, b, out=b)
-    fused.assign(out, b)
+    ctx.xp.add(a, b, out=b)
+    ctx.kernels.assign(out, b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +104,7 @@ def _add_into(a, b, out, xp):
 def embed_forward(ids, p, ctx):
     """ids (B, T) -> x (B, T, C) in ctx.dtype."""
     x, _ = kernels.embedding_forward(ids, p["weight"], ctx.xp)  # (B, T, C)
-    x = fused.cast(x, ctx.dtype)
+    x = ctx.kernels.cast(x, ctx.dtype)
     return x, BlockCache("embed", "none", ids, [], None, {})
 
 
@@ -126,7 +137,7 @@ def _stacked(arrays, dtype):
 
 
 def _gemm_dtype(ctx):
-    return ctx.compute if ctx.on_cpu else ctx.dtype
+    return ctx.compute if ctx.host else ctx.dtype
 
 
 def _gemm_weight_nbytes(p, ctx) -> int:
@@ -135,7 +146,7 @@ def _gemm_weight_nbytes(p, ctx) -> int:
     wdt = _gemm_dtype(ctx)
     n = sum(sum(p[k].size for k in names) for names in _STACKS.values()
             if _stacked([p[k] for k in names], wdt) is None)
-    if ctx.on_cpu and p["attn.wo"].dtype != ctx.compute:
+    if ctx.host and p["attn.wo"].dtype != ctx.compute:
         n += p["attn.wo"].size + p["mlp.w_down"].size
     return n * wdt.itemsize
 
@@ -167,7 +178,7 @@ def _gemm_weights(p, ctx):
         def fill(i):  # rows i/n .. (i+1)/n of every copy (conversion runs in parallel)
             for dst, src in copies:
                 r0, r1 = dst.shape[0] * i // n, dst.shape[0] * (i + 1) // n
-                fused.assign(dst[r0:r1], src[r0:r1])
+                ctx.kernels.assign(dst[r0:r1], src[r0:r1])
 
         ctx.map(fill, range(n))
     return out
@@ -175,22 +186,20 @@ def _gemm_weights(p, ctx):
 
 def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
     """An estimate of the transient fp32 workspace of one layer call (accounted under
-    scratch.exec while the call runs)."""
+    scratch.exec while the call runs): the layer's own arrays and its attention backend's."""
     C, H, KV, D, F = _dims(ctx)
-    T = seq_len
     qkv = H * D + 2 * KV * D
     per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
     if backward:
         per_token += 2 * C + qkv + 3 * F + H * D  # dy, dh; dqkv; dgu, dact; do
-    tiles = 4 * H * ctx.attn_block**2 * min(batch, ctx.threads, len(ctx.split(batch)))
-    return 4 * (batch * T * per_token + (tiles if T > 1 else 0))
+    attn = ctx.kernels.attention.workspace_nbytes(ctx, batch, seq_len, backward)
+    return 4 * batch * seq_len * per_token + attn
 
 
 @timed("layer (rest)")
 def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
-    xp = ctx.xp
-    ct = ctx.compute
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
     C, H, KV, D, F = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
@@ -199,45 +208,54 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
     eps = ctx.model.norm_eps
 
-    x32 = _c(ct, x)  # (b, T, C)
-    xn, (_, rstd1, _) = kernels.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
-    qkv = matmul(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=ctx.device_half)  # (N, HD + 2 KVD)
+    x32 = _c(ctx, x)  # (b, T, C)
+    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
+    qkv = ops.gemm(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=half16)  # (N, HD + 2 KVD)
     q = xp.empty((b, H, T, D), ct)
-    kernels.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
+    ops.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
     k = xp.empty((b, KV, T, D), ct)
-    kernels.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
-                   out=k.transpose(0, 2, 1, 3))
+    ops.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
+                     out=k.transpose(0, 2, 1, 3))
     v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
     del qkv
+    attn = ops.attention
+    adt = attn.dtype(ctx)  # the compute type, or fp16 for a backend of half inputs
     if half:  # keep fp16, attend on the rounded values
-        q16, k16, v16 = (fused.cast(a, ctx.dtype) for a in (q, k, v))
-        for a, a16 in ((q, q16), (k, k16), (v, v16)):
-            fused.assign(a, a16)
-    o = xp.empty((b, T, HD), ct)  # attention output, token-major for Wo
-    _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
-        q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
-    h = matmul(o.reshape(N, HD), w["wo"].T, xp=xp,
-               half=ctx.device_half).reshape(b, T, C)  # (b, T, C)
+        q16, k16, v16 = (ops.cast(a, ctx.dtype) for a in (q, k, v))
+        if adt == ct:
+            for a, a16 in ((q, q16), (k, k16), (v, v16)):
+                ops.assign(a, a16)
+        else:
+            q, k, v = q16, k16, v16
+    o = xp.empty((b, T, HD), adt)  # attention output, token-major for Wo
+    lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
+    h = ops.gemm(o.reshape(N, HD), w["wo"].T, xp=xp, half=half16).reshape(b, T, C)  # (b, T, C)
     h += x32
     del x32
-    xn2, (_, rstd2, _) = kernels.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
-    gu = matmul(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=ctx.device_half)  # (N, 2F)
+    xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
+    gu = ops.gemm(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=half16)  # (N, 2F)
     if y_out is not None:
-        act, _ = kernels.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
-        mlp = matmul(act, w["wd"].T, xp=xp, half=ctx.device_half)  # (N, C)
+        act, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
+        mlp = ops.gemm(act, w["wd"].T, xp=xp, half=half16)  # (N, C)
         del act
-        _add_into(h, mlp.reshape(b, T, C), y_out, xp)
+        _add_into(h, mlp.reshape(b, T, C), y_out, ctx)
         del mlp
     kept = {"rstd1": rstd1, "rstd2": rstd2}
     if half:
-        kept.update(q=q16, k=k16, v=v16, h=fused.cast(h, ctx.dtype), gu=fused.cast(gu, ctx.dtype))
+        kept.update(q=q16, k=k16, v=v16, h=ops.cast(h, ctx.dtype), gu=ops.cast(gu, ctx.dtype))
         if recompute == "none":
-            kept.update(o=fused.cast(o, ctx.dtype), lse=lse)
+            kept.update(o=ops.cast(o, ctx.dtype), lse=lse)
     else:
         kept.update(q=q, k=k, v=v, h=h, gu=gu)
         if recompute == "none":
             kept.update(o=o, lse=lse)
     return kept
+
+
+def _heads(a, H):
+    """A token-major (b, T, H * D) array seen head-major (b, H, T, D) (a view)."""
+    b, T, HD = a.shape
+    return a.reshape(b, T, H, HD // H).transpose(0, 2, 1, 3)
 
 
 def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
@@ -252,27 +270,27 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
 def _mlp_backward(dy, kept, p, w, ctx, parts):
     """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
     type and puts the wd, wgu and mlp_norm partials into `parts`."""
-    xp, ct = ctx.xp, ctx.compute
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
     C, _, _, _, F = _dims(ctx)
     b, T, _ = dy.shape
     N = b * T
-    dy32 = _c(ct, dy).reshape(N, C)  # (N, C)
-    h, gu = _c(ct, kept["h"]), _c(ct, kept["gu"])  # (b, T, C), (N, 2F)
-    dact = matmul(dy32, w["wd"], xp=xp, half=ctx.device_half)  # (N, F)
+    dy32 = _c(ctx, dy).reshape(N, C)  # (N, C)
+    h, gu = _c(ctx, kept["h"]), _c(ctx, kept["gu"])  # (b, T, C), (N, 2F)
+    dact = ops.gemm(dy32, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
-    _, _, act = kernels.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
-                                        out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
+    _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
+                                    out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
     del dact, gu
-    parts["wd"] = matmul(dy32.T, act, xp=xp, half=ctx.device_half)  # (C, F)
+    parts["wd"] = ops.gemm(dy32.T, act, xp=xp, half=half16)  # (C, F)
     del act
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
-    xn2 *= _c(ct, p["mlp_norm"])
-    parts["wgu"] = matmul(dgu.T, xn2.reshape(N, C), xp=xp, half=ctx.device_half)  # (2F, C)
+    xn2 *= _c(ctx, p["mlp_norm"])
+    parts["wgu"] = ops.gemm(dgu.T, xn2.reshape(N, C), xp=xp, half=half16)  # (2F, C)
     del xn2
-    dxn2 = matmul(dgu, w["wgu"], xp=xp, half=ctx.device_half)  # (N, C)
+    dxn2 = ops.gemm(dgu, w["wgu"], xp=xp, half=half16)  # (N, C)
     del dgu
-    dh, parts["mlp_norm"] = kernels.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
+    dh, parts["mlp_norm"] = ops.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
     dh += dy32.reshape(b, T, C)
     return dh
 
@@ -282,46 +300,45 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     """h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x)): writes dx_out (the
     layer's input gradient, dh included) and puts the wo, wqkv and attn_norm partials into
     `parts`. Under `recompute: selective` the attention core is re-run here first."""
-    xp, ct = ctx.xp, ctx.compute
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
     C, H, KV, D, _ = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
     cos, sin = ctx.rope(T)
     cos3, sin3 = cos[:, None, :], sin[:, None, :]
-    q, k, v = _c(ct, kept["q"]), _c(ct, kept["k"]), _c(ct, kept["v"])  # (b, H|KV, T, D)
+    attn = ops.attention
+    adt = attn.dtype(ctx)
+    q, k, v = (_as(ctx, kept[n], adt) for n in ("q", "k", "v"))  # (b, H|KV, T, D)
     if "o" in kept:
-        o, lse = _c(ct, kept["o"]), kept["lse"]  # (b, T, HD), (b, H, T)
+        o, lse = _as(ctx, kept["o"], adt), kept["lse"]  # (b, T, HD), (b, H, T)
     else:  # selective: recompute the attention core, rounded as the forward kept it
-        o = xp.empty((b, T, HD), ct)
-        _, (_, _, _, _, lse, _) = kernels.flash_attention_forward(
-            q, k, v, xp, ctx.attn_block, out=o.reshape(b, T, H, D).transpose(0, 2, 1, 3))
+        o = xp.empty((b, T, HD), adt)
+        lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
         if ctx.dtype == HALF:
-            o = _c(ct, fused.cast(o, ctx.dtype))
+            o = _as(ctx, ops.cast(o, ctx.dtype), adt)
     dh2 = dh.reshape(N, C)
-    parts["wo"] = matmul(dh2.T, o.reshape(N, HD), xp=xp, half=ctx.device_half)  # (C, HD)
-    do = matmul(dh2, w["wo"], xp=xp, half=ctx.device_half)  # (N, HD)
-    dq, dk, dv = kernels.flash_attention_backward(
-        do.reshape(b, T, H, D).transpose(0, 2, 1, 3),
-        (q, k, v, o.reshape(b, T, H, D).transpose(0, 2, 1, 3), lse, ctx.attn_block), xp)
+    parts["wo"] = ops.gemm(dh2.T, o.reshape(N, HD), xp=xp, half=half16)  # (C, HD)
+    do = ops.gemm(dh2, w["wo"], xp=xp, half=half16)  # (N, HD)
+    dq, dk, dv = attn.backward(_heads(do.reshape(b, T, HD), H),
+                               AttentionCache(q, k, v, _heads(o, H), lse), ctx)
     del do, q, k, v, o
     dqkv = xp.empty((N, HD + 2 * KVD), ct)  # (N, HD + 2 KVD), token-major
-    kernels.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
-                          out=dqkv[:, :HD].reshape(b, T, H, D))
-    kernels.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
-                          out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
+    ops.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                      out=dqkv[:, :HD].reshape(b, T, H, D))
+    ops.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
+                      out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
-    x32 = _c(ct, x)
+    x32 = _c(ctx, x)
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
-    xn1 *= _c(ct, p["attn_norm"])
-    parts["wqkv"] = matmul(dqkv.T, xn1.reshape(N, C), xp=xp,
-                           half=ctx.device_half)  # (HD + 2 KVD, C)
+    xn1 *= _c(ctx, p["attn_norm"])
+    parts["wqkv"] = ops.gemm(dqkv.T, xn1.reshape(N, C), xp=xp, half=half16)  # (HD + 2 KVD, C)
     del xn1
-    dxn1 = matmul(dqkv, w["wqkv"], xp=xp, half=ctx.device_half)  # (N, C)
+    dxn1 = ops.gemm(dqkv, w["wqkv"], xp=xp, half=half16)  # (N, C)
     del dqkv
-    dx1, parts["attn_norm"] = kernels.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
-    _add_into(dh, dx1, dx_out, xp)
+    dx1, parts["attn_norm"] = ops.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
+    _add_into(dh, dx1, dx_out, ctx)
 
 
 def layer_forward(x, p, ctx, recompute="none"):
@@ -396,8 +413,7 @@ def _head_rows(ctx, V):
 
 @timed("head")
 def _head_fwd_chunk(x, targets, p, w, ctx):
-    xp = ctx.xp
-    ct = ctx.compute
+    xp, ops, ct = ctx.xp, ctx.kernels, ctx.compute
     xn, rstd = _head_norm(x, p, ctx)  # (N, C)
     N = xn.shape[0]
     t = targets.reshape(N)
@@ -406,22 +422,21 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
-        z = matmul(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
-        lse[r0:r1] = kernels.logsumexp_rows(z, xp)
+        z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
+        lse[r0:r1] = ops.logsumexp_rows(z, xp)
         xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
     return {"rstd": rstd, "lse": lse}, losses
 
 
 @timed("head")
 def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
-    xp = ctx.xp
-    ct = ctx.compute
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
     b, T, C = x.shape
     N = b * T
-    x32 = _c(ct, x)
+    x32 = _c(ctx, x)
     rms = (x32, kept["rstd"], p["norm"])
     xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
-    xn *= _c(ct, p["norm"])
+    xn *= _c(ctx, p["norm"])
     t = targets.reshape(N)
     lse = kept["lse"]
     dw = xp.zeros(w.shape, ct)  # (V, C)
@@ -429,23 +444,23 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
-        d = matmul(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # logits (rows, V)
+        d = ops.gemm(xn[r0:r1], w.T, xp=xp, half=half16)  # logits (rows, V)
         d -= lse[r0:r1, None]
         xp.exp(d, out=d)  # softmax
         d[xp.arange(r1 - r0), t[r0:r1]] -= 1.0
         d *= coef
-        dw += matmul(d.T, xn[r0:r1], xp=xp, half=ctx.device_half)
-        matmul(d, w, out=dxn[r0:r1], xp=xp, half=ctx.device_half)
-    dx, dnorm = kernels.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
-    fused.assign(dx_out, dx)
+        dw += ops.gemm(d.T, xn[r0:r1], xp=xp, half=half16)
+        ops.gemm(d, w, out=dxn[r0:r1], xp=xp, half=half16)
+    dx, dnorm = ops.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
+    ops.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
 
 
 def _head_norm(x, p, ctx):
     """The head's final norm of x (b, T, C), in the compute dtype -> (xn (b*T, C), rstd)."""
     b, T, C = x.shape
-    xn, (_, rstd, _) = kernels.rmsnorm_forward(_c(ctx.compute, x), p["norm"], ctx.model.norm_eps,
-                                               ctx.xp)  # (b, T, C)
+    xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(_c(ctx, x), p["norm"], ctx.model.norm_eps,
+                                                   ctx.xp)  # (b, T, C)
     return xn.reshape(b * T, C), rstd
 
 
@@ -456,13 +471,13 @@ def head_logits(x, p, ctx):
     w = _head_weight(p, ctx)
     with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
-        return matmul(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)  # (B, T, V)
+        return ctx.kernels.gemm(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)
 
 
 def _head_weight(p, ctx):
     w = p["weight"]
-    if ctx.on_cpu and w.dtype != ctx.compute:
-        return fused.cast(w, ctx.compute)
+    if ctx.host and w.dtype != ctx.compute:
+        return ctx.kernels.cast(w, ctx.compute)
     return w
 
 

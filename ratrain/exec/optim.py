@@ -13,7 +13,8 @@ detail:
   multiply-adds. The deviation is round-off (about 1e-7 relative per step); the tests bound it.
 - Clipping is `torch.nn.utils.clip_grad_norm_`: total_norm = sqrt(sum of squares over every
   gradient), clip_coef = max_norm / (total_norm + 1e-6) in fp32, clamped to 1. Here the sum of
-  squares is accumulated in float64 per (block, dp segment) (`block_sq_norm` over the ring's
+  squares is accumulated in float64 per (block, dp segment) (the table's `grad_norm`,
+  `kernels.block_sq_norm` or its fused form, over the ring's
   segment q of the block, computed by replica q) and the runtime adds the partials segment by
   segment, then block by block in global block order (`global_grad_norm`), so the norm is the
   same under every policy (sharded or not) and independent of the pipeline split; it changes
@@ -37,11 +38,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from ratrain.config import OptimConfig
-from ratrain.device import module_of
-from ratrain.exec import devkernels, fused
+from ratrain.exec.backends import Kernels, default_kernels
 from ratrain.exec.profile import timed
 
-NORM_CHUNK = 1 << 16  # elements cast to float64 at a time by block_sq_norm (512 KiB)
 # Memory bytes one AdamW update moves per parameter: reads master, grad, m, v (4 x 4 B), writes
 # master, m, v (3 x 4 B). The shim paces an update to these; the planner prices them.
 ADAMW_BYTES_PER_PARAM = 28
@@ -61,32 +60,9 @@ def decays(name: str, cfg: OptimConfig, spec=None) -> bool:
     return not any(fnmatch.fnmatchcase(name, pat) for pat in cfg.no_decay)
 
 
-@timed("grad norm")
-def block_sq_norm(grad_flat, xp=None):
-    """Sum of squares of a block's fp32 gradient, accumulated in float64: a Python float on
-    the host, a 0-d float64 array on a device (no host sync: the executor downloads a step's
-    sums together).
-
-    Deterministic: the block is summed in fixed chunks in order (on a device with numba-cuda,
-    one fused reduction, `devkernels.sum_squares`, whose order is fixed by the size), so every
-    rank holding the block computes the same value. inf / nan in the gradient make the result
-    non-finite.
-    """
-    if xp is None:
-        xp = module_of(grad_flat)
-    if devkernels.usable(xp, grad_flat):  # one fused reduction, fp64 (a GPU)
-        return devkernels.sum_squares(grad_flat, xp)
-    total = xp.zeros((), xp.float64)  # stays on the device until the end
-    n = grad_flat.shape[0]
-    for i in range(0, n, NORM_CHUNK):
-        c = grad_flat[i : i + NORM_CHUNK].astype(xp.float64)  # (chunk,)
-        total += xp.sum(c * c)  # pairwise summation: deterministic, thread-count independent
-    return float(total) if xp is np else total
-
-
 def global_grad_norm(partials: Iterable[float], loss_scale: float = 1.0,
                      segments: int = 1) -> float:
-    """The global gradient norm from sums of squares (`block_sq_norm`). `partials` are per
+    """The global gradient norm from sums of squares (the table's `grad_norm`). `partials` are per
     (block, dp segment) in global block order, each block's `segments` entries consecutive:
     each block's segments are added in order, then the block sums in order (with
     `segments=1`, per-block partials added in order). Gradients that still carry the loss
@@ -163,10 +139,15 @@ class AdamW:
     and skipped (overflowed) steps do not count. Each block must be updated with consecutive
     t; the runtime takes `t = opt.step + 1` once at the start of a training step and passes it
     to every block's update.
+
+    `kernels`: the rank's kernel table, whose `adamw` entry (fused on the host, numba-cuda on
+    a GPU; None: the numpy reference here) updates each range; without one, the `auto` table of
+    the state's array module.
     """
 
-    def __init__(self, cfg: OptimConfig):
+    def __init__(self, cfg: OptimConfig, kernels: Kernels | None = None):
         self.cfg = cfg
+        self.kernels = kernels
         self.beta1, self.beta2 = cfg.betas
         self._base = 0  # t of every block not updated since construction / load
         self._block_step: dict[str, int] = {}
@@ -225,8 +206,9 @@ class AdamW:
         m = state.flat("m", block)  # (n,)
         v = state.flat("v", block)  # (n,)
         g = state.grad_segment(block)  # (n,)
-        if fused.usable(xp, p, m, v, g) or devkernels.usable(xp, p, m, v, g):
-            self._update_fused(state, block, p, m, v, g, step, lr, grad_scale)
+        table = self.kernels or default_kernels(xp)
+        if table.adamw is not None:
+            self._update_fused(table, state, block, p, m, v, g, step, lr, grad_scale)
             self._block_step[block] = step
             return
         if grad_scale != 1.0:
@@ -244,7 +226,7 @@ class AdamW:
             bias_correction2 = 1 - b2**step
             consts = (b1, b2, lr / bias_correction1, bias_correction2**0.5, cfg.eps)
             n = p.shape[0]
-            if xp is np and n >= _PARALLEL_MIN:
+            if table.host and n >= _PARALLEL_MIN:
                 # elementwise: two halves on two threads (numpy releases the GIL) give bitwise
                 # the same result as one pass
                 h = n // 2
@@ -257,16 +239,15 @@ class AdamW:
             state.ledger.free(t)
         self._block_step[block] = step
 
-    def _update_fused(self, state, block, p, m, v, g, step, lr, grad_scale) -> None:
-        """`update_block` in one pass per range (`fused.adamw` on the host, `devkernels.adamw`
-        on a device: the same arithmetic), the ranges that decay and those that do not each
-        with their factor, on the host in two halves on two threads for large blocks
-        (elementwise: bitwise the same as one pass)."""
+    def _update_fused(self, table, state, block, p, m, v, g, step, lr, grad_scale) -> None:
+        """`update_block` in one pass per range (the table's `adamw`: `fused.adamw` on the
+        host, `devkernels.adamw` on a device, the same arithmetic), the ranges that decay and
+        those that do not each with their factor, on the host in two halves on two threads for
+        large blocks (elementwise: bitwise the same as one pass)."""
         b1, b2 = self.beta1, self.beta2
         keep = np.float32(1 - lr * self.cfg.weight_decay) if self.cfg.weight_decay else 1.0
         n = p.shape[0]
-        on_host = state.xp is np
-        cuts = [0, n // 2, n] if n >= _PARALLEL_MIN and on_host else [0, n]
+        cuts = [0, n // 2, n] if n >= _PARALLEL_MIN and table.host else [0, n]
         consts = (b1, b2, lr / (1 - b1**step), (1 - b2**step) ** 0.5, self.cfg.eps)
 
         decays = self.decay_ranges(state, block)
@@ -276,11 +257,7 @@ class AdamW:
             edges = sorted({lo, hi, *(x for r in decays for x in r if lo < x < hi)})
             for a, b in zip(edges[:-1], edges[1:]):
                 k = keep if any(s <= a and b <= e for s, e in decays) else 1.0
-                if on_host:
-                    fused.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts)
-                else:
-                    devkernels.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts,
-                                     state.xp)
+                table.adamw(p[a:b], m[a:b], v[a:b], g[a:b], grad_scale, k, *consts, state.xp)
 
         parts = list(zip(cuts[:-1], cuts[1:]))
         if len(parts) == 1:
@@ -429,7 +406,6 @@ __all__ = [
     "ADAMW_BYTES_PER_PARAM",
     "AdamW",
     "LossScaler",
-    "block_sq_norm",
     "clip_coef",
     "decays",
     "global_grad_norm",

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from ratrain.exec import fused
+from ratrain.exec.backends import Kernels, default_kernels
 from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 
 STATE_BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
@@ -101,6 +101,7 @@ class StageState:
         seed: int = 1234,
         initial: Mapping[str, np.ndarray] | None = None,
         shard: tuple[int, int] | None = None,
+        kernels: Kernels | None = None,
     ):
         if precision not in ("fp32", "fp16"):
             raise ValueError(f"precision={precision!r} is not one of: fp32, fp16")
@@ -111,6 +112,8 @@ class StageState:
         self.view_dtype = np.float16 if precision == "fp16" else np.float32
         self.ledger = ledger
         self.xp = xp
+        # the rank's kernel table: its `assign` casts masters into fp16 views
+        self.kernels = kernels if kernels is not None else default_kernels(xp)
         self._block = {b.name: b for b in self.blocks}
         if len(self._block) != len(self.blocks):
             raise ValueError("duplicate block names in the stage")
@@ -381,7 +384,7 @@ class StageState:
             )
             self._views[block] = view
         lo, hi = self._seg[block]
-        fused.assign(view[lo:hi], master)  # fp32 -> fp16 cast (or copy)
+        self.kernels.assign(view[lo:hi], master)  # fp32 -> fp16 cast (or copy)
         return view
 
     def drop_view(self, block: str) -> None:

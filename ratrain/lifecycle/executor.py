@@ -63,7 +63,6 @@ from ratrain.exec.optim import (
     ADAMW_BYTES_PER_PARAM,
     AdamW,
     LossScaler,
-    block_sq_norm,
     global_grad_norm,
     grad_scale_for,
     lr_at,
@@ -145,7 +144,7 @@ class Executor:
                              f"PipelinePlan.from_config(cfg, replica={self.replica})")
         self.facts = FactsLayout(len(self.global_index), self.dp, self.shares, self.world)
         self._check_state()
-        self.opt = opt if opt is not None else AdamW(cfg.optim)
+        self.opt = opt if opt is not None else AdamW(cfg.optim, ctx.kernels)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
         self._adam_t, self._carry, self._pending = self.opt.step, False, None
         self.gathers: dict[str, Future] = {}  # block -> view all-gather in flight
@@ -419,7 +418,7 @@ class Executor:
                 n = self.state.block(b).size
                 lo, hi = segment_bounds(n, self.replica, self.dp)
                 seg = self.state.grad_flat(b)[lo:hi]
-            self.sq[b] = block_sq_norm(seg, self.ctx.xp)
+            self.sq[b] = self.ctx.kernels.grad_norm(seg, self.ctx.xp)
 
     def _grad_norm(self, a: sched.GradNorm) -> None:
         facts = self.facts

@@ -15,7 +15,9 @@ node's interface, whose slots the node's ranks share) and the compute pacer (bot
 `ranks_per_node`); `parallel.placement` lays the grid on the ranks (`comm.topology`); the
 staging windows of the hierarchical collectives are sized for the stage's largest gradient and
 accounted in the ledger (`comm.shm`); the stage's blocks come from `parallel.pp` /
-`layers_per_stage`; a policy
+`layers_per_stage`; the kernel table (`exec.backends`: which implementation runs each op, from
+`run.fused`, `run.devkernels`, `run.attention` and the device) is made once, for the state and
+the context; a policy
 that shards the optimizer state (`ratrain` at dp > 1) gets a state sharded from the start, so the
 whole stage's state is never allocated; `run.threads` (0: the cores the launcher gives this
 rank, `local_threads`; results never depend on it) sets the compute threads. `load(state)`
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
 from ratrain.device import Device, local_rank, open_device
+from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
 from ratrain.exec.spec import block_params, stage_blocks
@@ -174,13 +177,14 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         stage, replica = topo.stage, topo.replica
     try:
         shards = plan.shards
+        kernels = kernels_for(cfg, xp)  # which implementation runs each op: chosen once
         state = StageState(stage_blocks(cfg.model, p.pp, stage, p.stage_layers()),
                            cfg.precision, ledger, xp, cfg.init.seed,
-                           shard=(replica, shards) if shards > 1 else None)
+                           shard=(replica, shards) if shards > 1 else None, kernels=kernels)
         if load is not None:
             load(state)
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
-                          threads=local_threads(cfg, comm))
+                          threads=local_threads(cfg, comm), kernels=kernels)
         pacer = Pacer(profile) if profile.emulate else None
         executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer)
         # measured and chosen here, at the same point on every rank (collective when sharded)

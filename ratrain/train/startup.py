@@ -1,7 +1,8 @@
 """Start-up of a run: every check of the input before any work, on every rank, agreed.
 
-`startup(args, comm)` resolves the config and checks it against the world and the registered
-collective algorithms (`comm.allreduce`), finds every rank's
+`startup(args, comm)` resolves the config and checks it against the world, the registered
+collective algorithms (`comm.allreduce`), the rank's device and the kernels it asks for
+(`run.fused`, `run.devkernels`, `run.attention`), finds every rank's
 class (`platform.classes`: measured where a class says `calibrate`) and resolves what the
 config leaves to the planner (`parallel.layers_per_stage` / `replica_shares`: auto), then checks the data, a Hugging
 Face import, the memory plan (`plan.check`: against the DDR cap, or the node's memory without
@@ -24,6 +25,7 @@ from ratrain.config import Config, ConfigError, load_config
 from ratrain.data import check_data, record_tokenizer
 from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
+from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import sgemm_rate
 from ratrain.plan.check import available_memory, run_plan
 from ratrain.plan.hetero import resolve, with_measured_rates
@@ -148,6 +150,7 @@ def startup(args, comm) -> Setup:
     agree(comm, cfg.check_world, comm.Get_size())
     agree(comm, check_choice, cfg.comm.allreduce)  # a registered algorithm (`comm.algos`)
     device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
+    agree(comm, kernels_for, cfg, device.xp)  # run.fused / devkernels / attention can run here
     cfg, classes = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
     cfg = agree(comm, record_tokenizer, cfg, data_paths)

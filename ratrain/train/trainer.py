@@ -364,6 +364,7 @@ class Trainer:
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
+            f"{self.this_rank.ctx.kernels.describe()}, "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),

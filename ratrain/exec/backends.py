@@ -1,0 +1,322 @@
+"""Kernel backends, chosen once per rank: the table from each op to its implementation.
+
+When a rank is built, `kernels_for(cfg, xp)` (or `kernel_table(...)` without a config: tests,
+benchmarks, `api`) decides, for this rank's device, precision and installed packages, which
+implementation runs each op; the layers, the optimizer and the executor look the op up in the
+table (`ctx.kernels.rmsnorm_forward(...)`), and nothing decides again per call or reads the
+environment. The choice follows the config's switches (`run.fused`, `run.devkernels`,
+`run.attention`, which `load_config` has already merged with their RATRAIN_* variables):
+
+    op             host (cpu)                     gpu                    reference
+    gemm           numpy (fp16 by fp32 tiles)     cupy (fp16 cuBLAS)     -
+    rmsnorm        fused (fp32 runs)              devkernels             kernels.rmsnorm_*
+    rope, swiglu   fused                          devkernels             kernels.rope_*, swiglu_*
+    attention      tiled-64                       tiled-1024             kernels.attention_*
+    cross_entropy  numpy                          devkernels             kernels.logsumexp_rows
+    adamw          fused                          devkernels             optim._adam_core
+    grad_norm      numpy                          devkernels             kernels.block_sq_norm
+    cast           fused                          cupy                   kernels.as_dtype
+
+`fused` (numba, the fast extra) needs `run.fused` auto or on and numba importable; `devkernels`
+(numba-cuda) needs `run.devkernels` auto or on and numba-cuda importable outside its simulator,
+or, on `run.device: standin`, `run.devkernels: sim` and the simulator. Otherwise, and always at
+fp64 (tests), the reference runs, named after its array module (numpy, cupy or standin). A fast
+entry hands what it does not take (float64, float16 weights, odd layouts) to the reference.
+`on` for a package that does not import, and an attention name nobody registered, are a
+`BackendError` (one line naming the key), which start-up turns into exit 2.
+
+Attention backends are registered by name (`register_attention`): the tiled kernels at tile 64
+(`tiled-64`, the host's `auto`) and 1024 (`tiled-1024`, a device's). A backend from outside the
+package is one call:
+
+    register_attention("toy", lambda device, precision: ToyAttention(), about="a test's")
+    # then run.attention: toy
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ratrain.device import kind_of
+from ratrain.exec import devkernels, fused, kernels
+from ratrain.exec.attention import AttentionBackend, TiledAttention
+from ratrain.exec.gemm import matmul
+from ratrain.exec.kernels import block_sq_norm
+from ratrain.exec.profile import timed
+
+# each op (but attention, an object of its own) and the table's fields that implement it
+ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
+           "rope": ("rope_forward", "rope_backward"), "swiglu": ("swiglu_forward", "swiglu_backward"),
+           "cross_entropy": ("logsumexp_rows",), "adamw": ("adamw",), "grad_norm": ("grad_norm",),
+           "cast": ("cast", "assign")}
+OPS = (*ENTRIES, "attention")
+ENGINES = {"fused": "numba", "devkernels": "numba-cuda"}  # the compilers, for the banner
+
+
+class BackendError(ValueError):
+    """A backend the config asks for cannot run on this rank (one line: the key and the fix)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Attention backends by name
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionEntry:
+    """A registered attention backend: `make(device, precision)` returns the rank's backend
+    (device: cpu, gpu or standin), or raises BackendError saying why it cannot run there."""
+
+    name: str
+    make: Callable[[str, str], AttentionBackend]
+    about: str = ""
+
+
+ATTENTION: dict[str, AttentionEntry] = {}
+AUTO = {"cpu": ["tiled-64"], "gpu": ["tiled-1024"], "standin": ["tiled-1024"]}  # in order
+
+
+def register_attention(name: str, make, about: str = "", auto=()) -> None:
+    """Add an attention backend under `name` (`run.attention: name`); `auto`: the devices
+    whose `run.attention: auto` tries it first (before the backends listed there already)."""
+    if not name or name == "auto" or name in ATTENTION:
+        raise ValueError(f"attention backend {name!r}: the name is empty, auto or taken")
+    ATTENTION[name] = AttentionEntry(name, make, about)
+    for device in auto:
+        AUTO[device].insert(0, name)
+
+
+def unregister_attention(name: str) -> None:
+    """Remove a backend `register_attention` added (tests)."""
+    ATTENTION.pop(name)
+    for names in AUTO.values():
+        if name in names:
+            names.remove(name)
+
+
+register_attention("tiled-64", lambda device, precision: TiledAttention(64),
+                   "the tiled online softmax at tile 64: a CPU core's cache")
+register_attention("tiled-1024", lambda device, precision: TiledAttention(1024),
+                   "the tiled online softmax at tile 1024: a device's SMs (measured on an H100, "
+                   "124M model, seq 1024: tile 64 0.71 s, 256 0.067 s, 1024 0.022 s a layer)")
+
+
+def attention_backend(name: str, device: str, precision: str) -> AttentionBackend:
+    """The attention backend `run.attention: name` gives a rank (`auto`: the device's first
+    that can run)."""
+    if name != "auto":
+        if name not in ATTENTION:
+            raise BackendError(f"run.attention={name!r} is not a registered attention backend: "
+                               f"use auto or one of {', '.join(sorted(ATTENTION))}")
+        return ATTENTION[name].make(device, precision)
+    why = []
+    for candidate in AUTO[device]:
+        try:
+            return ATTENTION[candidate].make(device, precision)
+        except BackendError as e:
+            why.append(str(e))
+    raise BackendError(f"run.attention=auto: no attention backend runs on {device}: "
+                       + "; ".join(why))
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One rank's kernel table (see the module). Each entry has its reference's signature."""
+
+    device: str  # cpu | gpu | standin
+    names: Mapping[str, str]  # op -> the implementation chosen (OPS; the attention's name)
+    gemm: Callable
+    rmsnorm_forward: Callable
+    rmsnorm_backward: Callable
+    rope_forward: Callable
+    rope_backward: Callable
+    swiglu_forward: Callable
+    swiglu_backward: Callable
+    logsumexp_rows: Callable  # the head's cross-entropy: the rows' logsumexp
+    adamw: Callable | None  # a flat-range update (fused.adamw's signature); None: the reference
+    grad_norm: Callable  # (flat gradient, xp) -> sum of squares in float64
+    cast: Callable  # (a, dtype) -> a in dtype (itself when it has it)
+    assign: Callable  # (dst, src): dst[...] = src, cast
+    attention: AttentionBackend
+
+    @property
+    def host(self) -> bool:
+        """Whether the rank computes on the host (numpy)."""
+        return self.device == "cpu"
+
+    def describe(self) -> str:
+        """One clause for the banner: the kernels most ops run, the exceptions, the attention."""
+        ops = {op: impl for op, impl in self.names.items() if op not in ("gemm", "attention")}
+        main = Counter(ops.values()).most_common(1)[0][0]
+        rest = ", ".join(f"{op.replace('_', '-')} {impl}" for op, impl in ops.items()
+                         if impl != main)
+        inner = "; ".join(x for x in (ENGINES.get(main, ""), rest) if x)
+        return f"kernels: {main}{f' ({inner})' if inner else ''}, attention {self.names['attention']}"
+
+
+def kernels_for(cfg, xp=np) -> Kernels:
+    """The table of a rank of `cfg` computing with `xp` (its `run.*` switches)."""
+    r = cfg.run
+    return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention)
+
+
+def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
+                 devkernels_mode: str = "auto", attention="auto") -> Kernels:
+    """The table for a rank computing with `xp` at `precision` (see the module); `attention`:
+    a registered name, auto, or a backend object (tests: a tile of their own)."""
+    device = kind_of(xp)
+    fast = _fast_kernels(device, precision, str(fused_mode), str(devkernels_mode))
+    attn = attention if isinstance(attention, AttentionBackend) else \
+        attention_backend(attention, device, precision)
+    reference = {"cpu": "numpy", "gpu": "cupy", "standin": "standin"}[device]
+    names = dict.fromkeys(ENTRIES, reference)
+    if fast is not None:  # every op the compiled kernels cover
+        names.update((op, fast) for op, fields in ENTRIES.items()
+                     if all(f in _COMPILED[fast] for f in fields))
+        if fast == "fused" and precision != "fp32":
+            names["rmsnorm"] = reference  # fp16 runs: the norms' weights are fp16 views
+    table = {f: _COMPILED.get(impl, _REFERENCE)[f] for op, impl in names.items()
+             for f in ENTRIES[op]}
+    return Kernels(device, {**names, "attention": attn.name}, attention=attn, **table)
+
+
+@functools.cache
+def default_kernels(xp=np, precision: str = "fp32") -> Kernels:
+    """The `auto` table of `xp` (code without a config; one per module and precision)."""
+    return kernel_table(xp, precision)
+
+
+def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -> str | None:
+    """Which compiled kernels the rank runs: "fused", "devkernels" or None (the reference)."""
+    if fused_mode == "on" and not fused.available():
+        raise BackendError(f"run.fused=on but {fused.why_off()}: install it (pip install "
+                           "'ratrain[fast]') or set run.fused=auto")
+    if dev_mode in ("on", "sim") and devkernels.why_off():
+        raise BackendError(f"run.devkernels={dev_mode} but {devkernels.why_off()}; or set "
+                           "run.devkernels=auto")
+    if dev_mode == "sim" and device == "gpu":
+        raise BackendError("run.devkernels=sim runs the device kernels on run.device=standin, "
+                           "in numba-cuda's simulator: on a GPU set run.devkernels=auto")
+    if dev_mode == "sim" and device == "standin" and not devkernels.simulated():
+        raise BackendError("run.devkernels=sim but numba-cuda is not its simulator here: set "
+                           "NUMBA_ENABLE_CUDASIM=1 before numba loads, or run.devkernels=auto")
+    if dev_mode == "on" and device == "gpu" and devkernels.simulated():
+        raise BackendError("run.devkernels=on on a GPU but numba-cuda runs its simulator "
+                           "(NUMBA_ENABLE_CUDASIM=1): unset it, or set run.devkernels=auto")
+    if precision not in ("fp32", "fp16"):
+        return None  # fp64: the references (finite-difference tests)
+    if device == "cpu":
+        return "fused" if fused_mode != "off" and fused.available() else None
+    if device == "standin":
+        return "devkernels" if dev_mode == "sim" else None
+    if dev_mode in ("auto", "on") and not devkernels.why_off() and not devkernels.simulated():
+        return "devkernels"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The entries
+# --------------------------------------------------------------------------------------------
+
+
+_REFERENCE = dict(
+    gemm=matmul, rmsnorm_forward=kernels.rmsnorm_forward,
+    rmsnorm_backward=kernels.rmsnorm_backward, rope_forward=kernels.rope_forward,
+    rope_backward=kernels.rope_backward, swiglu_forward=kernels.swiglu_forward,
+    swiglu_backward=kernels.swiglu_backward, logsumexp_rows=kernels.logsumexp_rows, adamw=None,
+    grad_norm=block_sq_norm, cast=kernels.as_dtype, assign=kernels.assign)
+
+_FUSED = dict(
+    rmsnorm_forward=fused.rmsnorm_forward, rmsnorm_backward=fused.rmsnorm_backward,
+    rope_forward=fused.rope_forward, rope_backward=fused.rope_backward,
+    swiglu_forward=fused.swiglu_forward, swiglu_backward=fused.swiglu_backward,
+    adamw=fused.adamw, cast=fused.cast, assign=fused.assign)
+
+_DK = (np.dtype(np.float32), np.dtype(np.float16))  # what the device kernels take
+
+
+def _dk(*arrays) -> bool:
+    return all(a is None or a.dtype in _DK for a in arrays)
+
+
+@timed("rmsnorm")
+def _dev_rmsnorm_forward(x, w, eps, xp, out=None):
+    x = kernels.as_dtype(x, kernels.compute_dtype(x, w))
+    if _dk(x, w, out) and x.flags.c_contiguous:
+        return devkernels.rmsnorm_forward(x, w, eps, xp, out=out)
+    return kernels.rmsnorm_forward(x, w, eps, xp, out)
+
+
+@timed("rmsnorm")
+def _dev_rmsnorm_backward(dy, cache, xp):
+    x, _, w = cache
+    dy = kernels.as_dtype(dy, x.dtype)
+    if _dk(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
+        return devkernels.rmsnorm_backward(dy, cache, xp)
+    return kernels.rmsnorm_backward(dy, cache, xp)
+
+
+@timed("rope")
+def _dev_rope_forward(x, cos, sin, xp, out=None):
+    if _dk(x, cos, sin, out):
+        return devkernels.rope_forward(x, cos, sin, xp, out=out)
+    return kernels.rope_forward(x, cos, sin, xp, out)
+
+
+@timed("rope")
+def _dev_rope_backward(dy, cache, xp, out=None):
+    if _dk(dy, *cache, out):
+        return devkernels.rope_backward(dy, cache, xp, out=out)
+    return kernels.rope_backward(dy, cache, xp, out)
+
+
+@timed("swiglu")
+def _dev_swiglu_forward(gate, up, xp, out=None):
+    if gate.ndim == 2 and _dk(gate, up, out):
+        return devkernels.swiglu_forward(gate, up, xp, out=out)
+    return kernels.swiglu_forward(gate, up, xp, out)
+
+
+@timed("swiglu")
+def _dev_swiglu_backward(dact, cache, xp, out=None, with_act=False):
+    if cache[0].ndim == 2 and _dk(dact, *cache, *(out or ())):
+        return devkernels.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
+    return kernels.swiglu_backward(dact, cache, xp, out, with_act)
+
+
+@timed("head")
+def _dev_logsumexp_rows(z, xp):
+    if _dk(z) and z.flags.c_contiguous:
+        return devkernels.logsumexp_rows(z, xp)
+    return kernels.logsumexp_rows(z, xp)
+
+
+@timed("grad norm")
+def _dev_grad_norm(grad_flat, xp):
+    if _dk(grad_flat):
+        return devkernels.sum_squares(grad_flat, xp)  # one fused reduction, fp64
+    return block_sq_norm(grad_flat, xp)
+
+
+_DEVICE = dict(
+    rmsnorm_forward=_dev_rmsnorm_forward, rmsnorm_backward=_dev_rmsnorm_backward,
+    rope_forward=_dev_rope_forward, rope_backward=_dev_rope_backward,
+    swiglu_forward=_dev_swiglu_forward, swiglu_backward=_dev_swiglu_backward,
+    logsumexp_rows=_dev_logsumexp_rows, adamw=devkernels.adamw, grad_norm=_dev_grad_norm)
+
+_COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compiler provides
+
+
+__all__ = ["ATTENTION", "AUTO", "ENTRIES", "OPS", "AttentionEntry", "BackendError", "Kernels",
+           "attention_backend", "default_kernels", "kernel_table", "kernels_for",
+           "register_attention", "unregister_attention"]
