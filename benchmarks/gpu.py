@@ -1,7 +1,9 @@
-"""Issue 19's GPU figures: speed and memory against PyTorch, and agreement with the CPU.
+"""Issues 19 and 29's GPU figures: speed and memory against PyTorch, agreement with the CPU,
+and cuDNN's fused attention.
 
     python benchmarks/gpu.py speed  [--rounds 5] [--steps 3]   # the 124M LLaMA, whole steps
     python benchmarks/gpu.py agree  [--cpu-steps 20] [--fp16-steps 200]
+    python benchmarks/gpu.py attention [--rounds 5] [--iters 10]   # fused attention, 124M shapes
     python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
 
 `speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,
@@ -18,6 +20,18 @@ after the steps: the pool keeps what it once needed) and PyTorch AMP's
 `--cpu-steps` steps (target: every loss within 1e-5), then fp16 and fp32 on the GPU for
 `--fp16-steps` steps (target: within 1%).
 
+`attention`: causal attention forward + backward at the 124M model's shapes (B 8, H 12, T 1024,
+D 64), fp16 and bf16, in interleaved rounds (medians of `--iters` calls per round): cuDNN's
+fused SDPA (`exec.cudnn_sdpa`) with the deterministic backward's two workspace settings (`dP`:
+no limit, its B H T^2 2-byte workspace; `ordered`: limit 0, the linear-workspace ordered dQ),
+PyTorch's `F.scaled_dot_product_attention` (its default backend, and flash and cuDNN forced
+where they run) and the tiled path in fp32 (tile 1024, the GPU path before this; its inputs
+fp32 copies). Prints ms, TFLOP/s (causal: 3.5 x 2 B H T^2 D flops), fused / PyTorch default
+(target >= 0.9x, per setting), the fused results' relative L2 error against the tiled path in
+fp32 (target 1e-3 fp16 / 2e-3 bf16), whether the backward repeats bitwise, and each setting's
+workspace bytes against `workspace_bound`. On the stand-in (`--smoke`) it builds and validates
+the graphs only: nothing runs without a card.
+
 Each prints one JSON object last (benchmarks/record.py takes it). Refuses in one line, exit 2,
 when `--device gpu` has no cupy or no card. `--smoke` shrinks everything to seconds and lets
 `--device standin` run on a CPU, PyTorch then on the CPU too (tests/test_gpu_bench.py): it
@@ -27,6 +41,7 @@ checks the script, not the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -224,14 +239,147 @@ def agree(a, dev) -> dict:
     return out
 
 
+ATTN_124M = (8, 12, 12, 1024, 64)  # B, H, KV, T, D
+ATTN_SMOKE = (2, 4, 2, 32, 16)
+ATTN_TOL = {"fp16": 1e-3, "bf16": 2e-3}
+FUSED = {"dP": None, "ordered": 0}  # the deterministic backward's dP workspace limit
+
+
+def attention(a, dev) -> dict:
+    from ratrain.exec import cudnn_sdpa as cs
+
+    B, H, KV, T, D = ATTN_SMOKE if a.smoke else ATTN_124M
+    out = {"case": "gpu-attention", "card": dev.name, "shape": f"B{B} H{H} KV{KV} T{T} D{D}",
+           "frontend": cs.frontend().__version__}
+    if dev.kind != "gpu":  # the rehearsal: the graphs are described and validated, none runs
+        specs = [cs.SdpaSpec("forward", B, H, KV, T, D, dt) for dt in cs.DTYPES]
+        specs += [cs.SdpaSpec("backward", B, H, KV, T, D, dt, dp_workspace_limit=limit)
+                  for dt in cs.DTYPES for limit in FUSED.values()]
+        for spec in specs:
+            cs.describe(spec)
+        print(f"{len(specs)} cuDNN SDPA graphs built and validated; nothing executed (no GPU)")
+        return {**out, "executed": False, "graphs_validated": len(specs)}
+    import torch
+
+    fused = {name: cs.CudnnSdpa(dp_workspace_limit=limit) for name, limit in FUSED.items()}
+    out.update(executed=True, cudnn=fused["dP"].version, torch=torch.__version__,
+               by_precision=[_attention_case(a, prec, (B, H, KV, T, D), fused, torch)
+                             for prec in ("fp16", "bf16")])
+    return out
+
+
+def _attention_case(a, prec, shape, fused, torch) -> dict:
+    """One precision of `attention`: timings, errors, repeatability, workspace."""
+    import cupy as cp
+
+    from ratrain.exec import cudnn_sdpa as cs
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests._attention_ref import rel_err, tiled_fp32
+
+    B, H, KV, T, D = shape
+    if prec == "bf16":
+        import ml_dtypes  # cupy's bfloat16
+
+        half, tdt = np.dtype(ml_dtypes.bfloat16), torch.bfloat16
+    else:
+        half, tdt = np.dtype(np.float16), torch.float16
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s, dtype=np.float32)
+            for s in ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, T, H, D))]
+    q, k, v, do_tm = (cp.asarray(x).astype(half) for x in host)
+    do = do_tm.transpose(0, 2, 1, 3)  # the layer's token-major gradient
+    o = cp.empty((B, T, H, D), half).transpose(0, 2, 1, 3)
+    q32, k32, v32, do32 = (x.astype(np.float32) for x in (q, k, v, do))
+    tq, tk, tv = (torch.tensor(x, device="cuda", dtype=tdt, requires_grad=True) for x in host[:3])
+    tdo = torch.tensor(host[3], device="cuda", dtype=tdt).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fused_step(f):
+        def step():
+            o_, lse = f.forward(q, k, v, out=o)
+            f.backward(q, k, v, o_, do, lse)
+        return step
+
+    def torch_step(backend):
+        def step():
+            tq.grad = tk.grad = tv.grad = None
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                sdpa(tq, tk, tv, is_causal=True, enable_gqa=KV != H).backward(tdo)
+        return step
+
+    steps = {f"cudnn {n}": fused_step(f) for n, f in fused.items()}
+    steps["torch sdpa"] = torch_step(None)
+    for name, backend in (("torch flash", SDPBackend.FLASH_ATTENTION),
+                          ("torch cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:  # a backend this torch or card lacks refuses its first call
+            torch_step(backend)()
+            steps[name] = torch_step(backend)
+        except RuntimeError as e:
+            print(f"{name}: not run ({str(e).splitlines()[0][:120]})", flush=True)
+    steps["tiled-1024 fp32"] = lambda: tiled_fp32(q32, k32, v32, do32, cp, block=1024)
+    times = _interleaved(steps, a, cp, torch)
+    flops = 3.5 * 2 * B * H * T * T * D  # causal: half of 4 B H T^2 D forward, backward 2.5x
+    ms = {n: 1e3 * t for n, t in times.items()}
+    res = {"precision": prec, "ms": ms, "tflops": {n: flops / t / 1e12 for n, t in times.items()},
+           "vs_torch_sdpa": {n: times["torch sdpa"] / times[f"cudnn {n}"] for n in fused}}
+    ref = tiled_fp32(q, k, v, do, cp)
+    o_, lse = fused["dP"].forward(q, k, v, out=o)
+    got = (o_, lse, *fused["dP"].backward(q, k, v, o_, do, lse))
+    res["rel_err"] = {n: rel_err(x, r, cp) for n, x, r in zip(("o", "lse", "dq", "dk", "dv"),
+                                                                 got, ref)}
+    res["within_tol"] = max(res["rel_err"].values()) < ATTN_TOL[prec]
+    res["repeats_bitwise"], res["workspace_bytes"], res["workspace_bound"] = {}, {}, {}
+    for n, f in fused.items():
+        o_, lse = f.forward(q, k, v, out=o)
+        first = [x.copy() for x in f.backward(q, k, v, o_, do, lse)]
+        again = f.backward(q, k, v, o_, do, lse)
+        res["repeats_bitwise"][n] = all(bool(cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)))
+                                        for x, y in zip(first, again))
+        spec = next(s for s in f.graphs if s.kind == "backward" and s.dtype == half.name)
+        res["workspace_bytes"][n] = f.graphs[spec].workspace_nbytes
+        res["workspace_bound"][n] = cs.workspace_bound(spec)
+        res.setdefault("engine", {})[n] = f.graphs[spec].engine
+    for n, t in ms.items():
+        print(f"{prec} {n:>16}: {t:8.3f} ms  {res['tflops'][n]:6.1f} TFLOP/s", flush=True)
+    print(f"{prec} fused / torch sdpa: {res['vs_torch_sdpa']} (target >= 0.9); rel err vs tiled "
+          f"fp32: {res['rel_err']} (target {ATTN_TOL[prec]}); repeats bitwise "
+          f"{res['repeats_bitwise']}; workspace {res['workspace_bytes']} bytes", flush=True)
+    return res
+
+
+def _interleaved(steps, a, cp, torch) -> dict:
+    """Median seconds per call of each of `steps`, in `a.rounds` interleaved rounds of
+    `a.iters` calls, after `a.warmup` calls each; the card synchronized around each batch."""
+    def sync():
+        cp.cuda.Device().synchronize()
+        torch.cuda.synchronize()
+
+    for fn in steps.values():
+        for _ in range(a.warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(a.rounds):
+        for k, fn in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                fn()
+            sync()
+            times[k].append((time.perf_counter() - t0) / a.iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "agree"))
+    ap.add_argument("what", choices=("speed", "agree", "attention"))
     ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--smoke", action="store_true", help="seconds-long, for the plumbing")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per contender per round")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=10, help="attention calls per contender per round")
     ap.add_argument("--cpu-steps", type=int, default=20)
     ap.add_argument("--fp16-steps", type=int, default=200)
     a = ap.parse_args(argv)
@@ -240,16 +388,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if a.smoke:
-        a.rounds, a.steps, a.warmup = 1, 1, 1
+        a.rounds, a.steps, a.warmup, a.iters = 1, 1, 1, 1
         a.cpu_steps = a.fp16_steps = 2
     from ratrain.device import DeviceError, open_device
+    from ratrain.exec.cudnn_sdpa import CudnnUnavailable
 
     try:
         dev = open_device(a.device)
-    except DeviceError as e:
+        out = {"speed": speed, "agree": agree, "attention": attention}[a.what](a, dev)
+    except (DeviceError, CudnnUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = speed(a, dev) if a.what == "speed" else agree(a, dev)
     print(json.dumps(out))
     return 0
 
