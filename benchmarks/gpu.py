@@ -27,9 +27,11 @@ no limit, its B H T^2 2-byte workspace; `ordered`: limit 0, the linear-workspace
 PyTorch's `F.scaled_dot_product_attention` (its default backend, and flash and cuDNN forced
 where they run) and the tiled path in fp32 (tile 1024, the GPU path before this; its inputs
 fp32 copies). Prints ms, TFLOP/s (causal: 3.5 x 2 B H T^2 D flops), fused / PyTorch default
-(target >= 0.9x, per setting), the fused results' relative L2 error against the tiled path in
-fp32 (target 1e-3 fp16 / 2e-3 bf16), whether the backward repeats bitwise, and each setting's
-workspace bytes against `workspace_bound`. On the stand-in (`--smoke`) it builds and validates
+(target >= 0.9x, per setting), the relative L2 error of o, lse, dq, dk, dv against the tiled
+path in fp32 (target 1e-3 fp16 / 2e-3 bf16) beside two yardsticks: the error of the reference
+merely rounded to the dtype (the floor of any kernel returning that dtype) and PyTorch's SDPA's
+own, whether the backward repeats bitwise, and each setting's workspace bytes against
+`workspace_bound`. On the stand-in (`--smoke`) it builds and validates
 the graphs only: nothing runs without a card.
 
 Each prints one JSON object last (benchmarks/record.py takes it). Refuses in one line, exit 2,
@@ -272,41 +274,21 @@ def _attention_case(a, prec, shape, fused, torch) -> dict:
     """One precision of `attention`: timings, errors, repeatability, workspace."""
     import cupy as cp
 
-    from ratrain.exec import cudnn_sdpa as cs
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests._attention_ref import rel_err, tiled_fp32
-
-    B, H, KV, T, D = shape
-    if prec == "bf16":
-        import ml_dtypes  # cupy's bfloat16
-
-        half, tdt = np.dtype(ml_dtypes.bfloat16), torch.bfloat16
-    else:
-        half, tdt = np.dtype(np.float16), torch.float16
-    rng = np.random.default_rng(0)
-    host = [rng.standard_normal(s, dtype=np.float32)
-            for s in ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, T, H, D))]
-    q, k, v, do_tm = (cp.asarray(x).astype(half) for x in host)
-    do = do_tm.transpose(0, 2, 1, 3)  # the layer's token-major gradient
-    o = cp.empty((B, T, H, D), half).transpose(0, 2, 1, 3)
-    q32, k32, v32, do32 = (x.astype(np.float32) for x in (q, k, v, do))
-    tq, tk, tv = (torch.tensor(x, device="cuda", dtype=tdt, requires_grad=True) for x in host[:3])
-    tdo = torch.tensor(host[3], device="cuda", dtype=tdt).transpose(1, 2)
+    x = _attention_inputs(prec, shape, torch)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def fused_step(f):
         def step():
-            o_, lse = f.forward(q, k, v, out=o)
-            f.backward(q, k, v, o_, do, lse)
+            o, lse = f.forward(x.q, x.k, x.v, out=x.o)
+            f.backward(x.q, x.k, x.v, o, x.do, lse)
         return step
 
     def torch_step(backend):
         def step():
-            tq.grad = tk.grad = tv.grad = None
+            x.tq.grad = x.tk.grad = x.tv.grad = None
             with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                sdpa(tq, tk, tv, is_causal=True, enable_gqa=KV != H).backward(tdo)
+                sdpa(x.tq, x.tk, x.tv, is_causal=True, enable_gqa=x.gqa).backward(x.tdo)
         return step
 
     steps = {f"cudnn {n}": fused_step(f) for n, f in fused.items()}
@@ -318,34 +300,80 @@ def _attention_case(a, prec, shape, fused, torch) -> dict:
             steps[name] = torch_step(backend)
         except RuntimeError as e:
             print(f"{name}: not run ({str(e).splitlines()[0][:120]})", flush=True)
-    steps["tiled-1024 fp32"] = lambda: tiled_fp32(q32, k32, v32, do32, cp, block=1024)
+    q32, k32, v32, do32 = (y.astype(np.float32) for y in (x.q, x.k, x.v, x.do))
+    steps["tiled-1024 fp32"] = lambda: x.tiled_fp32(q32, k32, v32, do32, cp, block=1024)
     times = _interleaved(steps, a, cp, torch)
+    B, H, KV, T, D = shape
     flops = 3.5 * 2 * B * H * T * T * D  # causal: half of 4 B H T^2 D forward, backward 2.5x
     ms = {n: 1e3 * t for n, t in times.items()}
     res = {"precision": prec, "ms": ms, "tflops": {n: flops / t / 1e12 for n, t in times.items()},
            "vs_torch_sdpa": {n: times["torch sdpa"] / times[f"cudnn {n}"] for n in fused}}
-    ref = tiled_fp32(q, k, v, do, cp)
-    o_, lse = fused["dP"].forward(q, k, v, out=o)
-    got = (o_, lse, *fused["dP"].backward(q, k, v, o_, do, lse))
-    res["rel_err"] = {n: rel_err(x, r, cp) for n, x, r in zip(("o", "lse", "dq", "dk", "dv"),
-                                                                 got, ref)}
-    res["within_tol"] = max(res["rel_err"].values()) < ATTN_TOL[prec]
-    res["repeats_bitwise"], res["workspace_bytes"], res["workspace_bound"] = {}, {}, {}
-    for n, f in fused.items():
-        o_, lse = f.forward(q, k, v, out=o)
-        first = [x.copy() for x in f.backward(q, k, v, o_, do, lse)]
-        again = f.backward(q, k, v, o_, do, lse)
-        res["repeats_bitwise"][n] = all(bool(cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)))
-                                        for x, y in zip(first, again))
-        spec = next(s for s in f.graphs if s.kind == "backward" and s.dtype == half.name)
-        res["workspace_bytes"][n] = f.graphs[spec].workspace_nbytes
-        res["workspace_bound"][n] = cs.workspace_bound(spec)
-        res.setdefault("engine", {})[n] = f.graphs[spec].engine
+    res.update(_attention_accuracy(x, fused, sdpa, cp))
+    res["within_target"] = max(res["rel_err"].values()) < ATTN_TOL[prec]
     for n, t in ms.items():
         print(f"{prec} {n:>16}: {t:8.3f} ms  {res['tflops'][n]:6.1f} TFLOP/s", flush=True)
     print(f"{prec} fused / torch sdpa: {res['vs_torch_sdpa']} (target >= 0.9); rel err vs tiled "
-          f"fp32: {res['rel_err']} (target {ATTN_TOL[prec]}); repeats bitwise "
+          f"fp32: {res['rel_err']} (target {ATTN_TOL[prec]}; rounding alone "
+          f"{res['rel_err_floor']}, torch sdpa {res['torch_rel_err']}); repeats bitwise "
           f"{res['repeats_bitwise']}; workspace {res['workspace_bytes']} bytes", flush=True)
+    return res
+
+
+def _attention_inputs(prec, shape, torch):
+    """The same operands for every contender: q, k, v, do (the layer's token-major view) and an
+    output view o in `prec` on cupy; tq, tk, tv (leaves) and tdo on torch; the reference."""
+    import cupy as cp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import _attention_ref
+
+    B, H, KV, T, D = shape
+    if prec == "bf16":
+        import ml_dtypes  # cupy's bfloat16
+
+        half, tdt = np.dtype(ml_dtypes.bfloat16), torch.bfloat16
+    else:
+        half, tdt = np.dtype(np.float16), torch.float16
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s, dtype=np.float32)
+            for s in ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, T, H, D))]
+    q, k, v, do_tm = (cp.asarray(h).astype(half) for h in host)
+    tq, tk, tv = (torch.tensor(h, device="cuda", dtype=tdt, requires_grad=True) for h in host[:3])
+    return argparse.Namespace(
+        half=half, gqa=KV != H, q=q, k=k, v=v, do=do_tm.transpose(0, 2, 1, 3),
+        o=cp.empty((B, T, H, D), half).transpose(0, 2, 1, 3), tq=tq, tk=tk, tv=tv,
+        tdo=torch.tensor(host[3], device="cuda", dtype=tdt).transpose(1, 2),
+        tiled_fp32=_attention_ref.tiled_fp32, rel_err=_attention_ref.rel_err)
+
+
+def _attention_accuracy(x, fused, sdpa, cp) -> dict:
+    """Errors against the tiled path in fp32 (the fused dP setting's, the rounding floor's,
+    PyTorch's), whether each setting's backward repeats bitwise, its workspace."""
+    from ratrain.exec import cudnn_sdpa as cs
+
+    names = ("o", "lse", "dq", "dk", "dv")
+    ref = dict(zip(names, x.tiled_fp32(x.q, x.k, x.v, x.do, cp)))
+    o, lse = fused["dP"].forward(x.q, x.k, x.v, out=x.o)
+    got = dict(zip(names, (o, lse, *fused["dP"].backward(x.q, x.k, x.v, o, x.do, lse))))
+    x.tq.grad = x.tk.grad = x.tv.grad = None
+    to = sdpa(x.tq, x.tk, x.tv, is_causal=True, enable_gqa=x.gqa)
+    to.backward(x.tdo)
+    torch_got = dict(zip(("o", "dq", "dk", "dv"), (to, x.tq.grad, x.tk.grad, x.tv.grad)))
+    res = {"rel_err": {n: x.rel_err(got[n], ref[n], cp) for n in names},
+           "rel_err_floor": {n: x.rel_err(ref[n].astype(x.half), ref[n], cp) for n in torch_got},
+           "torch_rel_err": {n: x.rel_err(cp.from_dlpack(t.detach().float().contiguous()),
+                                          ref[n], cp) for n, t in torch_got.items()},
+           "repeats_bitwise": {}, "workspace_bytes": {}, "workspace_bound": {}, "engine": {}}
+    for n, f in fused.items():
+        o, lse = f.forward(x.q, x.k, x.v, out=x.o)
+        first = [y.copy() for y in f.backward(x.q, x.k, x.v, o, x.do, lse)]
+        again = f.backward(x.q, x.k, x.v, o, x.do, lse)
+        res["repeats_bitwise"][n] = all(bool(cp.array_equal(y.view(cp.uint16), z.view(cp.uint16)))
+                                        for y, z in zip(first, again))
+        spec = next(s for s in f.graphs if s.kind == "backward" and s.dtype == x.half.name)
+        res["workspace_bytes"][n] = f.graphs[spec].workspace_nbytes
+        res["workspace_bound"][n] = cs.workspace_bound(spec)
+        res["engine"][n] = f.graphs[spec].engine
     return res
 
 

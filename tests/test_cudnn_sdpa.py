@@ -8,9 +8,9 @@ test.sh installs it): missing, these fail under CI.
 
 On a GPU (scripts/gpu-check.sh runs this file there) the graphs also run: forward and
 backward against the tiled path in fp32 on the same rounded operands, relative L2 error within
-1e-3 (fp16) / 2e-3 (bf16); the tiled path's lse fed to the fused backward; the backward run
-twice gives the same bytes; the workspace of both dP-workspace settings within
-`workspace_bound`. Without a GPU those tests skip, saying so.
+1e-3 (fp16, the issue's target) / 4e-3 (bf16: see TOL); the tiled path's lse fed to the fused
+backward; the backward run twice gives the same bytes; the workspace of both dP-workspace
+settings within `workspace_bound`. Without a GPU those tests skip, saying so.
 """
 
 import os
@@ -23,7 +23,12 @@ from tests._devices import GPU
 from tests._prereq import need
 
 SHAPES = {"tiny-gqa": (2, 4, 2, 80, 32), "124M": (8, 12, 12, 1024, 64)}  # B, H, KV, T, D
-TOL = {"float16": 1e-3, "bfloat16": 2e-3}
+# Relative L2 error against the tiled path in fp32. bf16 cannot hold the issue's 2e-3: rounding
+# the exact outputs to bf16 alone (unit roundoff 2^-8) is 1.6e-3, and a flash kernel also rounds
+# P and dS to bf16 for its tensor-core GEMMs; a numpy emulation of those roundings (T 512, D 64)
+# gives 2.3e-3 (o) to 2.7e-3 (dq), fp16 2.8e-4 to 3.2e-4. benchmarks/gpu.py attention reports the
+# measured figure beside that floor and PyTorch's own error.
+TOL = {"float16": 1e-3, "bfloat16": 4e-3}
 RNG = np.random.default_rng(29)
 
 
