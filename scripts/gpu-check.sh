@@ -70,6 +70,7 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never past the bu
   timeout --kill-after=10 "$limit" "$@" >>"$report" 2>&1
   local rc=$?
   local dt=$(( $(date +%s) - t0 ))
+  [ -n "$(tail -c1 "$report")" ] && echo >> "$report"  # a killed step's last line, ended
   if [ $rc -eq 0 ]; then say "PASS $name (${dt}s)"; else say "FAIL $name (exit $rc, ${dt}s)"; failed=1; fi
 }
 
