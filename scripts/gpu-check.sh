@@ -15,7 +15,8 @@
 #   1. the card, cupy, ratrain's device (`open_device("gpu")`)
 #   2. the device tests on the GPU: tests/test_device.py, test_devkernels.py (numba-cuda kernels
 #      on the card, not the simulator), test_gpu_bench.py
-#   3. cuDNN's fused attention on the card: tests/test_cudnn_sdpa.py (forward and backward
+#   3. cuDNN: the frontend's and libcudnn's versions, and which libcudnn was loaded; its fused
+#      attention on the card: tests/test_cudnn_sdpa.py (forward and backward
 #      against the tiled path, fp16 and bf16, GQA, causal; the backward twice, the same bytes;
 #      the workspace within its bound)
 #   4. the fused attention's figures: fwd+bwd at the 124M shapes against PyTorch's SDPA, both
@@ -95,6 +96,16 @@ print('numpy', numpy.__version__, 'device', d.describe(),
       'cupy', getattr(d.xp, '__version__', '(stand-in)'))"
 step tests 150 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_device.py tests/test_devkernels.py \
   tests/test_gpu_bench.py
+step cudnn 30 "$py" -c "
+from ratrain.exec import cudnn_sdpa as cs
+print('nvidia-cudnn-frontend', cs.frontend().__version__)
+try:
+    _, version = cs.load()
+except cs.CudnnUnavailable as e:  # expected on a CPU rehearsal, a failure on the card
+    print(e)
+    raise SystemExit(int('$dev' == 'gpu'))
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn' in l})
+print('cuDNN', version, 'from', libs[0] if libs else '?')"
 step cudnn-attention 100 "$py" -m pytest -q -rs --color=no -p no:cacheprovider tests/test_cudnn_sdpa.py
 step attention 90 "$py" benchmarks/record.py gpu-attention -- "$py" benchmarks/gpu.py attention "${smoke[@]}"
 step mpi-4-ranks-one-gpu 60 "$mpirun" --oversubscribe -n 4 "$py" -m pytest -q --color=no -p no:cacheprovider \

@@ -31,11 +31,15 @@ with the same shapes, card and software). On Hopper with cuDNN >= 9.25 the front
 two ways, chosen when the graph is built by `CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT`, which
 `dp_workspace_limit` sets around the build (and restores): a dP workspace of
 B * H * ceil64(T) * ceil128(T) * 2 bytes while that fits the limit (None: no limit), else an
-ordered dQ accumulation with workspace linear in T (0: always). DP_WORKSPACE_LIMIT is the
-default; scripts/gpu-check.sh times both.
+ordered dQ accumulation with workspace linear in T (0: always). The default,
+DP_WORKSPACE_LIMIT (256 MiB, the frontend's old cap: the dP path at the 124M model's 192 MiB,
+the ordered one from T 2048 at that width), stands until scripts/gpu-check.sh's timings of both
+settings decide. Which engine serves a graph is recorded (`SdpaGraph.engine`): cuDNN's own,
+unless the frontend's Python (CuTe DSL) engines are installed and claim it.
 
-Without a card (CI): `describe(spec)` builds and validate()s a graph (the frontend's own checks
-of shapes, strides and attributes); from lowering on, cuDNN needs a GPU and libcudnn. libcudnn
+Without a card (CI): `describe(spec)` builds and validate()s a graph: frontend 1.32's
+Python-native rules (shapes, head counts, head size, attributes); the C++ checks (stride
+alignment, support on the card) run at lowering, which needs a GPU and libcudnn. libcudnn
 is the `nvidia-cudnn-cu12` / `-cu13` wheel's (PyTorch installs one), found by the frontend or
 on sys.path (`load`). Bad shapes or dtypes are a ValueError of one line before any cuDNN call;
 a graph cuDNN cannot serve on this card is a `CudnnUnavailable` of one line.
