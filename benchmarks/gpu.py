@@ -1,7 +1,9 @@
-"""Issue 19's GPU figures: speed and memory against PyTorch, and agreement with the CPU.
+"""Issues 19 and 29's GPU figures: speed and memory against PyTorch, agreement with the CPU,
+and cuDNN's fused attention.
 
     python benchmarks/gpu.py speed  [--rounds 5] [--steps 3]   # the 124M LLaMA, whole steps
     python benchmarks/gpu.py agree  [--cpu-steps 20] [--fp16-steps 200]
+    python benchmarks/gpu.py attention [--rounds 5] [--iters 10]   # fused attention, 124M shapes
     python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
 
 `speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,
@@ -18,6 +20,20 @@ after the steps: the pool keeps what it once needed) and PyTorch AMP's
 `--cpu-steps` steps (target: every loss within 1e-5), then fp16 and fp32 on the GPU for
 `--fp16-steps` steps (target: within 1%).
 
+`attention`: causal attention forward + backward at the 124M model's shapes (B 8, H 12, T 1024,
+D 64), fp16 and bf16, in interleaved rounds (medians of `--iters` calls per round): cuDNN's
+fused SDPA (`exec.cudnn_sdpa`) with the deterministic backward's two workspace settings (`dP`:
+no limit, its B H T^2 2-byte workspace; `ordered`: limit 0, the linear-workspace ordered dQ),
+PyTorch's `F.scaled_dot_product_attention` (its default backend, and flash and cuDNN forced
+where they run) and the tiled path in fp32 (tile 1024, the GPU path before this; its inputs
+fp32 copies). Prints ms, TFLOP/s (causal: 3.5 x 2 B H T^2 D flops), fused / PyTorch default
+(target >= 0.9x, per setting), the relative L2 error of o, lse, dq, dk, dv against the tiled
+path in fp32 (target 1e-3 fp16 / 2e-3 bf16) beside two yardsticks: the error of the reference
+merely rounded to the dtype (the floor of any kernel returning that dtype) and PyTorch's SDPA's
+own, whether the backward repeats bitwise, and each setting's workspace bytes against
+`workspace_bound`. On the stand-in (`--smoke`) it builds and validates
+the graphs only: nothing runs without a card.
+
 Each prints one JSON object last (benchmarks/record.py takes it). Refuses in one line, exit 2,
 when `--device gpu` has no cupy or no card. `--smoke` shrinks everything to seconds and lets
 `--device standin` run on a CPU, PyTorch then on the CPU too (tests/test_gpu_bench.py): it
@@ -27,6 +43,7 @@ checks the script, not the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -224,14 +241,173 @@ def agree(a, dev) -> dict:
     return out
 
 
+ATTN_124M = (8, 12, 12, 1024, 64)  # B, H, KV, T, D
+ATTN_SMOKE = (2, 4, 2, 32, 16)
+ATTN_TOL = {"fp16": 1e-3, "bf16": 2e-3}
+FUSED = {"dP": None, "ordered": 0}  # the deterministic backward's dP workspace limit
+
+
+def attention(a, dev) -> dict:
+    from ratrain.exec import cudnn_sdpa as cs
+
+    B, H, KV, T, D = ATTN_SMOKE if a.smoke else ATTN_124M
+    out = {"case": "gpu-attention", "card": dev.name, "shape": f"B{B} H{H} KV{KV} T{T} D{D}",
+           "frontend": cs.frontend().__version__}
+    if dev.kind != "gpu":  # the rehearsal: the graphs are described and validated, none runs
+        specs = [cs.SdpaSpec("forward", B, H, KV, T, D, dt) for dt in cs.DTYPES]
+        specs += [cs.SdpaSpec("backward", B, H, KV, T, D, dt, dp_workspace_limit=limit)
+                  for dt in cs.DTYPES for limit in FUSED.values()]
+        for spec in specs:
+            cs.describe(spec)
+        print(f"{len(specs)} cuDNN SDPA graphs built and validated; nothing executed (no GPU)")
+        return {**out, "executed": False, "graphs_validated": len(specs)}
+    import torch
+
+    fused = {name: cs.CudnnSdpa(dp_workspace_limit=limit) for name, limit in FUSED.items()}
+    out.update(executed=True, cudnn=fused["dP"].version, torch=torch.__version__,
+               by_precision=[_attention_case(a, prec, (B, H, KV, T, D), fused, torch)
+                             for prec in ("fp16", "bf16")])
+    return out
+
+
+def _attention_case(a, prec, shape, fused, torch) -> dict:
+    """One precision of `attention`: timings, errors, repeatability, workspace."""
+    import cupy as cp
+
+    x = _attention_inputs(prec, shape, torch)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fused_step(f):
+        def step():
+            o, lse = f.forward(x.q, x.k, x.v, out=x.o)
+            f.backward(x.q, x.k, x.v, o, x.do, lse)
+        return step
+
+    def torch_step(backend):
+        def step():
+            x.tq.grad = x.tk.grad = x.tv.grad = None
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                sdpa(x.tq, x.tk, x.tv, is_causal=True, enable_gqa=x.gqa).backward(x.tdo)
+        return step
+
+    steps = {f"cudnn {n}": fused_step(f) for n, f in fused.items()}
+    steps["torch sdpa"] = torch_step(None)
+    for name, backend in (("torch flash", SDPBackend.FLASH_ATTENTION),
+                          ("torch cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:  # a backend this torch or card lacks refuses its first call
+            torch_step(backend)()
+            steps[name] = torch_step(backend)
+        except RuntimeError as e:
+            print(f"{name}: not run ({str(e).splitlines()[0][:120]})", flush=True)
+    q32, k32, v32, do32 = (y.astype(np.float32) for y in (x.q, x.k, x.v, x.do))
+    steps["tiled-1024 fp32"] = lambda: x.tiled_fp32(q32, k32, v32, do32, cp, block=1024)
+    times = _interleaved(steps, a, cp, torch)
+    B, H, KV, T, D = shape
+    flops = 3.5 * 2 * B * H * T * T * D  # causal: half of 4 B H T^2 D forward, backward 2.5x
+    ms = {n: 1e3 * t for n, t in times.items()}
+    res = {"precision": prec, "ms": ms, "tflops": {n: flops / t / 1e12 for n, t in times.items()},
+           "vs_torch_sdpa": {n: times["torch sdpa"] / times[f"cudnn {n}"] for n in fused}}
+    res.update(_attention_accuracy(x, fused, sdpa, cp))
+    res["within_target"] = max(res["rel_err"].values()) < ATTN_TOL[prec]
+    for n, t in ms.items():
+        print(f"{prec} {n:>16}: {t:8.3f} ms  {res['tflops'][n]:6.1f} TFLOP/s", flush=True)
+    print(f"{prec} fused / torch sdpa: {res['vs_torch_sdpa']} (target >= 0.9); rel err vs tiled "
+          f"fp32: {res['rel_err']} (target {ATTN_TOL[prec]}; rounding alone "
+          f"{res['rel_err_floor']}, torch sdpa {res['torch_rel_err']}); repeats bitwise "
+          f"{res['repeats_bitwise']}; workspace {res['workspace_bytes']} bytes", flush=True)
+    return res
+
+
+def _attention_inputs(prec, shape, torch):
+    """The same operands for every contender: q, k, v, do (the layer's token-major view) and an
+    output view o in `prec` on cupy; tq, tk, tv (leaves) and tdo on torch; the reference."""
+    import cupy as cp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import _attention_ref
+
+    B, H, KV, T, D = shape
+    if prec == "bf16":
+        import ml_dtypes  # cupy's bfloat16
+
+        half, tdt = np.dtype(ml_dtypes.bfloat16), torch.bfloat16
+    else:
+        half, tdt = np.dtype(np.float16), torch.float16
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s, dtype=np.float32)
+            for s in ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, T, H, D))]
+    q, k, v, do_tm = (cp.asarray(h).astype(half) for h in host)
+    tq, tk, tv = (torch.tensor(h, device="cuda", dtype=tdt, requires_grad=True) for h in host[:3])
+    return argparse.Namespace(
+        half=half, gqa=KV != H, q=q, k=k, v=v, do=do_tm.transpose(0, 2, 1, 3),
+        o=cp.empty((B, T, H, D), half).transpose(0, 2, 1, 3), tq=tq, tk=tk, tv=tv,
+        tdo=torch.tensor(host[3], device="cuda", dtype=tdt).transpose(1, 2),
+        tiled_fp32=_attention_ref.tiled_fp32, rel_err=_attention_ref.rel_err)
+
+
+def _attention_accuracy(x, fused, sdpa, cp) -> dict:
+    """Errors against the tiled path in fp32 (the fused dP setting's, the rounding floor's,
+    PyTorch's), whether each setting's backward repeats bitwise, its workspace."""
+    from ratrain.exec import cudnn_sdpa as cs
+
+    names = ("o", "lse", "dq", "dk", "dv")
+    ref = dict(zip(names, x.tiled_fp32(x.q, x.k, x.v, x.do, cp)))
+    o, lse = fused["dP"].forward(x.q, x.k, x.v, out=x.o)
+    got = dict(zip(names, (o, lse, *fused["dP"].backward(x.q, x.k, x.v, o, x.do, lse))))
+    x.tq.grad = x.tk.grad = x.tv.grad = None
+    to = sdpa(x.tq, x.tk, x.tv, is_causal=True, enable_gqa=x.gqa)
+    to.backward(x.tdo)
+    torch_got = dict(zip(("o", "dq", "dk", "dv"), (to, x.tq.grad, x.tk.grad, x.tv.grad)))
+    res = {"rel_err": {n: x.rel_err(got[n], ref[n], cp) for n in names},
+           "rel_err_floor": {n: x.rel_err(ref[n].astype(x.half), ref[n], cp) for n in torch_got},
+           "torch_rel_err": {n: x.rel_err(cp.from_dlpack(t.detach().float().contiguous()),
+                                          ref[n], cp) for n, t in torch_got.items()},
+           "repeats_bitwise": {}, "workspace_bytes": {}, "workspace_bound": {}, "engine": {}}
+    for n, f in fused.items():
+        o, lse = f.forward(x.q, x.k, x.v, out=x.o)
+        first = [y.copy() for y in f.backward(x.q, x.k, x.v, o, x.do, lse)]
+        again = f.backward(x.q, x.k, x.v, o, x.do, lse)
+        res["repeats_bitwise"][n] = all(bool(cp.array_equal(y.view(cp.uint16), z.view(cp.uint16)))
+                                        for y, z in zip(first, again))
+        spec = next(s for s in f.graphs if s.kind == "backward" and s.dtype == x.half.name)
+        res["workspace_bytes"][n] = f.graphs[spec].workspace_nbytes
+        res["workspace_bound"][n] = cs.workspace_bound(spec)
+        res["engine"][n] = f.graphs[spec].engine
+    return res
+
+
+def _interleaved(steps, a, cp, torch) -> dict:
+    """Median seconds per call of each of `steps`, in `a.rounds` interleaved rounds of
+    `a.iters` calls, after `a.warmup` calls each; the card synchronized around each batch."""
+    def sync():
+        cp.cuda.Device().synchronize()
+        torch.cuda.synchronize()
+
+    for fn in steps.values():
+        for _ in range(a.warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(a.rounds):
+        for k, fn in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                fn()
+            sync()
+            times[k].append((time.perf_counter() - t0) / a.iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "agree"))
+    ap.add_argument("what", choices=("speed", "agree", "attention"))
     ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--smoke", action="store_true", help="seconds-long, for the plumbing")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per contender per round")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=10, help="attention calls per contender per round")
     ap.add_argument("--cpu-steps", type=int, default=20)
     ap.add_argument("--fp16-steps", type=int, default=200)
     a = ap.parse_args(argv)
@@ -240,16 +416,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if a.smoke:
-        a.rounds, a.steps, a.warmup = 1, 1, 1
+        a.rounds, a.steps, a.warmup, a.iters = 1, 1, 1, 1
         a.cpu_steps = a.fp16_steps = 2
     from ratrain.device import DeviceError, open_device
+    from ratrain.exec.cudnn_sdpa import CudnnUnavailable
 
     try:
         dev = open_device(a.device)
-    except DeviceError as e:
+        out = {"speed": speed, "agree": agree, "attention": attention}[a.what](a, dev)
+    except (DeviceError, CudnnUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = speed(a, dev) if a.what == "speed" else agree(a, dev)
     print(json.dumps(out))
     return 0
 

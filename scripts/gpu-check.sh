@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# Issue 19's checks on one GPU, in one prepared run of at most 8 minutes, into one report file.
+# Issues 19 and 29's checks on one GPU, in one prepared run of at most 8 minutes, into one report.
 #
-# On the device machine (its python3 holds cupy, torch, transformers, numba-cuda, mpi4py on
-# Debian's Open MPI; nothing can be fetched there). pytest-mpi is not in its image: carry it,
-# once per session, from here:
-#     echo /.whl/ >> .git/info/exclude
-#     python3 -m pip download --no-deps --only-binary=:all: -d .whl pytest-mpi
+# On the device machine (its python3 holds cupy, torch with its libcudnn, transformers,
+# numba-cuda, mpi4py on Debian's Open MPI; nothing can be fetched there). What its image lacks
+# (pytest-mpi, nvidia-cudnn-frontend, ml_dtypes; cuda-bindings where missing) travels as wheels,
+# made here once per session:
+#     bash scripts/gpu-wheels.sh          # .whl/, about 20 MB, setup.cfg's versions
 # then, with the device tool:   run(command="bash scripts/gpu-check.sh", carry=[".whl"], timeout_s=560)
+# The wheels go into a scratch directory on PYTHONPATH (--target: no install into the machine's
+# Python), without their dependencies.
 #
-# Steps (each under its own time limit, each ending in a PASS or FAIL line of the report):
+# Steps (each under its own time limit and within the whole run's 8 minutes, each ending in a
+# PASS or FAIL line of the report; a step the budget cannot fit any more is a FAIL saying so):
 #   1. the card, cupy, ratrain's device (`open_device("gpu")`)
 #   2. the device tests on the GPU: tests/test_device.py, test_devkernels.py (numba-cuda kernels
 #      on the card, not the simulator), test_gpu_bench.py
-#   3. 4 ranks on the one GPU, pp 2 x dp 2: the three policies bitwise equal, close to 1 x 1
+#   3. cuDNN: the frontend's and libcudnn's versions, and which libcudnn was loaded; its fused
+#      attention on the card: tests/test_cudnn_sdpa.py (forward and backward
+#      against the tiled path, fp16 and bf16, GQA, causal; the backward twice, the same bytes;
+#      the workspace within its bound)
+#   4. the fused attention's figures: fwd+bwd at the 124M shapes against PyTorch's SDPA, both
+#      deterministic-backward workspace settings, errors against the tiled path in fp32
+#      (benchmarks/gpu.py attention)
+#   5. 4 ranks on the one GPU, pp 2 x dp 2: the three policies bitwise equal, close to 1 x 1
 #      (tests/test_device_mpi.py under mpirun)
-#   4. agreement: jobs/tiny.yaml fp32 CPU vs GPU over 20 steps, fp16 vs fp32 over 200
+#   6. agreement: jobs/tiny.yaml fp32 CPU vs GPU over 20 steps, fp16 vs fp32 over 200
 #      (benchmarks/gpu.py agree)
-#   5. HF parity on the GPU: 100 fp32 steps against transformers + torch.optim.AdamW on the card
+#   7. HF parity on the GPU: 100 fp32 steps against transformers + torch.optim.AdamW on the card
 #      (benchmarks/hf_parity.py --device gpu)
-#   6. speed and memory of the 124M model against PyTorch, interleaved (benchmarks/gpu.py speed)
-#   7. the fused kernels against plain cupy (benchmarks/devkernels.py)
+#   8. speed and memory of the 124M model against PyTorch, interleaved (benchmarks/gpu.py speed)
+#   9. the fused kernels against plain cupy (benchmarks/devkernels.py)
 # The report is $OUT/gpu-check.txt (or ./gpu-check.txt); figures also go as benchmark records
 # to $OUT/records (benchmarks/record.py), to be copied into docs/records/ here.
-# A rehearsal on a CPU (every step's plumbing, no figures): RATRAIN_CHECK_DEVICE=standin
-# PYTHON=.venv/bin/python MPIRUN=.venv/bin/mpirun scripts/gpu-check.sh
+# A rehearsal on a CPU (every step's plumbing, no figures; cuDNN's graphs built and validated,
+# none run): RATRAIN_CHECK_DEVICE=standin PYTHON=.venv/bin/python MPIRUN=.venv/bin/mpirun
+# scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -43,24 +54,39 @@ mkdir -p "$RATRAIN_RECORDS"
 : > "$report"
 failed=0
 t_start=$(date +%s)
+budget=${RATRAIN_CHECK_BUDGET:-470}  # seconds for every step, within the run's 8 minutes
 
 say() { echo "$*" | tee -a "$report"; }
 
-step() {  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never past the budget
   local name=$1 limit=$2
   shift 2
+  local left=$(( budget - ($(date +%s) - t_start) ))
+  if [ "$left" -lt 15 ]; then
+    say "FAIL $name (not run: ${left}s left of the ${budget}s budget)"; failed=1; return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   say "== $name (limit ${limit}s): $*"
   local t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >>"$report" 2>&1
   local rc=$?
   local dt=$(( $(date +%s) - t0 ))
+  [ -n "$(tail -c1 "$report")" ] && echo >> "$report"  # a killed step's last line, ended
   if [ $rc -eq 0 ]; then say "PASS $name (${dt}s)"; else say "FAIL $name (exit $rc, ${dt}s)"; failed=1; fi
 }
 
 say "ratrain gpu-check, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$report"
-if [ -d .whl ]; then
-  "$py" -m pip install -q --no-index --find-links .whl pytest-mpi >>"$report" 2>&1 || say "could not install pytest-mpi from .whl"
+if [ -d .whl ] && [ "$dev" = gpu ]; then
+  wheels=(pytest-mpi nvidia-cudnn-frontend ml_dtypes)
+  "$py" -c "import cuda.bindings.driver" 2>/dev/null || wheels+=(cuda-bindings cuda-pathfinder)
+  site=$(mktemp -d)
+  if "$py" -m pip install -q --no-index --find-links .whl --no-deps --target "$site" "${wheels[@]}" >>"$report" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$site"
+    say "installed from .whl into $site: ${wheels[*]}"
+  else
+    say "could not install ${wheels[*]} from .whl"
+  fi
 fi
 step device 30 "$py" -c "
 import numpy, ratrain
@@ -70,6 +96,18 @@ print('numpy', numpy.__version__, 'device', d.describe(),
       'cupy', getattr(d.xp, '__version__', '(stand-in)'))"
 step tests 150 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_device.py tests/test_devkernels.py \
   tests/test_gpu_bench.py
+step cudnn 30 "$py" -c "
+from ratrain.exec import cudnn_sdpa as cs
+print('nvidia-cudnn-frontend', cs.frontend().__version__)
+try:
+    _, version = cs.load()
+except cs.CudnnUnavailable as e:  # expected on a CPU rehearsal, a failure on the card
+    print(e)
+    raise SystemExit(int('$dev' == 'gpu'))
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn' in l})
+print('cuDNN', version, 'from', libs[0] if libs else '?')"
+step cudnn-attention 100 "$py" -m pytest -q -rs --color=no -p no:cacheprovider tests/test_cudnn_sdpa.py
+step attention 90 "$py" benchmarks/record.py gpu-attention -- "$py" benchmarks/gpu.py attention "${smoke[@]}"
 step mpi-4-ranks-one-gpu 60 "$mpirun" --oversubscribe -n 4 "$py" -m pytest -q --color=no -p no:cacheprovider \
   --with-mpi -m mpi tests/test_device_mpi.py
 step agree 70 "$py" benchmarks/record.py gpu-agree -- "$py" benchmarks/gpu.py agree "${smoke[@]}"

@@ -5,8 +5,8 @@
 # exit 5) is not a failure, unless no step selects anything. At the end: every skip and its reason.
 # RATRAIN_TEST_TORCH=1 also installs PyTorch, transformers and tokenizers for the reference
 # checks, and fails naming the package when that install fails. Under CI (CI=true, .ci/run) or
-# RATRAIN_TEST_TORCH=1 a missing prerequisite (torch, transformers, tokenizers, numba, Slurm,
-# namespaces as root) fails its tests; elsewhere they are skipped with the reason.
+# RATRAIN_TEST_TORCH=1 a missing prerequisite (torch, transformers, tokenizers, numba, cuDNN's
+# frontend, Slurm, namespaces as root) fails its tests; elsewhere they are skipped with the reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -29,6 +29,9 @@ if [ "${RATRAIN_TEST_TORCH:-0}" = 1 ]; then
   install transformers transformers
 fi
 install tokenizers "tokenizers>=0.15"  # the tokenizer tests (transformers brings it too)
+# cuDNN's attention graphs, built and validated without a GPU; setup.cfg's pin, without the
+# frontend's declared dependencies (nvidia-cutlass-dsl: engines ratrain does not use, 600 MB)
+install cudnn --no-deps "$(sed -n 's/^ *\(nvidia-cudnn-frontend==[0-9.]*\) *$/\1/p' setup.cfg | head -1)"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_osc=^ucx

@@ -48,3 +48,12 @@ def test_refuses_without_a_gpu_or_with_standin_alone():
         p = run("agree")
         assert p.returncode == 2 and "run.device: gpu" in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_attention_plumbing_on_the_standin():
+    """Without a card the attention benchmark builds and validates its graphs, runs nothing."""
+    need("cudnn", "cuDNN's fused attention graphs (pip install nvidia-cudnn-frontend)")
+    p = run("attention", "--device", "standin", "--smoke")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["executed"] is False and out["graphs_validated"] == 6
