@@ -1,5 +1,7 @@
 """The PipelinePlan: one pure object per pipeline, made before any buffer."""
 
+import dataclasses
+
 import pytest
 
 from ratrain.lifecycle.grid import grid
@@ -74,3 +76,15 @@ def test_executor_is_handed_its_parts_and_runs_no_collective_when_made():
                            shard=(1, 2))
         Executor(cfg, plan, topo, other, ctx, NoEngine(), ledger)
     ctx.close()
+
+
+def test_a_plan_holds_every_replicas_share_checked_when_made():
+    cfg = tiny_config(pp=2, dp=2, m=4)
+    plan = PipelinePlan.from_config(cfg)
+    assert plan.shares == (4, 4) and plan.replica == 0
+    par = dataclasses.replace(cfg.parallel, replica_shares=(6, 2))
+    uneven = PipelinePlan.from_config(dataclasses.replace(cfg, parallel=par), replica=1)
+    assert uneven.shares == (6, 2) and uneven.num_micro_batches == 2 and uneven.replica == 1
+    with pytest.raises(ValueError, match=r"replica 1 of 2 runs 3 micro-batches, but the shares "
+                                         r"of the replicas are \[6, 2\]"):
+        PipelinePlan.build(plan.policy, plan.blocks, 3, dp=2, shares=(6, 2), replica=1)

@@ -118,30 +118,15 @@ class Executor:
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
                  total_steps: int | None = None, pacer=None):
         self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
-        if engine is not None and not is_host(ctx.xp):  # device arrays reach MPI through host
-            engine = StagedEngine(engine, HostStaging(ctx.xp))  # buffers (no CUDA-aware MPI)
-        self.engine, self.ledger = engine, ledger if ledger is not None else state.ledger
-        self.pp, self.dp, self.num_micro_batches = plan.pp, plan.dp, plan.num_micro_batches
-        self.stage, self.replica, self.rank = (
-            (topo.stage, topo.replica, topo.rank) if topo is not None else (0, 0, 0))
-        self.world, self.micro_batch = self.pp * self.dp, cfg.parallel.micro_batch
-        if self.world > 1 and (topo is None or engine is None):
-            raise ValueError(f"pp={self.pp} x dp={self.dp} needs a Topology and a CommEngine")
+        self._place(plan, topo, engine, ledger if ledger is not None else state.ledger)
         self.total_steps = total_steps if total_steps is not None else cfg.run.steps
         self.policy, self.info = plan.policy, plan.stages[self.stage]
         self.blocks, self.sharded = list(self.info.blocks), self.info.sharded
         self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
-        # global block order, for the norm partials
+        # global block order, for the norm partials; every replica's micro-batches
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
-        # every replica's micro-batches (unequal under `parallel.replica_shares`)
-        self.shares = (cfg.parallel.shares if cfg.parallel.replica_shares is not None
-                       else (self.num_micro_batches,) * self.dp)
-        if len(self.shares) != self.dp or self.shares[self.replica] != self.num_micro_batches:
-            raise ValueError(f"rank {self.rank}: the plan runs {self.num_micro_batches} "
-                             f"micro-batches, parallel.replica_shares gives replica "
-                             f"{self.replica} of {list(self.shares)}: build the plan with "
-                             f"PipelinePlan.from_config(cfg, replica={self.replica})")
+        self.shares = plan.shares
         self.facts = FactsLayout(len(self.global_index), self.dp, self.shares, self.world)
         self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim, ctx.kernels)
@@ -153,6 +138,24 @@ class Executor:
         self.step = -1  # before the first step (measurement may gather views)
         self._reset_step_state()
         self.set_recompute(self._plain_recompute(), None)
+
+    def _place(self, plan: PipelinePlan, topo, engine, ledger) -> None:
+        """Where this rank sits in the grid, its engine (device arrays reach MPI through host
+        buffers: no CUDA-aware MPI) and ledger; the plan must run this replica's share."""
+        if engine is not None and not is_host(self.ctx.xp):
+            engine = StagedEngine(engine, HostStaging(self.ctx.xp))
+        self.engine, self.ledger = engine, ledger
+        self.pp, self.dp, self.num_micro_batches = plan.pp, plan.dp, plan.num_micro_batches
+        self.stage, self.replica, self.rank = (
+            (topo.stage, topo.replica, topo.rank) if topo is not None else (0, 0, 0))
+        self.world, self.micro_batch = self.pp * self.dp, self.cfg.parallel.micro_batch
+        if self.world > 1 and (topo is None or engine is None):
+            raise ValueError(f"pp={self.pp} x dp={self.dp} needs a Topology and a CommEngine")
+        if plan.shares[self.replica] != self.num_micro_batches:  # unequal replica shares
+            raise ValueError(f"rank {self.rank}: the plan runs {self.num_micro_batches} "
+                             f"micro-batches, replica {self.replica}'s share is "
+                             f"{plan.shares[self.replica]} of {list(plan.shares)}: build it with "
+                             f"PipelinePlan.from_config(cfg, replica={self.replica})")
 
     def _open_mailbox(self) -> Mailbox | None:
         """The pipeline's messages (none for one stage)."""

@@ -59,12 +59,22 @@ class PipelinePlan:
     first: tuple[tuple[Action, ...], ...]  # per stage: a step with nothing carried
     carried: tuple[tuple[Action, ...], ...]  # per stage: a step after a step (== first unless the policy carries)
     flushes: tuple[tuple[Action, ...], ...]  # per stage: what ends a run
+    # every replica's micro-batches (unequal under `parallel.replica_shares`), and whose plan
+    # this is: shares[replica] == num_micro_batches (checked when the plan is made)
+    shares: tuple[int, ...] = ()
+    replica: int = 0
 
     @classmethod
     def build(cls, policy: Policy, blocks, m: int, precision: str = "fp32", dp: int = 1,
-              block_bytes=None, validate: bool = True) -> PipelinePlan:
+              block_bytes=None, validate: bool = True, shares=None,
+              replica: int = 0) -> PipelinePlan:
         """The plan of stages with block names `blocks[s]` and fp32 gradient bytes
-        `block_bytes[s]` (None: zero bytes); `validate`: check every stage's lists first."""
+        `block_bytes[s]` (None: zero bytes) for replica `replica` of `shares` (None: `m`
+        micro-batches each); `validate`: check every stage's lists first."""
+        shares = tuple(shares) if shares is not None else (m,) * dp
+        if len(shares) != dp or not 0 <= replica < dp or shares[replica] != m:
+            raise ValueError(f"replica {replica} of {dp} runs {m} micro-batches, but the shares "
+                             f"of the replicas are {list(shares)}: give each replica its share")
         pp, shards = len(blocks), policy.shards(dp)
         stages = tuple(
             StageInfo(pp, s, m, tuple(names),
@@ -76,20 +86,21 @@ class PipelinePlan:
                    tuple(policy.build_step(i) for i in stages),
                    tuple(policy.build_step(i, True) if carries(i) else policy.build_step(i)
                          for i in stages),
-                   tuple(policy.build_flush(i) for i in stages))
+                   tuple(policy.build_flush(i) for i in stages), shares, replica)
         if validate:
             plan.validate()
         return plan
 
     @classmethod
     def of_model(cls, model, policy: Policy, pp: int, dp: int, m: int, precision: str = "fp32",
-                 layers_per_stage=None, validate: bool = True) -> PipelinePlan:
+                 layers_per_stage=None, validate: bool = True, shares=None,
+                 replica: int = 0) -> PipelinePlan:
         """The plan of `model` cut into `pp` stages (`layers_per_stage`: None, even), its
         blocks sized from their parameter counts."""
         blocks = stage_block_names(model, pp, layers_per_stage)
         sizes = [tuple(GRAD_BYTES_PER_PARAM * block_params(model, block_role(b)) for b in names)
                  for names in blocks]
-        return cls.build(policy, blocks, m, precision, dp, sizes, validate)
+        return cls.build(policy, blocks, m, precision, dp, sizes, validate, shares, replica)
 
     @classmethod
     def from_config(cls, cfg, policy=None, *, pp: int | None = None, dp: int | None = None,
@@ -99,11 +110,12 @@ class PipelinePlan:
         `replica_shares`, unless `pp`/`dp`/`m` micro-batches or `layers_per_stage` are given;
         `policy`: see `resolve_policy`)."""
         par = cfg.parallel
+        own = pp is None and dp is None and m is None  # the config's layout, its shares
         return cls.of_model(
             cfg.model, resolve_policy(cfg.schedule, policy), par.pp if pp is None else pp,
             par.dp if dp is None else dp, par.micro_batches_of(replica) if m is None else m,
             cfg.precision, par.stage_layers() if layers_per_stage is _CONFIG else layers_per_stage,
-            validate)
+            validate, par.shares if own else None, replica if own else 0)
 
     # -- what the plan holds ---------------------------------------------------------------
 
