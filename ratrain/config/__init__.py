@@ -25,7 +25,7 @@ import yaml
 from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
-from ratrain.config.sections import RunConfig, ScheduleConfig, _choice, global_batch
+from ratrain.config.sections import RunConfig, ScheduleConfig, SyncConfig, _choice, global_batch
 from ratrain.config.switches import SWITCHES, env_overrides
 from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
@@ -47,6 +47,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -237,7 +238,7 @@ def _apply_override(data: dict, ov: str) -> None:
 __all__ = [
     "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "InitConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
-    "SWITCHES", "ScheduleConfig", "StrictLoader", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
+    "SWITCHES", "ScheduleConfig", "StrictLoader", "SyncConfig", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",
     "shipped_jobs", "with_overrides",
 ]

@@ -23,6 +23,7 @@ wait-view L     wait for block L's view all-gather     drop-view L   release blo
 alloc-grad L    allocate block L's gradient            free-grad L   release it
 sync L          start block L's gradient all-reduce    sync-scatter L   ... its reduce-scatter
 wait-sync L     wait for that collective               update L      AdamW of block L
+avg L           start block L's parameter average (sync.mode partial)   wait-avg L   its mean
 norm            the step's global facts (gradient norm, overflow, loss): every rank meets
 L<i> = layers.<i>; embed, head as they are"""
 
@@ -31,7 +32,8 @@ _PLAY = dispatch_table("grid.timeline", {
     sched.RecvForward: (_RECV, "fwd", 0), sched.RecvBackward: (_RECV, "bwd", 0),
     sched.SendForward: (_SEND, "fwd", +1), sched.SendBackward: (_SEND, "bwd", -1),
     sched.GradNorm: (_NORM,), sched.Forward: (_COMPUTE,), sched.Backward: (_COMPUTE,),
-}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update),
+}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update,
+           sched.AverageParams, sched.WaitAverage),
     default=(_LIFE,))
 
 

@@ -1,0 +1,197 @@
+"""Issue 32's targets: partial synchronization (`sync.mode: partial`) against full on slow links.
+
+    python benchmarks/psync.py speed --config jobs/psync.yaml [--periods 4] [--rounds 3]
+        [--steps 10] [--skip 2] [--ranks 4] [--launcher "CMD ..."] [--record NAME]
+    python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
+        [--ranks 4] [--launcher "CMD ..."] [--png docs/psync-curves.png] [--record NAME]
+
+`speed`: the job under full sync and under partial sync at each period H of `--periods`, run
+under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
+ps --` for 2 emulated nodes), each `--steps` steps of random tokens as the trainer wires it
+(`lifecycle.bench.job_rounds`: link throttle, compute and DDR pacing), the variants in
+`--rounds` rotated rounds (interleaved). A variant's step is the mean over the steps after
+`--skip` (a whole number of periods: partial steps differ through a period), its round's
+slowest rank; the median over rounds is measured. Printed, one JSON object per variant: its
+measured and predicted step (the simulator's, `plan.simulate.simulate_config` x time_scale),
+their ratio, the exposed gradient or average waits of stage 0 and the paced compute; then a
+summary with each partial variant's steps/s over full's.
+
+`quality`: trains the job (`python -m ratrain.train`, its own steps, the default corpus, evals
+every `data.eval_interval`) under full and then under partial sync at `--period` into
+`DIR/full` and `DIR/partial-H`, then judges the partial run by `ratrain.compare` against the
+full one (`docs/BENCHMARKS.md`'s recipe): eval loss within 2% at every eval after the first 20%
+of training, within 1% at the end, and the wall-clock time to full sync's final eval loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from record import write_record  # noqa: E402 - after the path above
+
+FULL = "full"
+
+
+def variants(periods) -> dict[str, list[str]]:
+    """Variant name -> its `--set` overrides: full sync, then partial at each period."""
+    out = {FULL: ["sync.mode=full"]}
+    for h in periods:
+        out[f"partial-{h}"] = ["sync.mode=partial", f"sync.period={h}"]
+    return out
+
+
+def worker(args) -> None:
+    """Every rank: the variants in rotated rounds; rank 0 prints one JSON object each."""
+    from mpi4py import MPI  # the benchmark's ranks
+
+    from ratrain.config import load_config
+    from ratrain.lifecycle.bench import job_rounds
+    from ratrain.plan.simulate import simulate_config
+
+    comm = MPI.COMM_WORLD
+    job = json.loads(Path(args.worker).read_text())
+    cfgs = {name: load_config(args.config, [*job["sets"], *sets])
+            for name, sets in job["variants"].items()}
+    for cfg in cfgs.values():
+        cfg.check_world(comm.Get_size())
+    runs = job_rounds(cfgs, comm, args.rounds, args.skip, args.steps)
+    if comm.Get_rank() != 0:
+        return
+    for name, rs in runs.items():
+        cfg = cfgs[name]
+        step = statistics.median(x["window_step_s"] for x in rs)
+        sim = simulate_config(cfg, with_memory=False)
+        pred = sim.step_s * cfg.platform.time_scale
+        waits = rs[-1]["stage0"]
+        print(json.dumps({
+            "case": name, "dp": cfg.parallel.dp, "sync": cfg.sync.mode,
+            "period": cfg.sync.period if cfg.sync.partial else 1,
+            "step_s": round(step, 4), "rounds": [x["window_step_s"] for x in rs],
+            "steps_per_s": round(1 / step, 4), "predicted_step_s": round(pred, 4),
+            "measured_over_predicted": round(step / pred, 3),
+            "exposed_wait_s": round(waits.get("wait_sync", 0.0) + waits.get("wait_avg", 0.0), 4),
+            "predicted_exposed_s": round(sim.comm_exposed_s * cfg.platform.time_scale, 4),
+            "compute_s": rs[-1]["compute_s"], "host_busy": max(x["host_busy"] for x in rs),
+            "overruns": rs[-1]["overruns"], "loss": rs[-1]["loss"],
+        }), flush=True)
+
+
+def _launch(args) -> list[str]:
+    py = sys.executable
+    mpirun = os.environ.get("MPIRUN", str(Path(py).with_name("mpirun")))
+    return (shlex.split(args.launcher) + ["-n", str(args.ranks)] if args.launcher
+            else [mpirun, "-n", str(args.ranks), "--oversubscribe"])
+
+
+def speed(args, argv) -> int:
+    periods = [int(x) for x in args.periods.split(",")]
+    if (args.steps - args.skip) % max(periods):
+        print(f"error: --steps - --skip = {args.steps - args.skip} must be a whole number of "
+              f"periods ({max(periods)})", file=sys.stderr)
+        return 2
+    job = {"sets": args.set, "variants": variants(periods)}
+    load_before = round(os.getloadavg()[0], 2)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    cmd = [*_launch(args), sys.executable, str(Path(__file__).resolve()), "worker",
+           "--config", args.config, "--rounds", str(args.rounds), "--steps", str(args.steps),
+           "--skip", str(args.skip), "--worker", f.name]
+    out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True)
+    os.unlink(f.name)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or len(rows) != len(job["variants"]):
+        sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
+        print(f"error: the measurement exited {out.returncode}", file=sys.stderr)
+        return 1
+    full = rows[0]
+    summary: dict = {"load_before": load_before, "load_after": round(os.getloadavg()[0], 2)}
+    for r in rows:
+        print(json.dumps(r))
+        for k in ("step_s", "steps_per_s", "predicted_step_s", "measured_over_predicted",
+                  "exposed_wait_s", "host_busy"):
+            summary[f"{r['case']}.{k}"] = r[k]
+        summary[f"{r['case']}.within_10pct"] = abs(r["measured_over_predicted"] - 1) <= 0.1
+    for r in rows[1:]:
+        summary[f"{r['case']}_over_full"] = round(r["steps_per_s"] / full["steps_per_s"], 3)
+        summary[f"{r['case']}_over_full_predicted"] = round(
+            full["predicted_step_s"] / r["predicted_step_s"], 3)
+    print(json.dumps(summary))
+    if args.record:
+        write_record(args.record, "python benchmarks/psync.py " + shlex.join(argv), summary,
+                     load_before)
+    return 0
+
+
+def quality(args, argv) -> int:
+    """Train full, then partial; judge partial against full with `ratrain.compare`."""
+    out = Path(args.out)
+    runs = {FULL: out / FULL, f"partial-{args.period}": out / f"partial-{args.period}"}
+    sets = {FULL: ["sync.mode=full"],
+            f"partial-{args.period}": ["sync.mode=partial", f"sync.period={args.period}"]}
+    load_before = round(os.getloadavg()[0], 2)
+    for name, run_dir in runs.items():
+        over = [x for s in (*args.set, *sets[name], f"run.dir={run_dir}") for x in ("--set", s)]
+        cmd = [*_launch(args), sys.executable, "-m", "ratrain.train", "--config", args.config,
+               *over]
+        print("+ " + shlex.join(cmd), flush=True)
+        if subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT))).returncode:
+            print(f"error: the {name} run failed", file=sys.stderr)
+            return 1
+    partial, full = (str(p) for p in runs.values())
+    cmp = [sys.executable, "-m", "ratrain.compare", partial, full, "--key", "eval_loss",
+           "--tol", "0.02", "--after", "0.2", "--final-tol", "0.01", "--time-to-final",
+           "--min-speedup", "1.3"] + (["--png", args.png] if args.png else [])
+    print("+ " + shlex.join(cmp), flush=True)
+    res = subprocess.run(cmp, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True)
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    figures = dict(x.split("=", 1) for line in res.stdout.splitlines() for x in line.split()
+                   if "=" in x)
+    summary = {k: float(v) for k, v in figures.items()}
+    summary.update(passed=res.returncode == 0, load_before=load_before,
+                   load_after=round(os.getloadavg()[0], 2))
+    print(json.dumps(summary))
+    if args.record:
+        write_record(args.record, "python benchmarks/psync.py " + shlex.join(argv), summary,
+                     load_before)
+    return res.returncode
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("speed", "quality", "worker"))
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", action="append", default=[], help="overrides of every variant")
+    ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
+    ap.add_argument("--period", type=int, default=4, help="quality: partial sync's period")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--launcher", default="", help="instead of mpirun -n RANKS --oversubscribe")
+    ap.add_argument("--out", default="runs/psync-quality", help="quality: the runs' directory")
+    ap.add_argument("--png", default="", help="quality: the curves (ratrain.compare --png)")
+    ap.add_argument("--record", default="")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.what == "worker":
+        worker(args)
+        return 0
+    return (speed if args.what == "speed" else quality)(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Partial synchronization under MPI: the runtime (collectives in the engine, overlapped with
+the backward) against a plain reference that runs the replicas one after another in one
+process; policies bitwise equal; the replicas' mean at the end of a run.
+
+    mpirun --oversubscribe -n 4 python -m pytest --with-mpi tests/test_partial_mpi.py
+"""
+
+from concurrent.futures import Future
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ratrain.comm.algos import reference as allreduce_reference
+from ratrain.config import SyncConfig
+from ratrain.lifecycle.partial import Averager
+from ratrain.lifecycle.rank import build_rank
+from tests._executor_util import global_batch, params_digest, tiny_config, train
+
+
+def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32", steps=4):
+    cfg = tiny_config(pp=pp, dp=dp, m=2, precision=precision, policy=policy, steps=steps)
+    return replace(cfg, schedule=replace(cfg.schedule, shard_optimizer=False),
+                   sync=SyncConfig(mode="partial", period=period))
+
+
+class _Sums:
+    """A stand-in engine: each block's all-reduce leaves the sum of every replica's master of
+    the step's start, in the runtime's order (`comm.algos.reference`, hier)."""
+
+    def __init__(self):
+        self.sums: dict[int, np.ndarray] = {}  # master slice's address -> its sum
+
+    def allreduce(self, buf, comm):
+        buf[...] = self.sums[buf.ctypes.data]
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+def reference(cfg, steps):
+    """The replicas of `cfg` one after another in one process: each a dp = 1 rank on its share
+    of every global batch, stepping on its own gradients; a block averaged at step s gets the
+    replicas' masters of the step's start, summed in the runtime's order, divided by dp. Each
+    step is flushed (policies differ in when, never in what)."""
+    dp, m = cfg.parallel.dp, cfg.parallel.num_micro_batches
+    one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
+    ranks = [build_rank(one, None) for _ in range(dp)]
+    exs = [r.executor for r in ranks]
+    engine = _Sums()
+    for ex in exs:
+        ex.averager = Averager(ex.state, dp, engine, None, ex._pace_memory)
+    results = [[] for _ in range(dp)]
+    for s in range(steps):
+        engine.sums.clear()
+        for b in exs[0].plan.partial.blocks_at(s):
+            total = allreduce_reference([ex.state.master_flat(b) for ex in exs], "hier")
+            for ex in exs:
+                engine.sums[ex.state.master_flat(b).ctypes.data] = total
+        inputs, targets = global_batch(cfg, s)
+        for r, ex in enumerate(exs):
+            results[r].append(ex.run_step(s, (inputs[r * m:(r + 1) * m],
+                                              targets[r * m:(r + 1) * m])))
+            ex.flush()  # a deferred update now: the next step starts from its masters
+    params = [ex.full_params() for ex in exs]
+    for r in ranks:
+        r.close()
+    return results, params
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("policy", ["baseline-1f1b", "ratrain"])
+def test_runtime_is_bitwise_the_reference(policy, mpi_group):
+    comm = mpi_group(2)
+    cfg = partial_config(policy=policy, steps=4)
+    res, _, ex = train(cfg, comm)
+    ref, ref_params = reference(cfg, 4)
+    mine = ref[ex.replica]
+    # each replica's own loss is in the reference; the runtime's is their mean
+    np.testing.assert_allclose([r.loss for r in res], [(a.loss + b.loss) / 2
+                                                       for a, b in zip(*ref)], rtol=1e-12)
+    assert params_digest(ex.final_params) == params_digest(ref_params[ex.replica])
+    assert [r.lr for r in res] == [r.lr for r in mine]
+    others = comm.allgather(params_digest(ex.final_params))
+    assert others[0] != others[1]  # the replicas differ between averages
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_policies_bitwise_equal_and_the_run_ends_averaged(precision, mpi_group):
+    """pp 2 x dp 2: every policy computes the same partial training; `average_all` leaves the
+    replicas of each stage one model."""
+    comm = mpi_group(4)
+    out = {}
+    for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
+        cfg = partial_config(pp=2, dp=2, policy=policy, period=3, precision=precision, steps=3)
+        rank = build_rank(cfg, comm, watchdog_s=60)
+        ex = rank.executor
+        m = cfg.parallel.num_micro_batches
+        try:
+            losses = []
+            for s in range(3):
+                inputs, targets = global_batch(cfg, s)
+                sl = slice(ex.replica * m, (ex.replica + 1) * m)
+                losses.append(ex.run_step(s, (inputs[sl], targets[sl])).loss)
+            ex.average_all()
+            out[policy] = (losses, params_digest(ex.full_params()))
+        finally:
+            rank.close()
+    assert all(v == out["baseline-1f1b"] for v in out.values()), out
+    mine = (ex.stage, out["ratrain"][1])
+    every = comm.allgather(mine)
+    assert all(h == mine[1] for s, h in every if s == mine[0])  # replicas agree at the end
