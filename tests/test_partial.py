@@ -150,3 +150,19 @@ def test_dp1_partial_is_bitwise_full(policy, precision):
     assert [(r.loss, r.grad_norm, r.skipped) for r in part] == \
         [(r.loss, r.grad_norm, r.skipped) for r in full]
     assert params_digest(ex_part.final_params) == params_digest(ex_full.final_params)
+
+
+def test_planner_prints_full_against_partial_on_a_link(capsys):
+    from ratrain.plan.__main__ import main
+
+    assert main(["--config", "tiny", "--sync-periods", "2,4", "--set", "parallel.dp=4",
+                 "--set", "platform.profile=mt3000", "--set", "platform.link_bandwidth=1e7",
+                 "--set", "platform.ranks_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  full", "  partial"))]
+    assert [r[0] for r in rows] == ["full", "full,", "partial,", "partial,"]  # tiny shards
+    speedups = [float(r[-1].rstrip("x")) for r in rows]
+    assert speedups[2] > 1.2 and speedups[3] > speedups[2]
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "tiny", "--sync-periods", "0"])
+    assert e.value.code == 2
