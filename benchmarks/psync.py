@@ -4,6 +4,7 @@
         [--steps 10] [--skip 2] [--ranks 4] [--launcher "CMD ..."] [--record NAME]
     python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
         [--ranks 4] [--launcher "CMD ..."] [--png docs/psync-curves.png] [--record NAME]
+    python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
 
 `speed`: the job under full sync and under partial sync at each period H of `--periods`, run
 under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
@@ -21,6 +22,12 @@ every `data.eval_interval`) under full and then under partial sync at `--period`
 `DIR/full` and `DIR/partial-H`, then judges the partial run by `ratrain.compare` against the
 full one (`docs/BENCHMARKS.md`'s recipe): eval loss within 2% at every eval after the first 20%
 of training, within 1% at the end, and the wall-clock time to full sync's final eval loss.
+
+`assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
+would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
+under round-robin, contiguous runs of blocks in model order, in backward order (DreamDDP's
+schedule puts the output side's layers first, where the most backward is left to hide them),
+and balanced by bytes (the largest first into the lightest step).
 """
 
 from __future__ import annotations
@@ -169,10 +176,53 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
+def assignments(blocks, period: int, size) -> dict[str, dict[str, int]]:
+    """Name -> {block: step of the period} for the candidates `assign` compares."""
+    n = len(blocks)
+    load, lpt = [0.0] * period, {}
+    for b in sorted(blocks, key=lambda b: -size(b)):
+        k = min(range(period), key=load.__getitem__)
+        lpt[b], load[k] = k, load[k] + size(b)
+    return {"round-robin": {b: i % period for i, b in enumerate(blocks)},
+            "contiguous": {b: min(period - 1, i * period // n) for i, b in enumerate(blocks)},
+            "backward-contiguous": {b: min(period - 1, (n - 1 - i) * period // n)
+                                    for i, b in enumerate(blocks)},
+            "balanced-bytes": lpt}
+
+
+def assign(args) -> int:
+    """The simulator's step of the job under each candidate assignment (see the module)."""
+    from ratrain.config import load_config
+    from ratrain.exec.spec import block_role
+    from ratrain.lifecycle.partial import PartialSync
+    from ratrain.lifecycle.pipeline import PipelinePlan
+    from ratrain.plan.cost import CostModel
+    from ratrain.plan.simulate import Group, simulate_grid
+    from ratrain.plan.steps import recompute_for
+
+    for h in (int(x) for x in args.periods.split(",")):
+        cfg = load_config(args.config, [*args.set, "sync.mode=partial", f"sync.period={h}"])
+        cost, base = CostModel.from_config(cfg), PipelinePlan.from_config(cfg)
+        blocks = [b for s in base.blocks for b in s]
+        row = {"period": h}
+        size = {b: cost.grad_bytes(block_role(b)) for b in blocks}
+        for name, phase in assignments(blocks, h, size.__getitem__).items():
+            plan = PipelinePlan.build(base.policy, base.blocks, base.num_micro_batches,
+                                      cfg.precision, base.dp, [i.block_bytes for i in base.stages],
+                                      partial=PartialSync(h, phase))
+            res = simulate_grid([Group(tuple(range(base.dp)), plan, (cost,) * base.pp)],
+                                recompute_for(plan.blocks, cfg.schedule.recompute, None), 1)
+            row[name] = round(res.step_s * cfg.platform.time_scale, 4)
+        row["best_over_round_robin"] = round(row["round-robin"] / min(
+            v for k, v in row.items() if k not in ("period", "round-robin")), 3)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "quality", "worker"))
+    ap.add_argument("what", choices=("speed", "quality", "assign", "worker"))
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], help="overrides of every variant")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
@@ -190,6 +240,8 @@ def main(argv=None) -> int:
     if args.what == "worker":
         worker(args)
         return 0
+    if args.what == "assign":
+        return assign(args)
     return (speed if args.what == "speed" else quality)(args, argv)
 
 

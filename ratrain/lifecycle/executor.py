@@ -32,6 +32,12 @@ segment, and the next step's view is cast from the own master segment and ring a
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
 (`WaitView`). Whole blocks for checkpoints: `lifecycle.fullstate`.
 
+Partial synchronization (`sync.mode: partial`, `lifecycle.partial`): no gradient sync; the
+plan's lists of each step (by its phase) average some blocks' masters (`AverageParams` /
+`WaitAverage`, run by a `partial.Averager`); each replica's backward is seeded with its own
+micro-batches, its norm is its own (`GradNorm`), and `average_all()` averages every block (the
+trainer calls it after a run's last step).
+
 Loss scaling: `head_backward` is seeded with loss_scale / (micro-batches of the global batch:
 num_micro_batches * dp, or the sum of `parallel.replica_shares` when replicas take unequal
 shares, each running its own plan of its own micro-batch count), gradients are summed over
@@ -85,7 +91,8 @@ MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped be
 class StepResult:
     step: int
     loss: float  # mean token loss over micro-batches and replicas (every rank knows it)
-    grad_norm: float  # global norm of the unscaled gradients (non-finite: overflow)
+    grad_norm: float  # global norm of the unscaled gradients (non-finite: overflow); partial
+    # synchronization: the mean of the replicas' own norms
     lr: float
     loss_scale: float  # the scale this step's backward used
     skipped: bool  # no update (non-finite gradients), the same on every rank
