@@ -79,6 +79,20 @@ TABLES = {
           ("qwen2.5-32b.mixed_over_uniform", "32B vs uniform", ".3f"),
           ("llama2-70b.mixed_over_symmetric", "70B vs symmetric", ".3f"),
           ("llama2-70b.mixed_over_uniform", "70B vs uniform", ".3f")]),
+        ("psync-speed", "jobs/psync.yaml (dp 4, 2 emulated nodes, a slow link): partial sync "
+         "at H = 4 against full, steps/s interleaved, beside the simulator",
+         [("partial-4_over_full", "partial / full steps/s", ".3f"),
+          ("full.exposed_wait_s", "full's exposed sync wait s", ".2f"),
+          ("full.step_s", "full step s", ".2f"),
+          ("full.measured_over_predicted", "full measured / simulated", ".3f"),
+          ("partial-4.measured_over_predicted", "partial measured / simulated", ".3f"),
+          ("partial-4.host_busy", "host busy", ".2f")]),
+        ("psync-quality", "jobs/psync.yaml trained on the default corpus, partial sync (H = 4) "
+         "judged against full by ratrain.compare (eval loss)",
+         [("max_rel_dev", "largest deviation after 20%", ".4f"),
+          ("final_rel_dev", "at the end", ".4f"),
+          ("speedup", "time to full's final loss, full / partial", ".2f"),
+          ("passed", "within the recipe's bounds", "")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",

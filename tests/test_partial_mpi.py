@@ -87,27 +87,32 @@ def test_runtime_is_bitwise_the_reference(policy, mpi_group):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_policies_bitwise_equal_and_the_run_ends_averaged(precision, mpi_group):
-    """pp 2 x dp 2: every policy computes the same partial training; `average_all` leaves the
-    replicas of each stage one model."""
+def test_policies_bitwise_equal_and_the_mean_model(precision, mpi_group):
+    """pp 2 x dp 2: every policy computes the same partial training; the mean model a
+    checkpoint holds (`iter_full_state(mean=True)`) is the replicas' masters summed in the
+    runtime's order, divided by dp, the same on both replicas."""
     comm = mpi_group(4)
     out = {}
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
         cfg = partial_config(pp=2, dp=2, policy=policy, period=3, precision=precision, steps=3)
-        rank = build_rank(cfg, comm, watchdog_s=60)
+        res, _, ex = train(cfg, comm)
+        out[policy] = ([r.loss for r in res], params_digest(ex.final_params))
+    assert all(v == out["baseline-1f1b"] for v in out.values()), out
+    rank = build_rank(cfg, comm, watchdog_s=60)  # a fresh rank: step 0's masters
+    try:
         ex = rank.executor
         m = cfg.parallel.num_micro_batches
-        try:
-            losses = []
-            for s in range(3):
-                inputs, targets = global_batch(cfg, s)
-                sl = slice(ex.replica * m, (ex.replica + 1) * m)
-                losses.append(ex.run_step(s, (inputs[sl], targets[sl])).loss)
-            ex.average_all()
-            out[policy] = (losses, params_digest(ex.full_params()))
-        finally:
-            rank.close()
-    assert all(v == out["baseline-1f1b"] for v in out.values()), out
-    mine = (ex.stage, out["ratrain"][1])
-    every = comm.allgather(mine)
-    assert all(h == mine[1] for s, h in every if s == mine[0])  # replicas agree at the end
+        inputs, targets = global_batch(cfg, 0)
+        sl = slice(ex.replica * m, (ex.replica + 1) * m)
+        ex.run_step(0, (inputs[sl], targets[sl]))
+        mine = ex.full_params()
+        mean = {n: a.copy() for _, st in ex.iter_full_state(("master",), mean=True)
+                for n, a in st["master"].items()}
+    finally:
+        rank.close()
+    every = comm.allgather((ex.stage, mine, params_digest(mean)))
+    same = [x for x in every if x[0] == ex.stage]
+    assert len({d for _, _, d in same}) == 1  # both replicas: one mean model
+    for name, a in mean.items():
+        want = allreduce_reference([p[name] for _, p, _ in same], "hier") / 2
+        np.testing.assert_array_equal(a, want, err_msg=name)

@@ -35,8 +35,8 @@ the engine (`MaterializeView(gather=True)`), waited for before the block's first
 Partial synchronization (`sync.mode: partial`, `lifecycle.partial`): no gradient sync; the
 plan's lists of each step (by its phase) average some blocks' masters (`AverageParams` /
 `WaitAverage`, run by a `partial.Averager`); each replica's backward is seeded with its own
-micro-batches, its norm is its own (`GradNorm`), and `average_all()` averages every block (the
-trainer calls it after a run's last step).
+micro-batches and its norm is its own (`GradNorm`); `iter_full_state(mean=True)` gives the
+replicas' mean model (checkpoints).
 
 Loss scaling: `head_backward` is seeded with loss_scale / (micro-batches of the global batch:
 num_micro_batches * dp, or the sum of `parallel.replica_shares` when replicas take unequal
@@ -264,14 +264,6 @@ class Executor:
             self._run(a)
         self._carry = False
 
-    def average_all(self) -> None:
-        """Partial synchronization: average every block of the stage across the replicas now
-        (after the deferred work), so that they hold one model; collective over the stage's
-        replicas. A no-op under full synchronization."""
-        if self.averager is not None:
-            self.flush()
-            self.averager.average_all(self.blocks)
-
     def eval_loss(self, batches) -> float:
         """Mean loss over `batches` (a list of (inputs, targets), (M, B, T) each), forward only,
         with the current weights; every rank gets the same value."""
@@ -314,10 +306,11 @@ class Executor:
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
 
-    def iter_full_state(self, buffers=STATE_BUFFERS):
+    def iter_full_state(self, buffers=STATE_BUFFERS, mean: bool = False):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
-        stage's replicas when sharded (`lifecycle.fullstate.iter_full_state`)."""
-        return fullstate.iter_full_state(self, buffers)
+        stage's replicas when sharded, or with `mean` (the replicas' mean: partial
+        synchronization) (`lifecycle.fullstate.iter_full_state`)."""
+        return fullstate.iter_full_state(self, buffers, mean)
 
     def full_params(self) -> dict[str, np.ndarray]:
         """{global name: whole fp32 master (a copy)}; collective over the stage's replicas."""

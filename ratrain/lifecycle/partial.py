@@ -26,8 +26,8 @@ micro-batches and is clipped by its own norm; a non-finite norm on any replica s
 every replica (so loss scale and AdamW's step count stay common). Every block of the model is
 averaged once every `sync.period` = H steps: block i (model order, embed first) in steps with
 step mod H = i mod H (`assign: round-robin`). With pp > 1 each stage's group averages its own
-blocks. The last step of a run averages every block (`Executor.average_all`), so the model a
-run ends with is the replicas' mean.
+blocks. A checkpoint holds each replica's own state (resume is bitwise) and, as its model, the
+replicas' mean (`Executor.iter_full_state(mean=True)`), which eval, export and generate load.
 
 Not allowed: the optimizer state sharded over the replicas (`schedule.shard_optimizer`, on by
 default under `ratrain`), whose segments assume replicas that agree (`check_partial`).
@@ -207,11 +207,6 @@ class Averager:
             master = self.state.master_flat(b)
             with self.pace(AVERAGE_BYTES_PER_PARAM * master.size):
                 master /= self.dp  # the mean: the same bits on every replica
-
-    def average_all(self, blocks) -> None:
-        """Average every block now (the end of a run): the replicas then hold one model."""
-        self.start(AverageParams(tuple(blocks)))
-        self.wait(WaitAverage(tuple(blocks)))
 
     def local_sq(self, blocks, kernels, xp) -> dict:
         """Each block's sum of squares of this replica's whole (unsynchronised) gradient."""

@@ -191,8 +191,6 @@ class Trainer:
             self.step_reached = n
             t0 = time.perf_counter()
             res = self.executor.run_step(step, self._batch(step))
-            if n == cfg.run.steps:  # partial sync: the run ends with the replicas' mean model
-                self.executor.average_all()
             dt = time.perf_counter() - t0
             self._record(n, res, dt)
             if self._diverged(n, res):
