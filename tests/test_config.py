@@ -143,3 +143,21 @@ def test_readme_lists_every_switch():
     from ratrain.config.switches import table
 
     assert table() in (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_readme_names_every_ratrain_variable_of_the_repository():
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    names = set()
+    for f in files:
+        if f.endswith((".py", ".sh", ".sbatch", ".cfg", ".yaml")) or f.startswith("slurm/"):
+            p = root / f
+            if p.is_file():
+                names |= set(re.findall(r"RATRAIN_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace")))
+    readme = (root / "README.md").read_text()
+    assert names and not sorted(n for n in names if f"`{n}`" not in readme)
