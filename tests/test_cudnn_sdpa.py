@@ -46,7 +46,7 @@ def token_major(B, H, T, D):
 
 
 def layouts(cs, kind, B, H, KV, T, D):
-    row = cs._row_major
+    row = cs.row_major
     s = {r: row((B, KV if r in cs.KV_ROLES else H, T, D)) for r in cs.ROLES[kind]}
     s["o"] = token_major(B, H, T, D)
     if kind == "backward":
