@@ -127,8 +127,10 @@ class CudnnAttention(AttentionBackend):
     name = "cudnn"
     owns_workspace = True
 
-    def __init__(self, dp_workspace_limit: int | None = cs.DP_WORKSPACE_LIMIT):
+    def __init__(self, dp_workspace_limit: int | None = cs.DP_WORKSPACE_LIMIT,
+                 on_card: bool = False):
         self.dp_workspace_limit = dp_workspace_limit
+        self.on_card = on_card  # made for a GPU rank: `refuses` builds the graphs there too
         self._sdpa = None
         self._workspace: dict[tuple, int] = {}  # (dtype, batch, seq_len, backward) -> bytes
 
@@ -156,11 +158,14 @@ class CudnnAttention(AttentionBackend):
     def refuses(self, model, dtype) -> str:
         """Why cuDNN cannot run `model`'s attention ("" when it can): the spec's checks (fp16 or
         bf16, head size a multiple of 8 up to 256) and the frontend's validate() of both graphs
-        at the model's sequence length (no card needed; the card's own checks come when a graph
-        is built)."""
+        for one sequence of the model's length (no card needed); `on_card`, both graphs also
+        built on the card (its support, cuDNN's own checks)."""
         try:
             for spec in self.specs(model, dtype, 1, model.seq_len):
-                cs.describe(spec)
+                if self.on_card:
+                    self.sdpa.graph(spec)
+                else:
+                    cs.describe(spec)
         except (ValueError, cs.CudnnUnavailable) as e:
             return str(e)
         return ""

@@ -127,7 +127,7 @@ def _cudnn(device: str, precision: str) -> CudnnAttention:
         cudnn_sdpa.load()
     except cudnn_sdpa.CudnnUnavailable as e:
         raise BackendError(f"run.attention=cudnn: {e}", str(e)) from None
-    return CudnnAttention()
+    return CudnnAttention(on_card=True)
 
 
 register_attention("cudnn", _cudnn, "cuDNN's fused SDPA (nvidia-cudnn-frontend), fp16 and bf16 "
