@@ -35,9 +35,9 @@ from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy,
 class Config:
     """A run's configuration: sections of keys, and precision.
 
-    precision: fp32 | fp16 | bf16 (fp16: fp16 views, activations and GEMMs, fp32 masters and
-        accumulation, dynamic loss scaling; bf16: the same in bfloat16, without loss scaling, as
-        PyTorch's autocast runs it)
+    precision: fp32 | fp16 | bf16 (fp16: fp16 views and activations, and GEMMs on a GPU, fp32
+        masters and accumulation, dynamic loss scaling; bf16: the same in bfloat16 without loss
+        scaling, as PyTorch's autocast runs it)
     """
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
