@@ -39,5 +39,6 @@ def test_device_grid_matches_one_host_rank_and_policies_are_bitwise_equal(device
     assert all(got == first for got in out.values()), out
     ref, _, _ = train(same_global_batch(tiny_config(pp=2, dp=2, m=3, precision=precision,
                                                     steps=3, model=model)))
-    tol = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 2e-2}[precision]
+    # the fused attention's gradients come back in 16 bits (the tiled path's in fp32)
+    tol = {"fp32": 1e-5, "fp16": 5e-3 if fused else 2e-3, "bf16": 2e-2}[precision]
     np.testing.assert_allclose([loss for loss, _, _ in first[0]], [r.loss for r in ref], rtol=tol)
