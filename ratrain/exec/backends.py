@@ -8,7 +8,7 @@ environment. The choice follows the config's switches (`run.fused`, `run.devkern
 `run.attention`, which `load_config` has already merged with their RATRAIN_* variables):
 
     op             host (cpu)                     gpu                    reference
-    gemm           numpy (fp16 by fp32 tiles)     cupy (fp16 cuBLAS)     -
+    gemm           numpy (16-bit by fp32 tiles)   cupy (16-bit cuBLAS)   -
     rmsnorm        fused (fp32 runs)              devkernels             kernels.rmsnorm_*
     rope, swiglu   fused                          devkernels             kernels.rope_*, swiglu_*
     attention      tiled-64                       cudnn (fp16, bf16),    kernels.attention_*
