@@ -116,7 +116,7 @@ step attention 60 "$py" benchmarks/record.py gpu-attention -- "$py" benchmarks/g
 step mpi-4-ranks-one-gpu 75 "$mpirun" --oversubscribe -n 4 "$py" -m pytest -q --color=no -p no:cacheprovider \
   --with-mpi -m mpi tests/test_device_mpi.py -k "$([ "$dev" = gpu ] && echo gpu || echo standin)"
 step cudnn-attention 60 "$py" -m pytest -q -rs --color=no -p no:cacheprovider tests/test_cudnn_sdpa.py
-step hf-parity 45 "$py" benchmarks/record.py gpu-hf-parity -- "$py" benchmarks/hf_parity.py \
+step hf-parity 50 "$py" benchmarks/record.py gpu-hf-parity -- "$py" benchmarks/hf_parity.py \
   --device "$dev" --steps "$parity_steps" --out "$out/hf-parity"
 step tests 110 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_device.py tests/test_devkernels.py
 if [ -f benchmarks/devkernels.py ] && [ "$dev" = gpu ]; then

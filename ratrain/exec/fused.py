@@ -310,7 +310,8 @@ def _table():
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(_F16).astype(np.float32)
 
 
-# float32 <-> bfloat16 (ml_dtypes' casts run at ~4-7 GB/s here): bfloat16 is float32's top 16
+# float32 <-> bfloat16 (ml_dtypes' casts run at 4-7 GB/s here, these at 20-35 GB/s read + write:
+# AMD EPYC, 2 cores, load 3, a 2**25-element array): bfloat16 is float32's top 16
 # bits, so a bfloat16's float32 is its bits shifted up, and float32 rounds to nearest even on
 # the low 16 bits; NaN becomes ml_dtypes' quiet NaN of its sign (0x7FC0 / 0xFFC0). Bitwise
 # ml_dtypes' casts (checked for all 2**32 float32 bit patterns).
