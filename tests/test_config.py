@@ -42,7 +42,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("", ["parallel.pp=9"], "parallel.pp=9 is more pipeline stages than model.layers=4"),
         ("", ["parallel.dp=0"], "parallel.dp=0 must be > 0"),
         ("", ["schedule.policy=zero3"], "schedule.policy='zero3' is not one of"),
-        ("", ["precision=bf16"], "precision='bf16' is not one of"),
+        ("", ["precision=fp8"], "precision='fp8' is not one of"),
         ("", ["run.trace=maybe"], "run.trace='maybe' must be true or false"),
         ("", ["optim.betas=[0.9]"], "optim.betas"),
         ("", ["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], "sums to 3 but model.layers=4"),

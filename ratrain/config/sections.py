@@ -271,10 +271,12 @@ class OptimConfig:
     min_lr: cosine floor
     decay_steps: cosine length after warm-up; 0 = run.steps - warmup_steps
     no_decay: parameter-name globs exempt from weight decay, e.g. "*norm*" or [embed.*, "*norm*"]
-    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default)
+    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default;
+        fp32 and bf16 run unscaled)
     loss_scale_window: fp16: steps without overflow before the scale doubles
     max_nonfinite_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
-        after which the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16
+        after which the run stops (exit 4); 0 = auto: 1 in fp32 and bf16 (the first), 20 in
+        fp16
     """
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -426,7 +428,9 @@ class RunConfig:
         numba-cuda's simulator: tests only); RATRAIN_DEVKERNELS overrides it
     attention: the attention backend: auto (this device's best) or a registered backend's name:
         tiled-64 (the tiled online softmax at tile 64: the host's auto), tiled-1024 (tile 1024:
-        a device's auto), or one a program registered (docs/INTERNALS.md, "Kernel backends")
+        the stand-in's auto, a GPU's at fp32 or where cudnn cannot run, the banner saying why),
+        cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and bf16; refused elsewhere), or one a
+        program registered (docs/INTERNALS.md, "Kernel backends")
     malloc: the host allocator: tuned (freed memory stays in the process, as a cluster's DDR
         pool; ratrain/shim/allocator.py) | default (glibc's own); RATRAIN_MALLOC overrides it
     """
@@ -514,6 +518,22 @@ def _positive(obj, section: str, key: str) -> None:
         raise ConfigError(f"{section}.{key}={v} must be > 0")
 
 
+PRECISIONS = ("fp32", "fp16", "bf16")  # the values of `precision`
+HALF_PRECISIONS = ("fp16", "bf16")  # 16-bit activations and working views, fp32 masters
+
+
+def is_half(precision: str) -> bool:
+    """Whether `precision` keeps activations and working views in 16 bits (fp16, bf16; the
+    masters and optimizer state are fp32 either way): the one test of it that the kernels, the
+    memory model and the planner share."""
+    return precision in HALF_PRECISIONS
+
+
+def act_itemsize(precision: str) -> int:
+    """Bytes of one activation or working-view element: 2 in fp16 and bf16, else 4."""
+    return 2 if is_half(precision) else 4
+
+
 def _choice(obj, section: str, key: str, choices) -> None:
     v = getattr(obj, key)
     if v not in choices:
@@ -521,6 +541,6 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-__all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "InitConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "RunConfig", "ScheduleConfig",
-           "global_batch"]
+__all__ = ["HALF_PRECISIONS", "PRECISIONS", "CheckpointConfig", "CommConfig", "DataConfig",
+           "InitConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+           "ScheduleConfig", "act_itemsize", "global_batch", "is_half"]
