@@ -282,6 +282,11 @@ def eval_dataset(cfg: Config, tokens: str | None = None) -> TokenDataset:
     """The held-out dataset an eval reads: `tokens`, else data.eval_tokens, else the val split
     beside data.tokens (DataError naming the fix when there is none)."""
     path = tokens or cfg.data.eval_tokens
+    if not path and cfg.data.sources:
+        raise DataError("the run blends data.sources, each with its own held-out file: give "
+                        "--tokens FILE (e.g. the val split beside "
+                        f"{cfg.data.sources[0].tokens}); training writes each source's eval "
+                        "loss to eval.jsonl")
     if not path:
         train = cfg.data.tokens or default_tokens_path()  # "": the default corpus, as training
         path = str(val_path(train))
