@@ -13,7 +13,7 @@ Random access, exact by construction
     function of the step, as for one file (``dataset``): a run resumed at any step and on any
     layout reads what the uninterrupted run read. The counts ``c(k)`` are computed by running the
     rule from the nearest known point (``_anchors``: every ``ANCHOR`` samples, kept as they are
-    passed); a checkpoint records the counts at its position (``state_dict``), which a resumed
+    passed; or where the last read ended, as training reads on); a checkpoint records the counts at its position (``state_dict``), which a resumed
     run takes as its first anchor (``load_state_dict``) instead of replaying the rule from 0.
 
 What a checkpoint records, to notice a changed mixture
@@ -80,6 +80,7 @@ class BlendedDataset(Batches):
         self.order, self.seed = first.order, first.seed
         self._anchors: dict[int, list[int]] = {0: [0] * len(sources)}
         self._known = [0]  # the anchors' positions, sorted
+        self._cursor = (0, [0] * len(sources))  # where the last read ended, and the counts
         self._lock = threading.Lock()
 
     @classmethod
@@ -97,6 +98,8 @@ class BlendedDataset(Batches):
         with self._lock:
             base = self._known[bisect.bisect_right(self._known, k) - 1]
             counts = self._anchors[base]
+            if base < self._cursor[0] <= k:  # reading on from where the last read ended
+                base, counts = self._cursor
             while base - base % ANCHOR + ANCHOR <= k:  # keep an anchor every ANCHOR samples
                 step = ANCHOR - base % ANCHOR
                 _, _, counts = blend(self.weights, counts, base, step)
@@ -107,7 +110,9 @@ class BlendedDataset(Batches):
 
     def assign(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, position in it) of stream positions ``[start, start + count)``."""
-        src, pos, _ = blend(self.weights, self.counts_at(start), start, count)
+        src, pos, after = blend(self.weights, self.counts_at(start), start, count)
+        with self._lock:
+            self._cursor = (start + count, after)
         return src, pos
 
     def _read(self, start: int, count: int) -> np.ndarray:

@@ -29,8 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ratrain.data.tokenizer import cut_points
-
 PIECE_CHARS = 1 << 15  # a long document is cut into pieces of about this many characters
 BATCH_CHARS = 1 << 19  # characters of one batch (one worker's task)
 BATCH_PIECES = 512  # pieces of one batch at most
@@ -62,8 +60,9 @@ def _ok(buf: str, i: int, hi: int) -> bool:
     return 0 < i < hi - 1 and not buf[i - 1].isspace() and not buf[i + 1].isspace()
 
 
-def pieces(parts: Iterable[str], cuts: tuple[str, ...], piece: int = PIECE_CHARS) -> Iterator[str]:
+def pieces(parts: Iterable[str], cuts: tuple[str, ...], piece: int | None = None) -> Iterator[str]:
     """A document given as `parts` (strings) as pieces whose tokens add up to the whole's."""
+    piece = piece or PIECE_CHARS
     buf, start = "", 0
     for part in parts:
         buf = buf[start:] + part if start else buf + part
@@ -76,11 +75,6 @@ def pieces(parts: Iterable[str], cuts: tuple[str, ...], piece: int = PIECE_CHARS
             start = cut
     if len(buf) > start:
         yield buf[start:]
-
-
-def check_cuts(text: str, cuts: tuple[str, ...]) -> list[int]:
-    """The positions `pieces` may cut `text` at (for tests): every cut of every kind."""
-    return sorted({p for kind in cuts for p in cut_points(text, kind)})
 
 
 @contextlib.contextmanager
@@ -101,11 +95,13 @@ def _one_thread_per_call(tok):
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def encode(docs: Iterable, tok, workers: int = 1, piece: int = PIECE_CHARS,
-           batch_chars: int = BATCH_CHARS) -> Iterator[tuple[object, np.ndarray, bool]]:
+def encode(docs: Iterable, tok, workers: int = 1, piece: int | None = None,
+           batch_chars: int | None = None) -> Iterator[tuple[object, np.ndarray, bool]]:
     """(key, ids, last) for every piece of every document of `docs`, in order: `docs` yields
     (key, parts) with `parts` a string or strings; `last` marks a document's last piece. A
-    document with no text gives one empty piece. `ids`: uint8 / uint32."""
+    document with no text gives one empty piece. `ids`: uint8 / uint32. `piece` and
+    `batch_chars` default to ``PIECE_CHARS`` and ``BATCH_CHARS``."""
+    batch_chars = batch_chars or BATCH_CHARS
     pending: deque = deque()  # (future or result, [(key, last)])
     limit = workers + 2
 
@@ -158,4 +154,4 @@ def encode(docs: Iterable, tok, workers: int = 1, piece: int = PIECE_CHARS,
                 fut.cancel()
 
 
-__all__ = ["BATCH_CHARS", "BATCH_PIECES", "PIECE_CHARS", "check_cuts", "encode", "pieces"]
+__all__ = ["BATCH_CHARS", "BATCH_PIECES", "PIECE_CHARS", "encode", "pieces"]

@@ -172,15 +172,16 @@ def _routed(docs, split: str, fraction: float, seed: int):
 
 
 def _remove_stale(outputs: list[Path], log) -> None:
-    """Remove what an interrupted prepare left beside `outputs` (saying so); refuse when the
-    process that writes them is still running."""
-    for tmp in stale_temporaries(outputs):
-        pid = Path(tmp).name.split(".tmp.")[-1].split(".")[0]
-        alive = pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid))
-        if alive:
+    """Remove what an interrupted prepare left beside `outputs` (saying so); refuse, removing
+    nothing, when the process that writes one of them is still running."""
+    found = [(tmp, Path(tmp).name.split(".tmp.")[-1].split(".")[0])
+             for tmp in stale_temporaries(outputs)]
+    for tmp, pid in found:
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             raise DataError(f"another prepare (pid {pid}) is writing {tmp} now: wait for it to "
                             "finish or give another --out (if no such process runs, remove "
                             "the file)")
+    for tmp, pid in found:
         os.unlink(tmp)
         if log is not None:
             log(f"removed {tmp}, left by an interrupted prepare (pid {pid}, no longer running)")
