@@ -17,8 +17,7 @@ from ratrain.data import readers
 from ratrain.data.progress import Progress
 from tests._prereq import need
 
-WORDS = ("the cat sat on a mat while 42 dogs barked, and (x + y) == z; naïve café déjà vu 東京 "
-         "don't return None\n").split(" ")
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "42", "dogs", "barked,", "and", "(x", "+", "y)", "==", "z;", "naïve", "café", "déjà", "vu", "東京", "don't", "return", "None\n"]
 
 
 def long_docs(seed: int = 0) -> list[str]:
