@@ -40,6 +40,7 @@ from ratrain.data import (
     default_tokens_path,
     eval_batches,
     load_tokenizer,
+    resolve_tokens,
     val_path,
 )
 from ratrain.device import to_device, to_host
@@ -289,6 +290,8 @@ def eval_dataset(cfg: Config, tokens: str | None = None) -> TokenDataset:
                         "loss to eval.jsonl")
     if not path:
         train = cfg.data.tokens or default_tokens_path()  # "": the default corpus, as training
+        if os.path.exists(train) or os.path.exists(f"{train}.bin"):  # a Megatron prefix too
+            train = resolve_tokens(train, "data.tokens")[0]
         path = str(val_path(train))
         if not os.path.exists(path):
             raise DataError(f"the run's held-out file {path} does not exist: give --tokens FILE")
