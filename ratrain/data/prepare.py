@@ -363,7 +363,8 @@ def _summary(log, r: Prepared, tok, eot_id, layout, dtype, workers, reading: Rea
     log(f"prepared {r.num_train} train tokens -> {r.train}"
         + (f", {r.num_val} val tokens -> {r.val}" if r.val else "")
         + f" ({r.documents} documents, {r.val_documents} held out; {mb:.1f} MB read in "
-        f"{r.seconds:.1f} s, {mb / max(r.seconds, 1e-9):.2f} MB/s, {workers} workers; tokenizer "
+        f"{r.seconds:.1f} s, {mb / max(r.seconds, 1e-9):.2f} MB/s, "
+        f"{workers if tok.parallel else 1} encoding thread(s); tokenizer "
         f"{tok.name}, vocab {tok.vocab_size}, {layout} layout, {dtype_name(dtype)}, "
         + (f"end-of-text id {eot_id} after each document)" if eot_id is not None
            else "documents concatenated, no end-of-text id)"))
