@@ -84,19 +84,20 @@ class TokenSink:
         return np.memmap(self.spill, dtype="<i8", mode="r", shape=(self.documents,))
 
     def move_tail(self, keep: int, other: TokenSink) -> None:
-        """Move every document after the first `keep` to `other` (tokens and counts)."""
+        """Move every document after the first `keep` to `other` (tokens and counts), in
+        chunks: nothing held grows with the corpus."""
         lengths = self.lengths()
         offset = int(np.sum(lengths[:keep], dtype=np.int64)) * self.dtype.itemsize
-        tail = np.array(lengths[keep:])
+        for lo in range(keep, self.documents, _COPY // 8):
+            other._lens.write(np.asarray(lengths[lo: lo + _COPY // 8], dtype="<i8").tobytes())
         del lengths  # no view of the spill may outlive its truncation
         self._f.flush()
         with open(self.tmp, "rb") as src:
             src.seek(offset)
             while block := src.read(_COPY):
                 other._f.write(block)
-        other._lens.write(tail.astype("<i8").tobytes())
-        other.tokens += int(tail.sum())
-        other.documents += len(tail)
+        other.tokens += self.tokens - offset // self.dtype.itemsize
+        other.documents += self.documents - keep
         self._f.truncate(offset)
         self._lens.truncate(keep * 8)
         self._f.seek(offset)
