@@ -104,6 +104,17 @@ def test_prepare_writes_what_an_independent_reader_reads(tmp_path, bpe):
     assert meta["skipped_records"] == 0 and meta["held_out"]["split"] == "tail"
 
 
+def test_a_document_past_an_int32_length_is_several_sequences(tmp_path, monkeypatch):
+    from ratrain.data import megatron
+
+    monkeypatch.setattr(megatron, "MAX_SEQUENCE", 5)  # as 2**31 - 1 tokens would be
+    D.write_tokens(tmp_path / "c.bin", np.arange(15), 64, doc_lengths=[12, 3])
+    assert [s.tolist() for s in read_megatron(tmp_path / "c")] == [
+        [0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    idx = D.open_tokens(tmp_path / "c", None, "t").index
+    assert idx.documents.tolist() == [0, 3, 4] and idx.num_tokens == 15
+
+
 def _train_losses(tmp_path, name: str, tokens: str) -> list[float]:
     job = tmp_path / f"{name}.yaml"
     job.write_text(
