@@ -15,7 +15,8 @@ for a Hugging Face tokenizer, of ``space`` (before a single space between two no
 characters) and ``newline`` (after a single newline between two non-space characters), those
 that pass `probe_cuts` on `CUT_PROBES` (both do for byte-level BPE such as GPT-2's, LLaMA 3's
 or Qwen's; ``space`` only for SentencePiece-style Metaspace; none where a normalizer prepends
-to every text, and such a document is encoded whole). A Hugging Face tokenizer encodes without
+to every text, and such a document is encoded whole; never a kind whose mark is inside an added
+token, which a cut could split). A Hugging Face tokenizer encodes without
 special tokens, truncation or padding, whatever its tokenizer.json says.
 """
 
@@ -115,7 +116,9 @@ class HFTokenizer:
                    if t.special}
         self.eot_token = next((t for t in EOT_TOKENS if t in special), None)
         self.eot_id = special[self.eot_token] if self.eot_token else None
-        self.cuts = probe_cuts(self.encode)
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        self.cuts = tuple(k for k in probe_cuts(self.encode)  # never through an added token
+                          if not any((" " if k == "space" else "\n") in t for t in added))
 
     parallel = True  # encode_batch releases the GIL: threads encode at once
 
