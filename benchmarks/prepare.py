@@ -10,7 +10,7 @@ library's sources and make their inputs from those sources, under a fresh folder
 memory
     A jsonl of ``--jsonl-mb`` MB (documents of 2-20 KB) and one text file of ``--text-mb`` MB
     (one document), each prepared by ``python -m ratrain.data prepare`` in a child process;
-    the child's peak RSS (``wait4``'s ``ru_maxrss``) and its MB/s. Target: at most 1.5 GiB for
+    the child's peak RSS (its VmHWM, which it reports as it exits) and its MB/s. Target: at most 1.5 GiB for
     2 GB of jsonl and for the 200 MB file. ``--also-mb`` adds a smaller jsonl, to show the peak
     does not grow with the corpus.
 throughput
@@ -100,20 +100,30 @@ def write_jsonl(path: Path, docs) -> int:
     return n
 
 
-def run_prepare(args: list[str], work: Path) -> dict:
+# The child reports its own peak: /proc/self/status's VmHWM, the high-water mark of the
+# address space exec gave it. (wait4's ru_maxrss would not do: Linux carries the maximum over
+# exec, so it holds this big parent's RSS, copied at fork.)
+RUNNER = """import runpy, sys
+sys.argv = ["ratrain.data", *sys.argv[1:]]
+try:
+    runpy.run_module("ratrain.data", run_name="__main__", alter_sys=True)
+finally:
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    sys.stderr.write("peak_rss_kib " + hwm.split()[1] + "\\n")
+"""
+
+
+def run_prepare(args: list[str]) -> dict:
     """`python -m ratrain.data prepare ARGS` in a child: its peak RSS, time and summary."""
-    out, err = work / "prepare.out", work / "prepare.err"
     t0 = time.perf_counter()
-    with open(out, "w") as o, open(err, "w") as e:
-        p = subprocess.Popen([sys.executable, "-m", "ratrain.data", "prepare", *args, "--quiet"],
-                             stdout=o, stderr=e, cwd=ROOT)
-        _, status, usage = os.wait4(p.pid, 0)  # the child's own rusage: its peak RSS
-    p.returncode = os.waitstatus_to_exitcode(status)
+    p = subprocess.run([sys.executable, "-c", RUNNER, "prepare", *args, "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if p.returncode:
-        raise SystemExit(f"prepare failed ({p.returncode}): {err.read_text().strip()[-2000:]}")
-    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "wall_s": wall,
-            "summary": out.read_text().strip()}
+        raise SystemExit(f"prepare failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+    kib = int(p.stderr.split("peak_rss_kib ")[-1].split()[0])
+    return {"peak_rss_bytes": kib * 1024, "wall_s": wall, "summary": p.stdout.strip()}
 
 
 def free_bytes(d: Path) -> int:
@@ -144,7 +154,7 @@ def memory(args, work: Path, tok: Path, texts: list[str]) -> list[dict]:
                         left -= len(t[:left])
         out = work / "out"
         r = run_prepare([str(path), "--tokenizer", str(tok), "--out", f"{out}/",
-                         "--val-fraction", "0", "--workers", str(args.workers)], work)
+                         "--val-fraction", "0", "--workers", str(args.workers)])
         size = path.stat().st_size
         case = {"case": f"{kind}-{mb:g}MB", "input_bytes": size, "documents": docs,
                 "peak_rss_bytes": r["peak_rss_bytes"],

@@ -99,6 +99,16 @@ def test_prepare_of_long_lines_equals_encoding_whole(tmp_path, monkeypatch):
     assert np.array_equal(np.fromfile(res.train, "<u2"), np.concatenate(want))
 
 
+def test_a_streamed_file_counts_its_bytes_once_it_is_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers, "BLOCK_BYTES", 1000)
+    path = tmp_path / "big.txt"
+    path.write_text("word " * 3000)
+    reading = readers.Reading()
+    blocks = readers._blocks(path, reading)
+    assert "".join(blocks) == "word " * 3000
+    assert reading.bytes_read == 15000  # after the file is closed, as the encoder asks then
+
+
 def test_any_number_of_workers_gives_the_same_bytes(tmp_path, monkeypatch):
     tok = bpe_tokenizer(tmp_path, "bytelevel")
     monkeypatch.setattr(E, "BATCH_CHARS", 2000)  # many batches in flight

@@ -300,8 +300,10 @@ def _blocks(path: Path, reading: Reading) -> Iterator[str]:
         tail = dec.decode(b"", final=True)
         if head is not None:
             tail = "".join(head) + tail
-        if tail:
-            yield tail
+        end = f.tell()
+    reading.position = lambda: end  # the file is closed; its pieces may still be encoding
+    if tail:
+        yield tail
 
 
 @contextlib.contextmanager
