@@ -13,8 +13,10 @@ Sidecar
          "sha256": "...", "source": "...", "split": "train", "eot": null}
 
     ``prepare`` adds ``eot`` (the id that ends each document, or null), for a Hugging Face
-    tokenizer ``tokenizer_path`` and ``tokenizer_sha256``, and what it read (``inputs``,
-    ``bytes_read``, ``skipped``, ``held_out``). A file without a sidecar (plain nanoGPT, or
+    tokenizer ``tokenizer_path`` and ``tokenizer_sha256``, and what it read: ``inputs`` (each
+    path given and its bytes), ``field``, ``bytes_read``, ``skipped_records`` with the first
+    few (``skipped_examples``: file, line and why), ``skipped_files`` (folder members not
+    UTF-8) and ``held_out`` (``split``, ``fraction``, ``seed``). A file without a sidecar (plain nanoGPT, or
     Megatron's own) is read as its index says, else as ``uint16`` unless the caller says
     ``dtype="uint32"``; a hand-written sidecar holding only ``{"dtype": "uint32"}`` also works.
 
