@@ -79,6 +79,18 @@ TABLES = {
           ("qwen2.5-32b.mixed_over_uniform", "32B vs uniform", ".3f"),
           ("llama2-70b.mixed_over_symmetric", "70B vs symmetric", ".3f"),
           ("llama2-70b.mixed_over_uniform", "70B vs uniform", ".3f")]),
+        ("prepare-memory", "prepare's peak RSS, BPE of 8,192 tokens, 2 workers: 2 GB of jsonl, "
+         "200 MB of jsonl and one text file of 200 MB (target 1.5 GiB)",
+         [("jsonl-2000MB.peak_rss_gib", "2 GB jsonl, GiB", ".3f"),
+          ("text-200MB.peak_rss_gib", "200 MB text file, GiB", ".3f"),
+          ("jsonl-200MB.peak_rss_gib", "200 MB jsonl, GiB", ".3f"),
+          ("jsonl-2000MB.mb_per_s", "2 GB jsonl, MB/s", ".2f")]),
+        ("prepare-throughput", "prepare's documents/s against a bare Tokenizer.encode_batch loop "
+         "over the same documents with the same threads, interleaved (target 0.8)",
+         [("2KB.prepare_over_loop", "2 KB documents", ".3f"),
+          ("20KB.prepare_over_loop", "20 KB documents", ".3f"),
+          ("2KB.prepare_mb_per_s", "MB/s at 2 KB", ".2f"),
+          ("20KB.prepare_mb_per_s", "MB/s at 20 KB", ".2f")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",

@@ -103,13 +103,20 @@ def dry_run(setup: Setup, comm) -> int:
               f"device {setup.device.describe() if setup.device else 'cpu'} (rank 0)\n"
               f"data {ds.path}: {ds.num_tokens} tokens, {ds.num_windows} windows of "
               f"{cfg.model.seq_len + 1}; run.steps={cfg.run.steps} reads {epochs:.2f} epochs\n"
-              f"eval {setup.data_paths.eval_tokens or 'none'}; tokenizer "
+              f"eval {_eval_files(setup.data_paths)}; tokenizer "
               f"{cfg.data.tokenizer or 'unknown'}\n" + "\n".join(plan.describe()), flush=True)
     if bad is not None:
         raise bad
     if comm.Get_rank() == 0:
         print("dry run: every check passed; nothing trained", flush=True)
     return 0
+
+
+def _eval_files(paths) -> str:
+    """The held-out files an eval reads (one, or one per source of a mixture), or none."""
+    files = [f"{s.name}={s.eval_tokens}" for s in paths.sources if s.eval_tokens] \
+        or [str(paths.eval_tokens)] * (paths.eval_tokens is not None)
+    return ", ".join(files) or "none"
 
 
 def _comm_timeout(args) -> float:

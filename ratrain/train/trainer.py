@@ -28,7 +28,7 @@ from ratrain.checkpoint import (
 from ratrain.checkpoint.space import checkpoint_bytes
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
-from ratrain.data import eval_batches, open_datasets
+from ratrain.data import eval_batches, open_datasets, open_eval_sets
 from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
@@ -87,7 +87,10 @@ class Trainer:
         self.state, self.executor = self.this_rank.state, self.this_rank.executor
         if self.resume_state is not None:
             self.executor.load_state_dict(self.resume_state["executor"])
-        self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
+        self.train_ds = open_datasets(cfg, setup.data_paths)[0]
+        self.eval_sets = open_eval_sets(cfg, setup.data_paths)  # (name, weight, dataset)
+        if self.resume_state is not None:  # a mixture's counts there: no replay from sample 0
+            self.train_ds.load_state_dict(self.resume_state.get("data"))
         self.writes_metrics = self.executor.reports_loss
         self.metrics = self.tb = None
         self.nonfinite = 0  # consecutive non-finite steps
@@ -195,7 +198,7 @@ class Trainer:
             self._record(n, res, dt)
             if self._diverged(n, res):
                 return EXIT_DIVERGED
-            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_ds is not None:
+            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_sets:
                 self._eval(n)
             # The last step is saved whenever checkpoints are in use (an interval, or this run
             # resumed one), so that a later start knows the run is finished.
@@ -289,19 +292,29 @@ class Trainer:
         return (inputs if first else None, targets if last else None)
 
     def _eval(self, n: int) -> None:
-        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
-        loss = self.executor.eval_loss(batches)
-        if self.metrics is not None:
-            rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
-                   "eval_tokens": len(batches) * self.cfg.parallel.global_batch
-                   * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
-            with writing("eval.jsonl", self.cfg.run.dir):
-                self.metrics.write_event(rec)
-            if self.tb is not None:
-                with writing("tensorboard/", self.cfg.run.dir):
-                    self.tb.log(rec, "eval")
-            print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
-                  flush=True)
+        """The eval loss of each held-out file (one; or each source of a mixture, whose
+        weighted mean is eval_loss) into eval.jsonl."""
+        tokens = self.cfg.data.eval_batches * self.cfg.parallel.global_batch * self.cfg.model.seq_len
+        losses = [(name, w, self.executor.eval_loss(
+            eval_batches(ds, self.cfg.data.eval_batches, self.replica)))
+            for name, w, ds in self.eval_sets]
+        loss = sum(w * x for _, w, x in losses) / sum(w for _, w, _ in losses)
+        if self.metrics is None:
+            return
+        rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+               "eval_tokens": tokens * len(losses)}
+        for name, _, x in losses:
+            if name:  # a mixture's source
+                rec.update({f"eval_loss/{name}": x, f"eval_ppl/{name}": math.exp(min(x, 700.0))})
+        rec["elapsed_s"] = time.perf_counter() - self.t_start
+        with writing("eval.jsonl", self.cfg.run.dir):
+            self.metrics.write_event(rec)
+        if self.tb is not None:
+            with writing("tensorboard/", self.cfg.run.dir):
+                self.tb.log(rec, "eval")
+        each = "".join(f" | {name} {x:.4f}" for name, _, x in losses if name)
+        print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}{each}",
+              flush=True)
 
     def _save(self, n: int, stopping: bool = False) -> bool:
         """Checkpoint step n and log it; on failure (the same error on every rank) say so and
