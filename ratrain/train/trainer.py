@@ -50,6 +50,11 @@ from ratrain.job.tblog import TensorBoard
 from ratrain.train.startup import Setup
 
 
+class ResumeFailed(RuntimeError):
+    """The verified checkpoint could not be read after all (changed since, or unreadable); the
+    message is the one line that says so."""
+
+
 class WriteFailed(RuntimeError):
     """A file of the run could not be written; the message is the one line that says so."""
 
@@ -86,7 +91,8 @@ class Trainer:
         self.topo, self.profile = self.this_rank.topo, self.this_rank.profile
         self.state, self.executor = self.this_rank.state, self.this_rank.executor
         if self.resume_state is not None:
-            self.executor.load_state_dict(self.resume_state["executor"])
+            with self._resuming(setup.resume):
+                self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
         self.writes_metrics = self.executor.reports_loss
         self.metrics = self.tb = None
@@ -110,9 +116,23 @@ class Trainer:
     def _load_checkpoint(self, state, path: str) -> None:
         """Read this stage's parameters and moments (`checkpoint.load_stage`: a sharded state
         keeps only its segment, one block at a time)."""
-        ck = load_stage(state, path)
+        with self._resuming(path):
+            ck = load_stage(state, path)
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _resuming(path: str):
+        """Reading the checkpoint that start-up verified: a failure now (the files changed
+        since, or cannot be read) is ResumeFailed, one line, never a traceback."""
+        try:
+            yield
+        except (CheckpointError, OSError, KeyError, ValueError, TypeError) as e:
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ResumeFailed(f"cannot resume from {path}: {what} (it verified at start-up: "
+                               "changed since?); checkpoint.resume=auto takes the newest "
+                               "usable one") from None
 
     # -- the loop -------------------------------------------------------------------------------
 
