@@ -98,6 +98,14 @@ TABLES = {
           ("trials_4r", "of", "d"), ("tracebacks_1r", "tracebacks", "d")]),
         ("slurm-quick", "USR1 under srun and mpirun, requeue, a finished run (local Slurm, root)",
          [("passed", "passed", "d"), ("trials", "trials", "d")]),
+        ("ckpt-fuzz", "random damage to a run's two checkpoints (1 x 1 and pp 2 x dp 2), resume "
+         "auto judged in-process; every 25th case restarted at 1 x 1 and compared bitwise with "
+         "a clean resume", [("cases", "cases", "d"), ("tracebacks", "tracebacks", "d"),
+                            ("wrong_step", "wrong-step resumes", "d"),
+                            ("damaged_resumes", "resumes from a damaged checkpoint", "d"),
+                            ("skipped_intact", "intact skipped", "d"),
+                            ("restarts", "trainer restarts", "d"),
+                            ("refusals", "refusals", "d")]),
     ],
 }
 
