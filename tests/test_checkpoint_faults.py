@@ -260,3 +260,12 @@ def test_resume_needs_every_buffer_and_says_so_in_one_line(tmp_path):
     with pytest.raises(ck.CheckpointError) as e:
         ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", cfg.model)
     assert "none usable (ckpt-000001: " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_saved_model_is_compared_as_the_config_loads_it(tmp_path):
+    """A key absent from the saved config takes its default (found by the fuzzer: a forged
+    manifest without model.rope_theta was refused as another model, not read as the same)."""
+    cfg = make_cfg()
+    path = _save(str(tmp_path), 1, cfg)
+    _rewrite(path, lambda m: m["config"]["model"].pop("rope_theta"))
+    assert ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", cfg.model) == path

@@ -201,10 +201,11 @@ def verify_checkpoint(path: str, *, comm=None, checksums: bool = True,
     return root_then_bcast(comm, merge)
 
 
-def _incompatible(path: str, manifest: dict, model: ModelConfig | None) -> str | None:
+def _incompatible(path: str, saved: Config, model: ModelConfig | None) -> str | None:
+    """Why the saved model (as the config loads it: defaults filled in) is not `model`."""
     if model is None:
         return None
-    diffs = model_mismatch(manifest["config"].get("model", {}), model)
+    diffs = model_mismatch(dataclasses.asdict(saved.model), model)
     if not diffs:
         return None
     return (
@@ -214,7 +215,7 @@ def _incompatible(path: str, manifest: dict, model: ModelConfig | None) -> str |
 
 
 def _check_compatible(comm, path: str, model: ModelConfig | None) -> None:
-    why = root_then_bcast(comm, lambda: _incompatible(path, read_manifest(path), model))
+    why = root_then_bcast(comm, lambda: _incompatible(path, _checked_manifest(path)[1], model))
     if why:
         raise CheckpointError(why)
 
