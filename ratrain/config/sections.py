@@ -535,7 +535,11 @@ class RunConfig:
         checkpoints); "" = runs/<name>, or runs/default without a name
     steps: total optimizer steps (a resumed run continues up to this step)
     log_interval: steps between progress lines
-    trace: write trace.json (Chrome trace events; Perfetto) at the end
+    trace: write trace.json (Chrome trace events; Perfetto) at the end; without it a rank keeps
+        only the current step's timeline
+    trace_bytes: with trace, the most bytes of timeline each rank keeps (26 bytes an event, in
+        blocks of 1,024 events, at least one; counted by the DDR ledger as trace.timeline);
+        the oldest steps are dropped beyond
     threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
         affinity, shared by the node's ranks that have the same cores)
     device: where each rank computes: cpu (numpy), gpu (cupy on card local_rank % visible
@@ -554,6 +558,7 @@ class RunConfig:
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
+    trace_bytes: int = 64 << 20  # with trace: the timeline a rank keeps at most
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
     device: str = "cpu"  # cpu | gpu | standin
     tensorboard: bool = False
@@ -574,6 +579,7 @@ class RunConfig:
     def check(self) -> None:
         _positive(self, "run", "steps")
         _positive(self, "run", "log_interval")
+        _positive(self, "run", "trace_bytes")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
         if self.device not in DEVICES:

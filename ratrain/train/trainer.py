@@ -33,6 +33,8 @@ from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
+from ratrain.lifecycle.trace import TAG as TIMELINE_TAG
+from ratrain.shim.allocator import resident_bytes
 from ratrain.job.metrics import MetricsWriter
 from ratrain.job import early
 from ratrain.job.runctl import (
@@ -244,6 +246,10 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_s": tokens_per_step / dt,
             "peak_ddr_bytes": int(res.peak_ddr_bytes),
+            # each rank's whole memory (resident set) beside its ledger peak, by world rank
+            "rss_bytes": max(res.resident_bytes),
+            "rss_bytes_by_rank": list(res.resident_bytes),
+            "peak_ddr_bytes_by_rank": list(res.peaks_ddr_bytes),
             "mfu": tokens_per_step / dt * cfg.model.flops_per_token() / self.peak,
             "elapsed_s": time.perf_counter() - self.t_start,
         }
@@ -384,11 +390,22 @@ class Trainer:
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
-            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}, "
+            f"{self._memory_note()}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
         )
+
+    def _memory_note(self) -> str:
+        """Rank 0's memory at start (its resident set and the ledger's part of it) and what its
+        timeline keeps."""
+        ledger, run = self.this_rank.ledger, self.cfg.run
+        kept = (f"trace timeline up to {run.trace_bytes / 2**20:.3g} MiB per rank (ledger tag "
+                f"{TIMELINE_TAG}; the oldest steps dropped beyond)" if run.trace else
+                "timeline of the current step only (run.trace off)")
+        return (f"memory at start: rss {resident_bytes() / 2**20:.1f} MiB, ledger "
+                f"{ledger.current / 2**20:.1f} MiB (rank 0), {kept}")
 
     def close(self) -> None:
         if self.metrics is not None:
