@@ -88,7 +88,8 @@ def test_the_round_folds_in_the_tree_order(dtype, op):
                 x = xs[p - 1].copy()
                 slots[p - 1, t & 1, :n] = 0  # the round writes it
                 with np.errstate(all="ignore"):
-                    assert board._round(counters, slots, p - 1, t, x, board.OPCODES[OPS[op]], True, 0)
+                    rnd = board._kernel().run_round
+                    assert rnd(counters, slots, p - 1, t, x, board.OPCODES[OPS[op]], True, 0)
                     ref = C.reference_allreduce(xs, "tree", op=op)
                 assert x.tobytes() == ref.tobytes(), (p, n, t)
                 assert counters[p - 1] == t  # posted
@@ -100,11 +101,11 @@ def test_the_round_waits_for_every_post_and_reports_when_its_spins_run_out():
     counters, slots = planted(xs, 5, rank=0)
     counters[2] = 4  # rank 2 has not posted round 5
     x = xs[0].copy()
-    assert not board._round(counters, slots, 0, 5, x, 0, True, 0)
-    assert not board._round(counters, slots, 0, 5, x, 0, False, 10)
+    assert not board._kernel().run_round(counters, slots, 0, 5, x, 0, True, 0)
+    assert not board._kernel().run_round(counters, slots, 0, 5, x, 0, False, 10)
     assert x.tobytes() == xs[0].tobytes() and counters[0] == 5  # posted, nothing folded
     counters[2] = 5
-    assert board._round(counters, slots, 0, 5, x, 0, False, 0)
+    assert board._kernel().run_round(counters, slots, 0, 5, x, 0, False, 0)
     assert x.tobytes() == C.reference_allreduce(xs, "tree").tobytes()
 
 

@@ -22,9 +22,8 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 import yaml
 
@@ -32,6 +31,9 @@ from ratrain.checkpoint.model import stage_bounds
 from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, SEAL, SHARD_RE, checkpoint_step
 from ratrain.checkpoint.names import shard_name
 from ratrain.config import Config, config_from_dict
+
+if TYPE_CHECKING:  # annotations only: functions import h5py where they read or write
+    import h5py
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -183,6 +185,7 @@ def _record_problem(f: h5py.File, entry: dict, m: dict, cfg: Config | None) -> s
 
 
 def _dataset_problem(f: h5py.File, entry: dict) -> str | None:
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     for name, shape in entry["params"].items():
         for kind in entry.get("kinds", list(BUFFER_GROUPS)):
             ds = f.get(f"{BUFFER_GROUPS[kind]}/{name}")
@@ -199,6 +202,7 @@ def shard_problems(file: str, entry: dict, m: dict, cfg: Config | None) -> tuple
     stage, pp, dp, config, a state that is a JSON object) and its datasets (every listed
     parameter of every buffer, by shape and dtype). Returns (problems, the SHA-256 of its
     training state, which every shard must share)."""
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     try:
         with h5py.File(file, "r") as f:
             why = _record_problem(f, entry, m, cfg) or _dataset_problem(f, entry)

@@ -17,8 +17,9 @@ t + 2 only after it finished round t + 1, which needed every rank's post of roun
 each made after it finished reading round t. Rounds are numbered on every rank alike because
 collectives on one communicator run in the same order on every rank.
 
-The kernels are compiled by numba (the `fast` extra; `RATRAIN_FUSED=0` turns the path off like
-the fused kernels, `RATRAIN_BOARD=0` the board alone); without it the tree's messages carry every all-reduce. Only the work dtypes
+The kernels are compiled by numba (the `fast` extra; `boardkernel`, imported with the first
+board, so a process without boards never imports numba; `RATRAIN_FUSED=0` turns the path off
+like the fused kernels, `RATRAIN_BOARD=0` the board alone); without it the tree's messages carry every all-reduce. Only the work dtypes
 whose payload is its own work dtype (float32, float64, int32, int64) and arrays of up to
 `BOARD_BYTES` take the board; `attach(comm)` (collective) makes a communicator's board, kept
 as an MPI attribute of the communicator and freed with it.
@@ -36,16 +37,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ratrain.fastpath import FastPath, load_numba
+from ratrain.fastpath import FastPath
 
 from . import model
 from .progress import wait_for
-
-numba = load_numba()[0]  # the `fast` extra: None when absent (or broken, outside CI)
-if numba is not None:
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
 
 BOARD_BYTES = 64 << 10  # the largest payload (bytes) an all-reduce takes through the board
 LINE = 64  # one counter per cache line
@@ -85,81 +80,6 @@ def disabled():
     return _state.disabled()
 
 
-if numba is not None:
-    @intrinsic
-    def _load_acquire(typingctx, arr, i):
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
-            return builder.load_atomic(ptr, "acquire", 8)
-        return types.int64(arr, types.intp), codegen
-
-    @intrinsic
-    def _store_release(typingctx, arr, i, v):
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
-            builder.store_atomic(args[2], ptr, "release", 8)
-            return context.get_dummy_value()
-        return types.void(arr, types.intp, types.int64), codegen
-
-    _sched_yield = types.ExternalFunction("sched_yield", types.intc())
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _op(a, b, opcode):  # pragma: no cover - compiled
-        """np.add, np.maximum or np.minimum of two elements, bit for bit: a NaN operand wins
-        (the first), and of two equal values (0.0 and -0.0) the second."""
-        if opcode == 0:
-            return a + b
-        if a != a or b != b:
-            return a if a != a else b
-        if opcode == 1:
-            return a if a > b else b
-        return a if a < b else b
-
-    @numba.njit(nogil=True, cache=True)
-    def _round(counters, slots, r, t, x, opcode, post, spins):  # pragma: no cover - compiled
-        """Post round t (when `post`), wait for every rank's post (at most `spins` yields:
-        False when they ran out), then fold every rank's slot into x in the tree's order."""
-        p = counters.shape[0]
-        par = t & 1
-        n = x.shape[0]
-        if post:
-            for j in range(n):
-                slots[r, par, j] = x[j]
-            _store_release(counters, r, t)
-        k = 0
-        while True:
-            ready = True
-            for q in range(p):
-                if _load_acquire(counters, q) < t:
-                    ready = False
-                    break
-            if ready:
-                break
-            if k >= spins:
-                return False
-            k += 1
-            _sched_yield()
-        m = 1
-        while 2 * m <= p:
-            m *= 2
-        acc = np.empty(m, x.dtype)
-        for j in range(n):
-            for i in range(m):
-                a = slots[i, par, j]
-                if i < p - m:
-                    a = _op(a, slots[i + m, par, j], opcode)
-                acc[i] = a
-            w = m
-            while w > 1:
-                for i in range(0, w, 2):
-                    acc[i // 2] = _op(acc[i], acc[i + 1], opcode)
-                w //= 2
-            x[j] = acc[0]
-        return True
-
-
 def _on_one_node(comm) -> bool:
     """Whether this rank shares memory with every rank of `comm` (collective)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -182,6 +102,7 @@ class Board:
     """The board of a one-node communicator (collective to make and to `free`)."""
 
     def __init__(self, comm):
+        self.kernel = _kernel()  # numba imported now: boards are on
         p, self.rank = comm.Get_size(), comm.Get_rank()
         head = p * LINE
         self.nbytes = head + 2 * p * BOARD_BYTES
@@ -208,8 +129,9 @@ class Board:
             wait_for(lambda: self.done == self.taken, WAIT_S, f"board round {self.taken}")
         t = self.taken = self.taken + 1
         s = self.typed[x.dtype] if slots is None else slots
-        if not (kernel or _round)(self.counters, s, self.rank, t, x, opcode, True, SPINS):
-            wait_for(lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0), WAIT_S,
+        rnd = self.kernel.run_round
+        if not (kernel or rnd)(self.counters, s, self.rank, t, x, opcode, True, SPINS):
+            wait_for(lambda: rnd(self.counters, s, self.rank, t, x, opcode, False, 0), WAIT_S,
                      f"rank {self.rank}: board all-reduce round {t}")
         self.done = t
 
@@ -218,9 +140,9 @@ class Board:
         t = self.taken = self.taken + 1
         if self.done != t - 1:
             yield lambda: self.done == t - 1
-        s = self.typed[x.dtype]
-        if not _round(self.counters, s, self.rank, t, x, opcode, True, 0):
-            yield lambda: _round(self.counters, s, self.rank, t, x, opcode, False, 0)
+        s, rnd = self.typed[x.dtype], self.kernel.run_round
+        if not rnd(self.counters, s, self.rank, t, x, opcode, True, 0):
+            yield lambda: rnd(self.counters, s, self.rank, t, x, opcode, False, 0)
         self.done = t
 
     def free(self) -> None:
@@ -266,20 +188,28 @@ _PLANS: dict = {}  # (id(comm), dtype, nbytes, op, auto) -> (comm, board, slots,
 PLANS_MAX = 256  # a few kinds of small buffer in practice: the cache is cleared past this
 
 
+def _kernel():
+    """The module of the compiled round (`boardkernel`): numba is imported with it."""
+    from . import boardkernel  # loads numba: only once a board is made
+
+    return boardkernel
+
+
 def _entry(counters, slots, dtype):
     """The compiled round for these arrays and 1-D buffers of `dtype`, called without numba's
     type dispatch (a fifth of a blocking call's CPU time), or the dispatcher itself where
     numba's compile results are not reachable that way. Its callers pass exactly these types:
     C-contiguous, aligned, writeable 1-D buffers of `dtype`, Python ints and bools."""
+    k = _kernel()
     try:
-        t = types
+        t, numba = k.types, k.numba
         sig = (numba.typeof(counters), numba.typeof(slots), t.int64, t.int64,
                t.Array(numba.from_dtype(dtype), 1, "C"), t.int64, t.boolean, t.int64)
-        if sig not in _round.overloads:
-            _round.compile(sig)
-        return _round.overloads[sig].entry_point
+        if sig not in k.run_round.overloads:
+            k.run_round.compile(sig)
+        return k.run_round.overloads[sig].entry_point
     except Exception:  # noqa: BLE001 - numba's internals moved: the dispatcher is always right
-        return _round
+        return k.run_round
 
 
 def _plan(buf, comm, op: str, auto: bool):

@@ -24,10 +24,9 @@ import functools
 
 import numpy as np
 
-from ratrain.fastpath import FastPath, load_numba
+from ratrain.fastpath import FastPath, jit
 
-numba = load_numba()[0]  # the `fast` extra: None when absent (or broken, outside CI)
-_state = FastPath()
+_state = FastPath()  # numba (the `fast` extra) is imported on the first read of `_state.on`
 F32 = np.dtype(np.float32)
 
 
@@ -51,8 +50,7 @@ def disabled():
     return _state.disabled()
 
 
-def _jit(fn):
-    return numba.njit(nogil=True, cache=True)(fn) if numba is not None else fn
+_jit = jit(nogil=True, cache=True)  # compiled on first call; the plain function without numba
 
 
 # -- SwiGLU: act = silu(g) * u ---------------------------------------------------------------
