@@ -6,7 +6,8 @@
     python benchmarks/record.py soak -- .venv/bin/python benchmarks/soak.py ...
 
 The job (`--job small`, the default): a 4-layer, hidden-32 model on random tokens, evaluated
-every 500 steps, a checkpoint every 5,000, so that 20,000 steps take minutes; `--job tiny` runs
+and checkpointed every 500 steps (so that the one-time costs, HDF5's import at the first save
+among them, come before the base step), so that 20,000 steps take minutes; `--job tiny` runs
 jobs/tiny.yaml instead (the issue's soak: 8 layers, hidden 128). Prints one JSON object per
 case: every rank's resident MiB at step `--base` (1,000) and at the last step, the largest
 growth between them in percent (target: under 5), the ledger's peak; with the trace, the bytes
@@ -29,7 +30,7 @@ SMALL = """model: {{vocab_size: 64, hidden: 32, layers: 4, heads: 4, kv_heads: 2
 parallel: {{micro_batch: 2, num_micro_batches: 2}}
 optim: {{lr: 1.0e-3, warmup_steps: 10}}
 data: {{tokens: {tokens}, eval_interval: 500, eval_batches: 2}}
-checkpoint: {{interval: 5000, keep: 1, resume: never}}
+checkpoint: {{interval: 500, keep: 1, resume: never}}
 run: {{log_interval: 1000, threads: 1}}
 """
 
