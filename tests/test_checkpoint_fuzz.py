@@ -15,6 +15,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -144,6 +146,24 @@ def test_fuzz_one_rank_restarts(run1, tmp_path):
     assert case.expect is None and not why, why
     case, why = restart("random", None, seed=7)
     assert not why, (case.damages, why)
+
+
+def test_a_checkpoint_unreadable_after_verification_is_one_line(run1, tmp_path):
+    """Verified at start-up, then unreadable when the rank reads it (changed since): one line,
+    exit 2, no traceback (the load is made to fail as a file changed underneath would)."""
+    job, run = run1
+    d = fuzz_dir(run, str(tmp_path / "changed"))
+    code = ("import sys; from ratrain.checkpoint import CheckpointError; "
+            "import ratrain.train.trainer as T\n"
+            "def boom(state, path): raise CheckpointError(path + '/shard-s000.h5: truncated')\n"
+            "T.load_stage = boom\nfrom ratrain.train import main\n"
+            f"sys.exit(main(['--config', {job!r}, '--set', 'run.dir={d}', "
+            "'--set', 'checkpoint.resume=auto']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "resume auto" not in ln]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: cannot resume from "), lines
+    assert "shard-s000.h5: truncated" in lines[0] and "changed since?" in lines[0]
 
 
 # -- pp 2 x dp 2, resumed onto another layout ------------------------------------------------
