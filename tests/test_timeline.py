@@ -48,3 +48,11 @@ def test_trainer_metrics_hold_each_ranks_memory(tmp_path):
     assert res[-1].peaks_ddr_bytes == (res[-1].peak_ddr_bytes,)
     assert 0 < res[-1].resident_bytes[0] <= 2 * resident_bytes()
     assert len(ex.events) < 200  # the last step's (plus the flush's), not every step's
+
+
+def test_names_and_groups_are_interned_apart():
+    tl = Timeline()
+    for i in range(300):  # more names than a group id could count
+        tl.add(f"n{i}", "compute" if i % 2 else "comm", 0.0, 1.0, 0, 0)
+    tl.add("late", "lifecycle", 0.0, 1.0, 0, 0)
+    assert tl.events()[-1][:2] == ("late", "lifecycle") and tl.last() == "late"

@@ -49,8 +49,8 @@ class Timeline:
         self.ledger = ledger
         self.dropped = 0
         self._lock = threading.Lock()
-        self._ids: dict[str, int] = {}
-        self._names: list[str] = []
+        self._names: dict[str, int] = {}  # name -> id (u4), in order of first use
+        self._groups: dict[str, int] = {}  # group -> id (u1: a plan has a handful)
         self._blocks: list[np.ndarray] = []
         self._n = CHUNK  # events in the last block (full: the next add opens one)
         self._spare: list[np.ndarray] = []  # emptied blocks, reused (current-step mode)
@@ -61,11 +61,11 @@ class Timeline:
         current step only."""
         return cls(run.trace_bytes, ledger) if run.trace else cls()
 
-    def _id(self, s: str) -> int:
-        i = self._ids.get(s)
+    @staticmethod
+    def _id(table: dict[str, int], s: str) -> int:
+        i = table.get(s)
         if i is None:
-            i = self._ids[s] = len(self._names)
-            self._names.append(s)
+            i = table[s] = len(table)
         return i
 
     def _open_block(self) -> None:
@@ -85,7 +85,8 @@ class Timeline:
         with self._lock:
             if self._n == CHUNK:
                 self._open_block()
-            self._blocks[-1][self._n] = (t0, t1, self._id(name), step, self._id(group), tid)
+            self._blocks[-1][self._n] = (t0, t1, self._id(self._names, name), step,
+                                         self._id(self._groups, group), tid)
             self._n += 1
 
     def new_step(self) -> None:
@@ -110,8 +111,8 @@ class Timeline:
             rows = [b[: self._n] if i == len(self._blocks) - 1 else b
                     for i, b in enumerate(self._blocks)]
             rows = np.concatenate(rows) if rows else np.empty(0, EVENT)
-            names = list(self._names)
-        return [(names[r["name"]], names[r["group"]], float(r["t0"]), float(r["t1"]),
+            names, groups = list(self._names), list(self._groups)
+        return [(names[r["name"]], groups[r["group"]], float(r["t0"]), float(r["t1"]),
                  int(r["tid"]), {"step": int(r["step"])}) for r in rows]
 
     def last(self) -> str | None:
@@ -119,7 +120,7 @@ class Timeline:
         with self._lock:
             if not self._blocks or self._n == 0:
                 return None
-            return self._names[int(self._blocks[-1][self._n - 1]["name"])]
+            return list(self._names)[int(self._blocks[-1][self._n - 1]["name"])]
 
 
 # -- writing -----------------------------------------------------------------------------------
