@@ -8,7 +8,8 @@
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
 # PARTS (default all): bench parity comm lifecycle hetero checkpoint data faults slurm timing (the
-# wall-clock tests, `pytest --timing -m timing`, which need the quiet host). A step that fails
+# wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
+# 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
 # figures) holds its exit_status and the table says so.
 set -uo pipefail
@@ -99,7 +100,15 @@ for part in $PARTS; do
     rec faults-diskfull -- "${F[@]}" diskfull --trials "$(s 1 2)" --tokens "$TOKENS" --seed 14 \
       --work "$WORK/faults"
     rec faults-kill9 -- "${F[@]}" kill9 --trials "$(s 1 10)" --tokens "$TOKENS" --seed 14 \
-      --work "$WORK/faults" ;;
+      --work "$WORK/faults"
+    # ~5 min: random damage to two checkpoints, resume judged (issue 33)
+    rec ckpt-fuzz -- "$PY" benchmarks/ckpt_fuzz.py --cases "$(s 20 1200)" --every 25 \
+      --work "$WORK/ckpt-fuzz" ;;
+  memory)  # ~45 min, ~7 GiB: RSS over 20,000 steps, and 64 ranks of jobs/tiny.yaml on one host
+    rec soak -- "$PY" benchmarks/soak.py --steps "$(s 1200 20000)" --base "$(s 200 1000)" \
+      --cases 1x1,pp2xdp2,1x1-trace,pp2xdp2-trace --trace-bytes 1048576 --work "$WORK/soak"
+    rec rank-memory-64 -- "$PY" benchmarks/rank_memory.py --ranks "$(s 8 64)" --pp "$(s 4 8)" \
+      --dp "$(s 2 8)" --steps 10 --work "$WORK/rank-memory" ;;
   slurm)  # ~3 min: a private Slurm (root; Debian's slurm-wlm, munge, libpmix-dev)
     "$PY" -c "import numpy as np; from ratrain.data import write_tokens; write_tokens('$WORK/slurm.bin', np.random.default_rng(0).integers(0, 256, 400_000), vocab_size=256)"
     venv=$(cd "$(dirname "$PY")/.." && pwd)  # absolute: the jobs run elsewhere
@@ -113,7 +122,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle hetero checkpoint data faults slurm timing)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

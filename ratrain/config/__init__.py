@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
+from ratrain.config.data import DataConfig
+from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
 from ratrain.config.sections import PRECISIONS, RunConfig, ScheduleConfig, _choice, global_batch

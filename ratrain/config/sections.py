@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import PurePath
 
 from ratrain.config.typedyaml import ConfigError
 from ratrain.device.select import DEVICES
@@ -318,87 +317,6 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class DataSource:
-    """One corpus of a mixture (data.sources): prepared as for data.tokens, blended by weight.
-
-    tokens: its token file or Megatron prefix
-    weight: its share of the training samples (the weights are divided by their sum)
-    eval_tokens: its held-out file, for its own eval loss; "" = the val split beside tokens, if any
-    name: its name in eval.jsonl (eval_loss/<name>); "" = the token file's folder when the file
-        is train.bin (data/web/train.bin -> web), else the file's stem
-    """
-    tokens: str = ""
-    weight: float = 1.0
-    eval_tokens: str = ""
-    name: str = ""
-
-    def label(self) -> str:
-        """The source's name: `name`, else derived from `tokens` (see above)."""
-        if self.name:
-            return self.name
-        p = PurePath(self.tokens)
-        stem = p.name.split(".")[0]
-        return p.parent.name if stem == "train" and p.parent.name else stem
-
-    def check(self, i: int) -> None:
-        where = f"data.sources[{i}]"
-        if not self.tokens:
-            raise ConfigError(f"{where}.tokens is empty: give each source its token file")
-        if not self.weight > 0:
-            raise ConfigError(f"{where}.weight={self.weight} must be > 0 (its share of the "
-                              "samples)")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Token files (Megatron-LM's .bin + .idx, or a flat nanoGPT .bin) and the held-out eval.
-
-    tokens: training token file or Megatron prefix; "" = the embedded default corpus (prepared
-        on first use)
-    order: sequential | shuffled windows of seq_len + 1 tokens
-    seed: shuffle seed (order: shuffled)
-    eval_tokens: held-out token file; "" = the val split beside tokens, if any
-    eval_interval: steps between eval losses (written to eval.jsonl); 0 = never
-    eval_batches: batches of the held-out file each eval reads (the same ones every time)
-    tokenizer: the tokenizer of the token files: "byte" or a tokenizer.json path; "" = what the
-        token file's sidecar records (filled in at start-up, carried to checkpoints and exports)
-    tokenizer_sha256: SHA-256 of the tokenizer.json; "" = filled in at start-up; set: the file must
-        match it
-    sources: a mixture instead of tokens (see data.sources[] below): [{tokens: PATH, weight: W},
-        ...], each sample from the source furthest behind its weight (Megatron-LM's blend),
-        each source's eval loss in eval.jsonl; empty = tokens alone
-    """
-    tokens: str = ""  # token file; "" = the embedded default corpus (prepared on first use)
-    order: str = "sequential"
-    seed: int = 0
-    eval_tokens: str = ""  # held-out token file; "" = the `.val` split beside `tokens`, if any
-    eval_interval: int = 0  # steps between eval losses; 0 = never
-    eval_batches: int = 4
-    tokenizer: str = ""
-    tokenizer_sha256: str = ""
-    sources: tuple[DataSource, ...] = ()
-
-    def check(self) -> None:
-        _choice(self, "data", "order", ("sequential", "shuffled"))
-        for key in ("seed", "eval_interval"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= 0")
-        _positive(self, "data", "eval_batches")
-        if self.sources and (self.tokens or self.eval_tokens):
-            key = "tokens" if self.tokens else "eval_tokens"
-            raise ConfigError(f"data.{key}={getattr(self, key)!r} and data.sources are both "
-                              f"set: a mixture names its files in data.sources[i].tokens (and "
-                              f".eval_tokens); leave data.{key} empty")
-        names = [s.label() for s in self.sources]
-        for i, s in enumerate(self.sources):
-            s.check(i)
-            if names.index(names[i]) != i:
-                raise ConfigError(f"data.sources[{i}] and data.sources[{names.index(names[i])}] "
-                                  f"are both named {names[i]!r}: give them names (data.sources"
-                                  "[i].name)")
-
-
-@dataclass(frozen=True)
 class InitConfig:
     """Where the starting weights come from (a resumed checkpoint takes precedence).
 
@@ -457,7 +375,11 @@ class RunConfig:
         checkpoints); "" = runs/<name>, or runs/default without a name
     steps: total optimizer steps (a resumed run continues up to this step)
     log_interval: steps between progress lines
-    trace: write trace.json (Chrome trace events; Perfetto) at the end
+    trace: write trace.json (Chrome trace events; Perfetto) at the end; without it a rank keeps
+        only the current step's timeline
+    trace_bytes: with trace, the most bytes of timeline each rank keeps (26 bytes an event, in
+        blocks of 1,024 events, at least one; counted by the DDR ledger as trace.timeline);
+        the oldest steps are dropped beyond
     threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
         affinity, shared by the node's ranks that have the same cores)
     device: where each rank computes: cpu (numpy), gpu (cupy on card local_rank % visible
@@ -489,6 +411,7 @@ class RunConfig:
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
+    trace_bytes: int = 64 << 20  # with trace: the timeline a rank keeps at most
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
     device: str = "cpu"  # cpu | gpu | standin
     tensorboard: bool = False
@@ -517,6 +440,7 @@ class RunConfig:
     def check(self) -> None:
         _positive(self, "run", "steps")
         _positive(self, "run", "log_interval")
+        _positive(self, "run", "trace_bytes")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
         if self.device not in DEVICES:
@@ -591,6 +515,6 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-__all__ = ["HALF_PRECISIONS", "PRECISIONS", "CheckpointConfig", "CommConfig", "DataConfig",
+__all__ = ["HALF_PRECISIONS", "PRECISIONS", "CheckpointConfig", "CommConfig",
            "InitConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "ScheduleConfig", "act_itemsize", "global_batch", "is_half"]

@@ -26,28 +26,35 @@ import numpy as np
 from ratrain.exec import kernels
 from ratrain.exec.kernels import BF16, as_dtype, compute_dtype
 from ratrain.exec.profile import timed
-from ratrain.fastpath import load_numba
+from ratrain.fastpath import jit, load_numba
 
-numba, _WHY_OFF = load_numba()  # the `fast` extra: None when absent (or broken, outside CI)
 F32 = np.dtype(np.float32)
 
 
 def available() -> bool:
-    """Whether numba imports, so that these kernels compile."""
-    return numba is not None
+    """Whether numba imports, so that these kernels compile (numba imported here, once)."""
+    return load_numba()[0] is not None
 
 
 def why_off() -> str:
     """Why they cannot run here ("" when numba imports)."""
-    return _WHY_OFF
+    return load_numba()[1]
+
+
+def _inline_helpers(numba) -> None:
+    """The formulas the kernels inline (`rope_pair`, `adam_moments`, which `devkernels` compiles
+    for a GPU too) compiled for the host, before the first kernel that calls them compiles."""
+    global _rope_pair, _adam_moments
+    _rope_pair = numba.njit(inline="always")(rope_pair)
+    _adam_moments = numba.njit(inline="always")(adam_moments)
 
 
 def _f32(*arrays) -> bool:
     return all(a.dtype == F32 for a in arrays)
 
 
-def _jit(fn):
-    return numba.njit(nogil=True, cache=True)(fn) if numba is not None else fn
+# compiled on first call (the plain function without numba), the inlined formulas first
+_jit = jit(nogil=True, cache=True, prepare=_inline_helpers)
 
 
 # -- SwiGLU: act = silu(g) * u ---------------------------------------------------------------
@@ -177,7 +184,7 @@ def rope_pair(x1, x2, c, s, sign):
     return x1 * c + x2 * s, x2 * c - x1 * s
 
 
-_rope_pair = numba.njit(inline="always")(rope_pair) if numba is not None else rope_pair
+_rope_pair = rope_pair  # numba's inlined version once a kernel compiles (`_inline_helpers`)
 
 
 @_jit
@@ -237,7 +244,7 @@ def adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps):
             f(bc2_sqrt), f(eps))
 
 
-_adam_moments = numba.njit(inline="always")(adam_moments) if numba is not None else adam_moments
+_adam_moments = adam_moments  # numba's inlined version once a kernel compiles
 
 
 @_jit

@@ -30,7 +30,7 @@ import argparse
 import faulthandler
 import sys
 
-from ratrain.job.abort import abort_on_error
+from ratrain.job.abort import abort, abort_on_error
 from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
 from ratrain.plan.check import run_plan
@@ -45,7 +45,7 @@ from ratrain.train.startup import (
     resolve_config,
     startup,
 )
-from ratrain.train.trainer import Trainer
+from ratrain.train.trainer import ResumeFailed, Trainer
 
 
 def parse_args(argv=None):
@@ -182,6 +182,11 @@ def _main(args, comm, ctl) -> int:
         return EXIT_OK
     try:
         return Trainer(setup, comm, ctl).run()
+    except ResumeFailed as e:  # every rank verified it; this one could not read it after all
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if comm.Get_size() > 1:
+            abort(None, EXIT_USAGE)  # the other ranks may be waiting in a collective
+        return EXIT_USAGE
     finally:
         setup.release()
 

@@ -33,6 +33,8 @@ from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
+from ratrain.lifecycle.trace import TAG as TIMELINE_TAG
+from ratrain.shim.allocator import resident_bytes
 from ratrain.job.metrics import MetricsWriter
 from ratrain.job import early
 from ratrain.job.runctl import (
@@ -48,6 +50,11 @@ from ratrain.job.runctl import (
 )
 from ratrain.job.tblog import TensorBoard
 from ratrain.train.startup import Setup
+
+
+class ResumeFailed(RuntimeError):
+    """The verified checkpoint could not be read after all (changed since, or unreadable); the
+    message is the one line that says so."""
 
 
 class WriteFailed(RuntimeError):
@@ -86,7 +93,8 @@ class Trainer:
         self.topo, self.profile = self.this_rank.topo, self.this_rank.profile
         self.state, self.executor = self.this_rank.state, self.this_rank.executor
         if self.resume_state is not None:
-            self.executor.load_state_dict(self.resume_state["executor"])
+            with self._resuming(setup.resume):
+                self.executor.load_state_dict(self.resume_state["executor"])
         self.train_ds = open_datasets(cfg, setup.data_paths)[0]
         self.eval_sets = open_eval_sets(cfg, setup.data_paths)  # (name, weight, dataset)
         if self.resume_state is not None:  # a mixture's counts there: no replay from sample 0
@@ -113,9 +121,23 @@ class Trainer:
     def _load_checkpoint(self, state, path: str) -> None:
         """Read this stage's parameters and moments (`checkpoint.load_stage`: a sharded state
         keeps only its segment, one block at a time)."""
-        ck = load_stage(state, path)
+        with self._resuming(path):
+            ck = load_stage(state, path)
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _resuming(path: str):
+        """Reading the checkpoint that start-up verified: a failure now (the files changed
+        since, or cannot be read) is ResumeFailed, one line, never a traceback."""
+        try:
+            yield
+        except (CheckpointError, OSError, KeyError, ValueError, TypeError) as e:
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ResumeFailed(f"cannot resume from {path}: {what} (it verified at start-up: "
+                               "changed since?); checkpoint.resume=auto takes the newest "
+                               "usable one") from None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -227,6 +249,10 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_s": tokens_per_step / dt,
             "peak_ddr_bytes": int(res.peak_ddr_bytes),
+            # each rank's whole memory (resident set) beside its ledger peak, by world rank
+            "rss_bytes": max(res.resident_bytes),
+            "rss_bytes_by_rank": list(res.resident_bytes),
+            "peak_ddr_bytes_by_rank": list(res.peaks_ddr_bytes),
             "mfu": tokens_per_step / dt * cfg.model.flops_per_token() / self.peak,
             "elapsed_s": time.perf_counter() - self.t_start,
         }
@@ -378,11 +404,22 @@ class Trainer:
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
             f"{self.this_rank.ctx.kernels.describe()}, "
-            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}, "
+            f"{self._memory_note()}"
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
         )
+
+    def _memory_note(self) -> str:
+        """Rank 0's memory at start (its resident set and the ledger's part of it) and what its
+        timeline keeps."""
+        ledger, run = self.this_rank.ledger, self.cfg.run
+        kept = (f"trace timeline up to {run.trace_bytes / 2**20:.3g} MiB per rank (ledger tag "
+                f"{TIMELINE_TAG}; the oldest steps dropped beyond)" if run.trace else
+                "timeline of the current step only (run.trace off)")
+        return (f"memory at start: rss {resident_bytes() / 2**20:.1f} MiB, ledger "
+                f"{ledger.current / 2**20:.1f} MiB (rank 0), {kept}")
 
     def close(self) -> None:
         if self.metrics is not None:
