@@ -155,7 +155,7 @@ def quality(args, argv) -> int:
         if subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT))).returncode:
             print(f"error: the {name} run failed", file=sys.stderr)
             return 1
-    partial, full = (str(p) for p in runs.values())
+    full, partial = str(runs[FULL]), str(runs[f"partial-{args.period}"])
     cmp = [sys.executable, "-m", "ratrain.compare", partial, full, "--key", "eval_loss",
            "--tol", "0.02", "--after", "0.2", "--final-tol", "0.01", "--time-to-final",
            "--min-speedup", "1.3"] + (["--png", args.png] if args.png else [])

@@ -34,8 +34,8 @@ SKIP = [  # (pattern of a command, why it does not run here)
      "needs a cluster (a site MPI, Slurm)"),
     (r"run\.device=gpu|--device gpu", "needs a GPU (scripts/gpu-check.sh runs the GPU checks; the "
      "same commands on the stand-in are tests/test_device.py's)"),
-    (r"my_texts/|path/to/tokenizer\.json", "names the reader's own files (a tokenizer.json run is "
-     "tests/test_users.py's)"),
+    (r"my_texts/|path/to/", "names the reader's own files (a tokenizer.json run is "
+     "tests/test_users.py's, a Megatron corpus tests/test_data_formats.py's)"),
     *([(r"^scripts/cluster\.sh", "emulated nodes need root, ip and tc (tests/test_cluster.py)")]
       if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")) else []),
 ]

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ratrain.config import ScheduleConfig
+from ratrain.config import ScheduleConfig, is_half
 from ratrain.lifecycle.schedule import (
     Action,
     AllocGrad,
@@ -75,8 +75,9 @@ class StageInfo:
     shards: int = 1  # dp segments of each block's master and moments (1: whole on every replica)
 
     @property
-    def fp16(self) -> bool:
-        return self.precision == "fp16"
+    def half(self) -> bool:
+        """16-bit working views (fp16, bf16): buffers of their own, cast from the masters."""
+        return is_half(self.precision)
 
     @property
     def sharded(self) -> bool:
@@ -84,8 +85,8 @@ class StageInfo:
 
     @property
     def separate_views(self) -> bool:
-        """Views are buffers of their own (fp16, or a sharded master): made and dropped."""
-        return self.fp16 or self.sharded
+        """Views are buffers of their own (16-bit, or a sharded master): made and dropped."""
+        return self.half or self.sharded
 
 
 SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES

@@ -358,7 +358,7 @@ def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True,
     simulate([[a for lst in r for a in lst] for r in per_rank])
     if lifecycle:
         for info, r in zip(infos, per_rank):
-            check_lifecycle(r, info.blocks, m, info.stage, info.fp16, info.sharded, partial)
+            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, partial)
 
 
 __all__ = [
