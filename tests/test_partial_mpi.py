@@ -116,3 +116,46 @@ def test_policies_bitwise_equal_and_the_mean_model(precision, mpi_group):
     for name, a in mean.items():
         want = allreduce_reference([p[name] for _, p, _ in same], "hier") / 2
         np.testing.assert_array_equal(a, want, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoints_hold_every_replica_and_resume_bitwise(tmp_path_factory, capsys):
+    """A partial-sync run stopped at a checkpoint and resumed is bitwise the uninterrupted run;
+    the checkpoint holds each replica's own state (verified like a shard) and, as its model,
+    their mean; a run under full sync resumes from that mean."""
+    import json
+
+    from mpi4py import MPI
+
+    from ratrain.checkpoint import load_checkpoint, newest_committed, verify_checkpoint
+    from ratrain.train import main
+    from tests._mpi_job import tiny_job
+
+    comm = MPI.COMM_WORLD
+    if comm.size != 2:
+        pytest.skip("runs at 2 ranks (the trainer takes the world)")
+    job = tiny_job(comm, tmp_path_factory, "psync")
+    common = ["--config", f"{job}/job.yaml", "--set", "parallel.dp=2", "--set",
+              "sync.mode=partial", "--set", "sync.period=3", "--set",
+              "schedule.shard_optimizer=false"]
+    assert main([*common, "--set", "run.steps=4", "--set", f"run.dir={job}/whole"]) == 0
+    part = ["--set", f"run.dir={job}/part", "--set", "checkpoint.interval=2",
+            "--set", "checkpoint.resume=auto"]
+    assert main([*common, *part, "--set", "run.steps=2"]) == 0
+    assert main([*common, *part, "--set", "run.steps=4"]) == 0
+    comm.Barrier()
+    ckpt = newest_committed(f"{job}/part/checkpoints")
+    assert verify_checkpoint(ckpt, comm=comm) == []
+    if comm.rank == 0:
+        def losses(d):
+            with open(f"{d}/metrics.jsonl") as f:
+                return [(r["loss"], r["grad_norm"]) for r in map(json.loads, f) if "loss" in r]
+
+        assert losses(f"{job}/part") == losses(f"{job}/whole")
+        reps = [load_checkpoint(ckpt, replica=r)["master"] for r in range(2)]
+        model = load_checkpoint(ckpt, buffers=("master",))["master"]
+        assert any(not np.array_equal(reps[0][n], reps[1][n]) for n in model)
+        for n, a in model.items():
+            np.testing.assert_array_equal(a, (reps[0][n] + reps[1][n]) / 2, err_msg=n)
+    # on under full sync: every replica starts from the checkpoint's model, the mean
+    assert main([*common, *part, "--set", "sync.mode=full", "--set", "run.steps=5"]) == 0
