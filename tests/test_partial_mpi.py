@@ -124,6 +124,7 @@ def test_checkpoints_hold_every_replica_and_resume_bitwise(tmp_path_factory, cap
     the checkpoint holds each replica's own state (verified like a shard) and, as its model,
     their mean; a run under full sync resumes from that mean."""
     import json
+    import os
 
     from mpi4py import MPI
 
@@ -157,5 +158,14 @@ def test_checkpoints_hold_every_replica_and_resume_bitwise(tmp_path_factory, cap
         assert any(not np.array_equal(reps[0][n], reps[1][n]) for n in model)
         for n, a in model.items():
             np.testing.assert_array_equal(a, (reps[0][n] + reps[1][n]) / 2, err_msg=n)
+    # a replica's state missing: the checkpoint is refused, naming the file
+    if comm.rank == 0:
+        import shutil
+
+        shutil.copytree(ckpt, f"{job}/lost/ckpt-000004")
+        os.unlink(f"{job}/lost/ckpt-000004/shard-s000-r001.h5")
+    comm.Barrier()
+    assert any("shard-s000-r001.h5: missing shard" in p
+               for p in verify_checkpoint(f"{job}/lost/ckpt-000004", comm=comm))
     # on under full sync: every replica starts from the checkpoint's model, the mean
     assert main([*common, *part, "--set", "sync.mode=full", "--set", "run.steps=5"]) == 0
