@@ -1,7 +1,7 @@
 """Compare the loss curves of two runs.
 
     python -m ratrain.compare RUN_A RUN_B [--tol T] [--prefix] [--png FILE] [--key loss]
-        [--after F] [--final-tol T] [--time-to-final] [--min-speedup S]
+        [--after F] [--final-tol T] [--worse-only] [--time-to-final] [--min-speedup S]
 
 RUN_A / RUN_B are run directories (holding `metrics.jsonl`) or metrics files, read by
 `metrics.read_curve`. The relative deviation of a step is |a - b| / max(|b|, tiny). Prints
@@ -14,13 +14,15 @@ steps up to the shorter run's last (a run stopped on purpose against a longer on
 A run that is not meant to be equal (partial synchronization against full, `sync.mode`) is
 judged by its eval curve: `--after F` counts only the steps after the first fraction F of RUN_B's
 (training settles first), `--final-tol T` holds the last shared step to T (`final_rel_dev=`),
-and `--time-to-final` prints how long each run took (wall clock, its records' `elapsed_s`) to
+`--worse-only` judges only the steps where RUN_A is worse (higher: a loss) than RUN_B (a
+partial run that is ahead is not a loss of quality; `best_rel_dev=` says by how much it was
+ahead at most), and `--time-to-final` prints how long each run took (wall clock, its records' `elapsed_s`) to
 reach RUN_B's final value (`time_to_final_a=`, `time_to_final_b=`, `speedup=` b over a; lower
 is better, as for a loss; a run that never reaches it takes inf), with `--min-speedup S`
 failing below S. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
 
     python -m ratrain.compare runs/partial runs/full --key eval_loss --tol 0.02 --after 0.2 \
-        --final-tol 0.01 --time-to-final --min-speedup 1.3 --png curves.png
+        --final-tol 0.01 --worse-only --time-to-final --min-speedup 1.3 --prefix --png curves.png
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def read_metrics(path: str, key: str = "loss", field: str | None = None) -> dict
     return out
 
 
-def compare(a: dict[int, float], b: dict[int, float]) -> tuple[float, list[int], list[float]]:
+def compare(a: dict[int, float], b: dict[int, float],
+            worse_only: bool = False) -> tuple[float, list[int], list[float]]:
     """(max relative deviation, the steps both hold, each one's deviation); NaN against
-    anything, NaN included, deviates by inf."""
+    anything, NaN included, deviates by inf. `worse_only`: a step where `a` is lower than `b`
+    deviates by 0."""
     steps = sorted(set(a) & set(b))
     devs = []
     for s in steps:
@@ -62,7 +66,7 @@ def compare(a: dict[int, float], b: dict[int, float]) -> tuple[float, list[int],
         if math.isnan(x) or math.isnan(y):
             devs.append(math.inf)
         else:
-            devs.append(abs(x - y) / max(abs(y), 1e-30))
+            devs.append(max(x - y, 0.0 if worse_only else y - x) / max(abs(y), 1e-30))
     return (max(devs) if devs else 0.0), steps, devs
 
 
@@ -146,6 +150,8 @@ def main(argv=None) -> int:
                     help="count only the steps after the first fraction F of RUN_B's (0 <= F < 1)")
     ap.add_argument("--final-tol", type=float, default=None, metavar="T",
                     help="fail (exit 1) when the last shared step deviates by more than T")
+    ap.add_argument("--worse-only", action="store_true",
+                    help="judge only the steps where RUN_A is worse (higher) than RUN_B")
     ap.add_argument("--time-to-final", action="store_true",
                     help="print each run's wall clock to RUN_B's final value and their speed-up")
     ap.add_argument("--min-speedup", type=float, default=None, metavar="S",
@@ -157,7 +163,7 @@ def main(argv=None) -> int:
         ap.error("--min-speedup needs --time-to-final")
     a = read_metrics(args.run_a, args.key)
     b = read_metrics(args.run_b, args.key)
-    worst, steps, devs = compare(a, b)
+    worst, steps, devs = compare(a, b, args.worse_only)
     if not steps:
         print(f"error: {args.run_a} and {args.run_b} share no steps", file=sys.stderr)
         return 2
@@ -167,6 +173,10 @@ def main(argv=None) -> int:
         print(f"max_rel_dev={worst:.6e} steps={len(late)}")
     else:
         print(f"max_rel_dev={worst:.6e} steps={len(steps)}")
+    if args.worse_only:  # how far ahead RUN_A was at most (not judged)
+        late = [s for s in steps if s > args.after * max(b)]
+        best = max((b[s] - a[s]) / max(abs(b[s]), 1e-30) for s in late) if late else 0.0
+        print(f"best_rel_dev={max(best, 0.0):.6e}")
     bad = problems(a, b, (args.run_a, args.run_b), args.prefix)
     if args.final_tol is not None:
         print(f"final_rel_dev={devs[-1]:.6e} step={steps[-1]}")
