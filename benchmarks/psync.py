@@ -6,6 +6,7 @@
         [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."] [--png docs/psync-curves.png]
         [--record NAME]
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
+    python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
 
 `speed`: the job under full sync and under partial sync at each period H of `--periods`, run
 under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
@@ -27,6 +28,14 @@ sync's final eval loss. The partial run goes on `--extra-steps` past full's last
 job's learning rate then stays at its floor: its decay has a length of its own,
 `optim.decay_steps`), so that a run that ends a hair short of full's final loss is timed when it
 gets there rather than never; the shared steps are compared as they are.
+
+`curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial
+sync as the runtime computes them, to see how a job's quality depends on its settings (seeds,
+learning rate, batch): full sync as one rank with the whole global batch, partial sync as the
+replicas one after another, each a rank of its own whose parameter averages are summed in the
+runtime's order (the runtime is bitwise this: `tests/test_partial_mpi.py`). Writes
+`DIR/full/eval.jsonl` and `DIR/partial-H/eval.jsonl` (with `mean_model`: the eval loss of the
+replicas' mean, what a checkpoint's model is) and prints `ratrain.compare`'s verdict.
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -186,6 +195,95 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
+class _Sums:
+    """A stand-in engine for `curves`: each block's all-reduce leaves the sum computed before
+    the step (the replicas' masters of the step's start, in the runtime's order)."""
+
+    def __init__(self):
+        self.sums: dict[int, object] = {}
+
+    def allreduce(self, buf, comm):
+        from concurrent.futures import Future
+
+        buf[...] = self.sums[buf.ctypes.data]
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _curve(cfg, partial: bool, path: Path) -> None:
+    """Train `cfg` in one process (see the module) and write its evals to `path`."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from ratrain.comm.algos import reference
+    from ratrain.data import check_data, eval_batches, open_datasets
+    from ratrain.lifecycle.partial import Averager
+    from ratrain.lifecycle.rank import build_rank
+
+    dp, m = cfg.parallel.dp, cfg.parallel.num_micro_batches
+    train, ev = open_datasets(cfg, check_data(cfg, None))
+    shares = [eval_batches(ev, cfg.data.eval_batches, r) for r in range(dp)]
+    par = replace(cfg.parallel, dp=1) if partial else replace(cfg.parallel, dp=1,
+                                                              num_micro_batches=m * dp)
+    ranks = [build_rank(replace(cfg, parallel=par), None) for _ in range(dp if partial else 1)]
+    exs, sums = [r.executor for r in ranks], _Sums()
+    for ex in exs if partial else ():
+        ex.averager = Averager(ex.state, dp, sums, None, ex._pace_memory)
+    whole = [tuple(np.concatenate([s[k][i] for s in shares]) for i in range(2))
+             for k in range(len(shares[0]))]
+    t0, out = time.perf_counter(), []
+    for step in range(cfg.run.steps):
+        batches = [train.batch_for_step(step, r) for r in range(dp)]
+        if partial:
+            sums.sums.clear()
+            for b in exs[0].plan.partial.blocks_at(step):
+                total = reference([ex.state.master_flat(b) for ex in exs], "hier")
+                sums.sums.update({ex.state.master_flat(b).ctypes.data: total for ex in exs})
+            for ex, batch in zip(exs, batches):
+                ex.run_step(step, batch)
+                ex.flush()
+        else:
+            exs[0].run_step(step, tuple(np.concatenate([b[i] for b in batches]) for i in range(2)))
+        if (step + 1) % cfg.data.eval_interval:
+            continue
+        rec = {"step": step + 1, "elapsed_s": round(time.perf_counter() - t0, 3)}
+        if partial:  # the replicas' mean loss (the trainer's), and the mean model's
+            rec["eval_loss"] = float(np.mean([ex.eval_loss(sh) for ex, sh in zip(exs, shares)]))
+            own = exs[0].state.master_buf.copy()
+            exs[0].state.master_buf[...] = reference([ex.state.master_buf for ex in exs],
+                                                     "hier") / dp
+            rec["mean_model"] = float(np.mean([exs[0].eval_loss(sh) for sh in shares]))
+            exs[0].state.master_buf[...] = own
+        else:
+            rec["eval_loss"] = exs[0].eval_loss(whole)
+        out.append(rec)
+    for r in ranks:
+        r.close()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+
+
+def curves(args) -> int:
+    """Full and partial sync's eval curves in one process (see the module), then the verdict."""
+    from ratrain.config import load_config
+
+    base = [*args.set, "platform.emulate=false"]
+    out = Path(args.out)
+    _curve(load_config(args.config, [*base, "sync.mode=full"]), False, out / FULL)
+    name = f"partial-{args.period}"
+    _curve(load_config(args.config, [*base, "sync.mode=partial", f"sync.period={args.period}"]),
+           True, out / name)
+    res = subprocess.run([sys.executable, "-m", "ratrain.compare", str(out / name),
+                          str(out / FULL), "--key", "eval_loss", "--tol", "0.02", "--after",
+                          "0.2", "--final-tol", "0.01", "--worse-only"],
+                         capture_output=True, text=True)
+    sys.stdout.write(res.stdout + res.stderr)
+    return res.returncode
+
+
 def assignments(blocks, period: int, size) -> dict[str, dict[str, int]]:
     """Name -> {block: step of the period} for the candidates `assign` compares."""
     n = len(blocks)
@@ -232,7 +330,7 @@ def assign(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "quality", "assign", "worker"))
+    ap.add_argument("what", choices=("speed", "quality", "assign", "curves", "worker"))
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], help="overrides of every variant")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
@@ -254,6 +352,8 @@ def main(argv=None) -> int:
         return 0
     if args.what == "assign":
         return assign(args)
+    if args.what == "curves":
+        return curves(args)
     return (speed if args.what == "speed" else quality)(args, argv)
 
 
