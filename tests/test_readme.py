@@ -90,9 +90,11 @@ def skip_reason(cmd: str) -> str | None:
 def _copy(dst: Path) -> Path:
     top = {".git", ".venv", "runs", "data", "hf", "build", ".pytest_cache", ".ruff_cache"}
 
-    def ignore(folder, names):  # the run outputs at the top; caches anywhere
+    def ignore(folder, names):  # the run outputs at the top; caches anywhere but numba's
         here = set(names) & top if Path(folder) == ROOT else set()
-        return here | {n for n in names if n == "__pycache__" or n.endswith(".egg-info")}
+        if Path(folder).name == "__pycache__":  # numba's compiled kernels (the source stamps
+            return {n for n in names if not n.endswith((".nbi", ".nbc"))}  # are copied too)
+        return here | {n for n in names if n.endswith(".egg-info")}
 
     shutil.copytree(ROOT, dst, symlinks=True, ignore=ignore)
     job = dst / "jobs" / "tiny.yaml"
