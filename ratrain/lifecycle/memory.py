@@ -29,6 +29,7 @@ from ratrain.exec.params import (
 )
 from ratrain.exec.spec import RECOMPUTE, block_params, block_role
 from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.offload import STATE_TIER_BYTES, MemoryTier, held_params, kernel_recompute
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 
@@ -45,10 +46,12 @@ class StageSizes:
     extra: int = 0  # anything else resident (scratch reserve, comm buffers)
     recompute: dict[str, str] = field(default_factory=dict)  # block -> choice ("none" if absent)
     shards: int = 1  # dp segments of the optimizer state (1: whole blocks on every replica)
+    offload_state: str = "off"  # offload.optimizer: the state that lives in the tier
 
     def kept(self, block: str) -> int:
+        """Bytes `block` keeps per micro-batch (an offloaded layer keeps what `none` keeps)."""
         modes = self.act[block]
-        return modes.get(self.recompute.get(block, "none"), modes.get("none", 0))
+        return modes.get(kernel_recompute(self.recompute.get(block, "none")), modes.get("none", 0))
 
     def with_recompute(self, recompute: dict[str, str]) -> StageSizes:
         return replace(self, recompute=dict(recompute))
@@ -89,7 +92,8 @@ def layer_activation_bytes(model, micro_batch: int, precision: str, recompute: s
 
 
 def stage_sizes(model, micro_batch: int, precision: str, blocks,
-                recompute: dict[str, str] | None = None, shards: int = 1) -> StageSizes:
+                recompute: dict[str, str] | None = None, shards: int = 1,
+                offload_state: str = "off") -> StageSizes:
     """`StageSizes` of one stage on the platform, from shapes.
 
     Layers keep `layer_activation_bytes` per micro-batch (and hold their full activations
@@ -111,7 +115,8 @@ def stage_sizes(model, micro_batch: int, precision: str, blocks,
         else:
             act[b] = {"none": 8 * tokens}  # int64 token ids
     return StageSizes(precision=precision, params=params, act=act, full_act=full,
-                      message_bytes=x, recompute=dict(recompute or {}), shards=shards)
+                      message_bytes=x, recompute=dict(recompute or {}), shards=shards,
+                      offload_state=offload_state)
 
 
 class _Walk:
@@ -122,13 +127,16 @@ class _Walk:
         shards = sizes.shards
         self.separate = sizes.precision == "fp16" or shards > 1  # views are buffers of their own
         self.vb = view_bytes_per_param(sizes.precision, shards)
+        resident = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[sizes.offload_state]
         static = sizes.static if sizes.static is not None else (
-            STATE_BYTES_PER_PARAM * sum(shard_size(sizes.params[b], shards) for b in blocks))
+            resident * sum(shard_size(sizes.params[b], shards) for b in blocks))
         self.cur = self.peak = static + sizes.extra
         self.views: set[str] = set()
         self.grads: dict[str, int] = {}  # block -> bytes held
         self.msgs = 0  # received activations held until their micro-batch's backward
+        self.tier = MemoryTier(self, held_params(sizes, blocks))  # offload's transfers
         self.table = dispatch_table("memory.simulate_peak", {
+            **self.tier.handlers(),
             sched.Forward: self._forward, sched.Backward: self._backward, sched.MaterializeView: self._view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.WaitGrad: self._wait,
             sched.FreeGrad: self._free, sched.Update: self._update, sched.RecvForward: self._recv_forward,
@@ -197,12 +205,17 @@ class _Walk:
 
 def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
     """Peak bytes of a rank running `lists` (successive steps) in order, from nothing held."""
+    return simulate_peaks(lists, blocks, sizes)[0]
+
+
+def simulate_peaks(lists, blocks, sizes: StageSizes) -> tuple[int, int]:
+    """(peak DDR bytes, peak bytes in the tier) of a rank running `lists` in order."""
     walk = _Walk(blocks, sizes)
     for actions in lists:
         for a in actions:
             for blk, e in expand(a, blocks):
                 walk.event(blk, e)
-    return int(walk.peak)
+    return int(walk.peak), int(walk.tier.peak)
 
 
 def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True
@@ -223,4 +236,4 @@ def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_laye
 
 
 __all__ = ["StageSizes", "act_itemsize", "choose_recompute", "layer_activation_bytes",
-           "simulate_peak", "stage_sizes"]
+           "simulate_peak", "simulate_peaks", "stage_sizes"]

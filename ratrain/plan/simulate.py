@@ -78,6 +78,8 @@ class RankStats:
     peak_bytes: int = 0
     comm_total_s: float = 0.0  # engine busy time (hidden or not)
     group: int = 0  # the replicas it stands for (`simulate_grid`'s groups)
+    tier_s: float = 0.0  # its transfers to and from the memory tier (hidden or not)
+    tier_exposed_s: float = 0.0  # main thread blocked waiting for them
 
     @property
     def busy_s(self) -> float:
@@ -111,6 +113,16 @@ class SimResult:
     @property
     def recompute_s(self) -> float:
         return max(r.recompute_s for r in self.ranks)
+
+    @property
+    def tier_s(self) -> float:
+        """The largest time any rank's tier transfers took (hidden or not)."""
+        return max(r.tier_s for r in self.ranks)
+
+    @property
+    def tier_exposed_s(self) -> float:
+        """The largest time any rank waited for the tier."""
+        return max(r.tier_exposed_s for r in self.ranks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,7 +188,8 @@ def simulate_grid(
             items: list = []
             for k, step in enumerate(lists):
                 items += events.items(step[s], s, blocks[s], recompute[s], grp.costs[s], k,
-                                      shards, rank=g * pp + s)
+                                      shards, rank=g * pp + s,
+                                      offload_state=grp.plan.offload_state)
             ranks.append(events.RankState(s, items, blocks[s], group=g))
             costs.append(grp.costs[s])
     sim = events.Sim(ranks, costs[0], dp, send_mode, timeline, costs,
@@ -202,8 +215,10 @@ def simulate_grid(
             comm_total_s=rk.engine_s / len(lists_of[0]),
             peak_bytes=peaks[rk.group][rk.stage] if peaks is not None else 0,
             group=rk.group,
+            tier_s=rk.tier_s.get(last, 0.0),
+            tier_exposed_s=rk.tier_exposed.get(last, 0.0),
         )
-        st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s)
+        st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s - st.tier_exposed_s)
         stats.append(st)
     return SimResult(step_s, tokens_per_step, stats, sim.timeline or [])
 
