@@ -93,10 +93,10 @@ def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
     tier bytes the memory model plays."""
     off = ex.offloader
 
+    base = ex.plan.with_offload([()] * ex.pp, validate=False) if any(ex.plan.offloaded) else ex.plan
+
     def lists_for(offloaded):
-        plan = ex.plan.with_offload([offloaded if s == ex.stage else () for s in
-                                     range(ex.pp)], validate=False)
-        return plan.stage_steps(ex.stage, 2)
+        return base.offloaded_steps(ex.stage, offloaded, 2)
 
     def walk(lists, s):
         return simulate_peaks(lists, ex.blocks, s)

@@ -299,6 +299,14 @@ class TierRates:
     sharing: int = 1
     compute_flops: float | None = None
 
+    @classmethod
+    def of_profile(cls, profile) -> TierRates:
+        """The rates of a rank's `shim.platform.Profile` (its tier: `platform.tier`)."""
+        spec = profile.tier
+        return cls(spec.bandwidth if spec is not None else None,
+                   (spec.latency or 0.0) if spec is not None else 0.0,
+                   profile.ranks_per_node or 1, profile.compute_flops)
+
     def offloadable(self, model, blocks, micro_batch: int, act_bytes: int) -> int:
         """How many of a stage's layers (`blocks`) the tier takes without showing, each moving
         `act_bytes` out and back per micro-batch under the stage's compute (`hidden_layers`)."""

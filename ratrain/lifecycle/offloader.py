@@ -62,7 +62,8 @@ def open_tier(cfg, profile, rank: int, held_size: int, shared=None):
         return None, {}
     spec, rpn = profile.tier, profile.ranks_per_node or 1
     path, key = tier_dir(cfg), "offload.path"
-    if not off.path:
+    made = not off.path and not os.path.isdir(path)
+    if made:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
@@ -71,10 +72,8 @@ def open_tier(cfg, profile, rank: int, held_size: int, shared=None):
                         spec.name if spec is not None else "tier")
     link = (tier_link(spec, profile.time_scale, shared if shared is not None else Slots())
             if profile.emulate else None)
-    store = TierStore(path, rank, ledger, link, key)
-    rates = TierRates(spec.bandwidth if spec is not None else None,
-                      (spec.latency or 0.0) if spec is not None else 0.0, rpn,
-                      profile.compute_flops)
+    store = TierStore(path, rank, ledger, link, key, made=made)
+    rates = TierRates.of_profile(profile)
     external = {}
     try:
         for k in STATE_KINDS.get(off.optimizer, ()):

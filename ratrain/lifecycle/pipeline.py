@@ -205,6 +205,15 @@ class PipelinePlan:
         out = [self.step_list(stage, k > 0) for k in range(n)]
         return out + [self.flush_list(stage)] if flush else out
 
+    def offloaded_steps(self, stage: int, offloaded, n: int) -> list[tuple[Action, ...]]:
+        """Stage `stage`'s lists for `n` steps with the activation transfers of its `offloaded`
+        layers in place, the rest of the plan untouched (what a recovery choice would run; the
+        plan's stage must offload none yet)."""
+        if self.stages[stage].offload:
+            raise ValueError(f"stage {stage} offloads {list(self.stages[stage].offload)} already")
+        blocks = self.stages[stage].blocks
+        return [offload.place(lst, blocks, offloaded) for lst in self.stage_steps(stage, n)]
+
     def steps(self, n: int) -> list[list[tuple[Action, ...]]]:
         """`n` consecutive steps of every stage: `out[k][stage]` (no flush)."""
         return [[self.step_list(s, k > 0) for s in range(self.pp)] for k in range(n)]

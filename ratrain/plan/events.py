@@ -193,6 +193,7 @@ class RankState:
         self.views_used: dict[str, int] = {}  # block -> WaitViews passed
         self.norm_done: dict[int, float] = {}
         self.tier_s: dict[int, float] = {}  # step -> seconds of its tier transfers
+        self.tier_bytes: dict[int, float] = {}  # step -> bytes they moved
         self.tier_exposed: dict[int, float] = {}  # step -> main thread blocked on the tier
 
 

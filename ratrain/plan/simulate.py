@@ -80,6 +80,7 @@ class RankStats:
     group: int = 0  # the replicas it stands for (`simulate_grid`'s groups)
     tier_s: float = 0.0  # its transfers to and from the memory tier (hidden or not)
     tier_exposed_s: float = 0.0  # main thread blocked waiting for them
+    tier_bytes: float = 0.0  # bytes they moved
 
     @property
     def busy_s(self) -> float:
@@ -217,6 +218,7 @@ def simulate_grid(
             group=rk.group,
             tier_s=rk.tier_s.get(last, 0.0),
             tier_exposed_s=rk.tier_exposed.get(last, 0.0),
+            tier_bytes=rk.tier_bytes.get(last, 0.0),
         )
         st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s - st.tier_exposed_s)
         stats.append(st)

@@ -11,7 +11,8 @@ segment), a master 4 per parameter.
 the flows of its ranks, processor sharing as an interface; the same transfer of the other
 replicas of a group on that node rides along, `copies`), a transfer costs `tier_latency` then
 its bytes; a rank blocked on a wait accounts the time as the tier's exposed time
-(`RankStats.tier_exposed_s`), and every transfer's duration as its tier time (`tier_s`).
+(`RankStats.tier_exposed_s`), every transfer's duration as its tier time (`tier_s`) and its
+bytes as its traffic (`tier_bytes`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class TierSim:
             self.links[node] = self.link(self.sim, rates.tier_bandwidth or math.inf)
         nbytes = it.nbytes * self.sim.copies[r]
         key, step = (r, it.key), it.step
+        rk.tier_bytes[step] = rk.tier_bytes.get(step, 0.0) + it.nbytes
 
         def on_wire(t2):
             self.links[node].add(t2, nbytes, on_done)

@@ -79,8 +79,9 @@ class TierStore:
     """One rank's extents in the tier (see the module)."""
 
     def __init__(self, directory: str, rank: int, ledger, link=None, key: str = "offload.path",
-                 sleep=time.sleep, clock=time.perf_counter):
+                 sleep=time.sleep, clock=time.perf_counter, made: bool = False):
         self.directory, self.rank, self.ledger, self.link, self.key = directory, rank, ledger, link, key
+        self.made = made  # the directory was made for the tier: removed at close when empty
         self._sleep, self._clock = sleep, clock
         self.files: dict[str, _File] = {}
         self.free_list: dict[str, list[tuple[int, int]]] = {}  # kind -> [(offset, size)]
@@ -216,6 +217,9 @@ class TierStore:
         for f in self.files.values():
             f.close()
         self.files.clear()
+        if self.made:
+            with contextlib.suppress(OSError):  # another rank's files may still be open
+                os.rmdir(self.directory)
 
 
 __all__ = ["ALIGN", "TierError", "TierStore", "tier_problem"]

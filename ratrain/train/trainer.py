@@ -47,6 +47,8 @@ from ratrain.job.runctl import (
     write_status,
 )
 from ratrain.job.tblog import TensorBoard
+from ratrain.shim.tier import TierFull
+from ratrain.shim.tierstore import TierError
 from ratrain.train.startup import Setup
 
 
@@ -124,7 +126,7 @@ class Trainer:
         self.step_reached = self.start_step
         try:
             return self._run()
-        except WriteFailed as e:
+        except (WriteFailed, TierError, TierFull) as e:  # a file of the run, or the tier's
             return self._write_failed(str(e))
 
     def _run(self) -> int:
