@@ -37,7 +37,7 @@ from ratrain.lifecycle.offload import TierRates
 from ratrain.lifecycle.schedule import Fetch, Offload, WaitFetch, WaitOffload
 from ratrain.shim.link import Slots
 from ratrain.shim.tier import TierLedger, tier_link
-from ratrain.shim.tierstore import TierError, TierStore, tier_problem
+from ratrain.shim.tierstore import TierError, TierStore
 
 STATE_KINDS = {"moments": ("m", "v"), "masters": ("master", "m", "v")}
 
@@ -60,6 +60,11 @@ def open_tier(cfg, profile, rank: int, held_size: int, shared=None):
     off = cfg.offload
     if not off.enabled:
         return None, {}
+    if off.optimizer != "off" and cfg.run.device != "cpu":
+        raise ValueError(f"offload.optimizer={off.optimizer} keeps the optimizer state in host "
+                         f"memory-mapped files, which run.device={cfg.run.device} does not read "
+                         "in place: set offload.optimizer=off there (activations may still go "
+                         "to the tier)")
     spec, rpn = profile.tier, profile.ranks_per_node or 1
     path, key = tier_dir(cfg), "offload.path"
     made = not off.path and not os.path.isdir(path)
@@ -67,7 +72,7 @@ def open_tier(cfg, profile, rank: int, held_size: int, shared=None):
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
-            raise TierError(e.errno, tier_problem(path, "run.dir", e)) from None
+            raise TierError.of(path, "run.dir", e) from None
     ledger = TierLedger(spec.rank_share(rpn) if spec is not None else None, rank, path, key,
                         spec.name if spec is not None else "tier")
     link = (tier_link(spec, profile.time_scale, shared if shared is not None else Slots())

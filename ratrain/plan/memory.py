@@ -64,8 +64,12 @@ def fit_recovery(plan, model: ModelConfig, micro_batch: int, cap: int | None, mo
         top = rates.offloadable(model, names, micro_batch,
                                 sizes.act[layer]["none"]) if layer else 0
 
-        def lists_for(off, s=s):
-            return plan.offloaded_steps(s, off, steps)
+        made: dict = {}
+
+        def lists_for(off, s=s, made=made):  # one set of layers is asked for several times
+            if off not in made:
+                made[off] = plan.offloaded_steps(s, off, steps)
+            return made[off]
 
         def walk(lists, sz, names=names):
             return simulate_peaks(lists, names, sz)

@@ -45,7 +45,7 @@ The items each action becomes and the event loop that plays them are in `plan.ev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ratrain.comm.topology import grid
 from ratrain.config import Config
@@ -53,7 +53,7 @@ from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import events
 from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.memory import stage_peaks
-from ratrain.plan.steps import recompute_for
+from ratrain.plan.steps import recompute_for, recovery_for
 from ratrain.shim.platform import class_map, class_profile
 
 SEND_MODES = ("eager", "rendezvous")
@@ -284,16 +284,26 @@ def simulate_config(
     with_memory: bool = True,
     classes=_CLASSES,
     validate: bool = True,
+    offload_layers: list[int] | None = None,
 ) -> SimResult:
     """Simulate `cfg`'s layout (its layers per stage and replica shares) under `policy`
     (default: the config's) with its recompute setting (`auto` = none unless
-    `recompute_layers` gives per-stage counts of fully recomputed layers), on ranks of
-    `classes` (every world rank's class name; default `config_classes`). Replicas alike are
-    played once (`grid_groups`): a uniform cluster with equal shares is one lockstep replica."""
+    `recompute_layers` gives per-stage counts of fully recomputed layers; `offload_layers`:
+    per-stage counts of layers offloaded to the memory tier, the first ones of each stage, as
+    the executor's `offload.*` chose them), on ranks of `classes` (every world rank's class
+    name; default `config_classes`). Replicas alike are played once (`grid_groups`): a uniform
+    cluster with equal shares is one lockstep replica."""
     m, p = cfg.model, cfg.parallel
     groups = grid_groups(cfg, config_classes(cfg) if classes is _CLASSES else classes,
                          cost, policy, validate)
-    recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute, recompute_layers)
+    if offload_layers is not None:  # keep / recompute / offload, as the executor chose
+        recompute = recovery_for(groups[0].plan.blocks, recompute_layers or [0] * p.pp,
+                                 offload_layers)
+        off = [tuple(b for b, c in ch.items() if c == "offload") for ch in recompute]
+        groups = [replace(g, plan=g.plan.with_offload(off, validate=validate)) for g in groups]
+    else:
+        recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute,
+                                  recompute_layers)
     mem = (m, p.micro_batch) if with_memory else None
     tokens = p.global_batch * m.seq_len
     return simulate_grid(groups, recompute, tokens, send_mode, mem, steps=steps)

@@ -54,12 +54,11 @@ def _resident_lower_bound(cfg: Config, plan) -> int:
                for names in plan.blocks)
 
 
-def plan_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, cap,
-                     act_mode: str, state: str, steps: int = 2, send_mode: str = "eager"):
-    """The plan of `layout` under `policy` with the tier (`act_mode`: offload.activations,
-    `state`: offload.optimizer), or None when it does not fit (or `state` is not legal)."""
-    cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
-                   placement=layout.placement)
+def fit_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, cap,
+                    act_mode: str, state: str, steps: int = 2):
+    """The recovery of `layout` under `policy` with the tier (`act_mode`: offload.activations,
+    `state`: offload.optimizer): (plan with its transfers, per-stage choices, DDR peaks, tier
+    peaks), or None when it does not fit (or `state` is not legal there)."""
     pol = resolve_policy(cfg.schedule, policy)
     try:
         plan = PipelinePlan.of_model(cfg.model, pol, layout.pp, layout.dp,
@@ -69,20 +68,40 @@ def plan_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, 
         return None
     if cap is not None and _resident_lower_bound(cfg, plan) > cap:
         return None
+    c = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
     plan, choices, peaks, tiers, fits = fit_recovery(
-        plan, cfg.model, layout.micro_batch, cap, act_mode, tier_rates(cost), tier_cap(cost),
-        steps)
-    if not fits:
-        return None
+        plan, cfg.model, layout.micro_batch, cap, act_mode, tier_rates(c), tier_cap(c), steps)
+    return (plan, choices, peaks, tiers) if fits else None
+
+
+def _counts(choices):
+    return tuple(tuple(sum(1 for c in ch.values() if c == kind) for ch in choices)
+                 for kind in ("full", OFFLOAD))
+
+
+def simulate_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, cap, fit,
+                  act_mode: str, state: str, steps: int = 2, send_mode: str = "eager") -> Plan:
+    """The simulated `Plan` of a fitting recovery (`fit_layout_tier`'s)."""
+    plan, choices, peaks, tiers = fit
+    cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
+                   placement=layout.placement)
     tokens = layout.global_batch * cfg.model.seq_len
     res = simulate(plan, cost, choices, tokens, send_mode, steps=steps)
     for st, pk in zip(res.ranks, peaks):
         st.peak_bytes = pk
-    count = [tuple(sum(1 for c in ch.values() if c == kind) for ch in choices)
-             for kind in ("full", OFFLOAD)]
-    lay = replace(layout, recompute="auto", recompute_layers=count[0], offload=act_mode,
-                  offload_layers=count[1], offload_state=state)
+    full, off = _counts(choices)
+    lay = replace(layout, recompute="auto", recompute_layers=full, offload=act_mode,
+                  offload_layers=off, offload_state=state)
     return Plan(lay, policy, res, tuple(peaks), cap, tuple(tiers))
+
+
+def plan_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, cap,
+                     act_mode: str, state: str, steps: int = 2, send_mode: str = "eager"):
+    """The simulated plan of `layout` under `policy` with the tier, or None when it does not
+    fit (see `fit_layout_tier`)."""
+    fit = fit_layout_tier(cfg, layout, policy, cost, cap, act_mode, state, steps)
+    return None if fit is None else simulate_tier(cfg, layout, policy, cost, cap, fit,
+                                                  act_mode, state, steps, send_mode)
 
 
 def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
@@ -97,20 +116,23 @@ def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostMod
     for pol in policies:
         plans = []
         for lay in layouts:
+            # a recovery already simulated with less in the tier is not played again: more
+            # state in the tier only adds transfers
+            seen = set()
             for state in states:
-                seen = set()
                 for mode in act_modes:
-                    q = plan_layout_tier(cfg, lay, pol, cost, cap, mode, state, steps, send_mode)
-                    key = None if q is None else (q.layout.recompute_layers,
-                                                  q.layout.offload_layers)
-                    if q is not None and key not in seen:
-                        seen.add(key)
-                        plans.append(q)
+                    fit = fit_layout_tier(cfg, lay, pol, cost, cap, mode, state, steps)
+                    if fit is None or _counts(fit[1]) in seen:
+                        continue
+                    seen.add(_counts(fit[1]))
+                    plans.append(simulate_tier(cfg, lay, pol, cost, cap, fit, mode, state,
+                                               steps, send_mode))
         out[pol] = sorted(plans, key=lambda p: -p.tokens_per_s)
     return out
 
 
-__all__ = ["ACT_MODES", "STATE_MODES", "plan_layout_tier", "report", "tier_cap", "tier_rates",
+__all__ = ["ACT_MODES", "STATE_MODES", "fit_layout_tier", "plan_layout_tier", "report",
+           "simulate_tier", "tier_cap", "tier_rates",
            "tier_search"]
 
 

@@ -38,7 +38,14 @@ ALIGN = 4096  # extents start on pages
 
 
 class TierError(OSError):
-    """The tier's storage failed (full, missing, unwritable); the message is one line."""
+    """The tier's storage failed (full, missing, unwritable); the message is one line (the
+    cause's errno in `errno`)."""
+
+    @classmethod
+    def of(cls, path: str, key: str, e: OSError) -> TierError:
+        err = cls(tier_problem(path, key, e))
+        err.errno = e.errno
+        return err
 
 
 def tier_problem(path: str, key: str, e: OSError) -> str:
@@ -92,7 +99,7 @@ class TierStore:
         self._thread.start()
 
     def _fail(self, e: OSError) -> TierError:
-        return TierError(e.errno, tier_problem(self.directory, self.key, e))
+        return TierError.of(self.directory, self.key, e)
 
     # -- space ----------------------------------------------------------------------------
 

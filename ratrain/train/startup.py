@@ -105,6 +105,11 @@ def check_tier(cfg: Config, rank: int, plan=None) -> None:
 
     if not cfg.offload.enabled:
         return
+    if cfg.offload.optimizer != "off" and cfg.run.device != "cpu":
+        raise ConfigError(f"offload.optimizer={cfg.offload.optimizer} keeps the optimizer state "
+                          f"in host memory-mapped files, which run.device={cfg.run.device} does "
+                          "not read in place: set offload.optimizer=off there (activations may "
+                          "still go to the tier)")
     path = tier_dir(cfg)
     key = "offload.path" if cfg.offload.path else "run.dir"
     if cfg.offload.path and not os.path.isdir(path):
