@@ -3,7 +3,7 @@
     mpirun -n 2 --oversubscribe python benchmarks/tier.py peaks --config jobs/bench-tier.yaml
     mpirun -n 2 --oversubscribe python benchmarks/tier.py measure --config jobs/bench-tier.yaml \\
         --bandwidths 1e11,5e9 --rounds 2 | grep '^{' > measured.jsonl
-    python benchmarks/tier.py table --config jobs/bench-tier.yaml --measured measured.jsonl
+    python benchmarks/tier.py table --measured measured.jsonl        # as Markdown
     python benchmarks/tier.py models --tier nvme     # the paper's four models (the planner)
 
 `peaks` trains one step with no cap, without the tier and with every layer offloaded
@@ -11,17 +11,24 @@
 activation bytes parked in the tier at once, the activation bytes in the tier at the moment of
 the offloaded run's DDR peak (the offloaded bytes), a layer's saved activations per
 micro-batch, and whether the peak dropped by at least the offloaded bytes less the double
-buffer (a layer's activations being written and one being read: two layers'); also each stage's predicted peak with no layer and with every
-layer recomputed (how the job's cap is derived). `measure` trains the job (as `python -m
-ratrain.train` wires it: its DDR cap, `recompute: auto`, links, pacing and the tier's throttle)
-at each tier bandwidth with the layers that must leave the DDR recomputed (`offload.activations:
-off`) and offloaded (`prefer`), the variants interleaved in `--rounds` rounds, and prints per
-variant the median step, the layers each stage recomputed and offloaded, the DDR peak and the
-loss. `table` puts each beside the simulator (`plan.simulate.simulate_config` with the run's own
-choices, x the time scale) and beside the planner's choice at that bandwidth (the faster of the
-two as the planner plans them from shapes: `plan.tierplan.plan_layout_tier`). `models` prints,
-for the paper's models, today's best plan and the best with the tier (`python -m ratrain.plan
---tier`, every policy).
+buffer (a layer's activations being written and one being read: two layers'); also each
+stage's predicted peak with no layer and with every layer recomputed (how the job's cap is
+derived).
+
+`measure` trains the job (as `python -m ratrain.train` wires it: its DDR cap, `recompute:
+auto`, links, pacing and the tier's throttle) at each tier bandwidth with the layers that must
+leave the DDR recomputed (`offload.activations: off`) and offloaded (`prefer`), the variants
+interleaved in `--rounds` rounds, and prints per variant the median step, the layers each stage
+recomputed and offloaded, the DDR peak and the loss, each beside the simulator
+(`plan.simulate.simulate_config` with the run's own choices, x the time scale); then a summary:
+at each bandwidth the planner's choice against the faster measured, and simulated / measured's
+range. The planner's choice is the recovery its simulator finds faster, each played with the
+layers the run moved (the executor's measured sizes decide how many must leave the DDR; the
+planner's shape-based sizes leave out the CPU kernels' scratch, so at the job's cap they would
+move none). `table` prints those lines as Markdown.
+
+`models` prints, for the paper's models, today's best plan and the best with the tier (`python
+-m ratrain.plan --tier`, every policy), with the simulator's breakdown of both.
 """
 
 from __future__ import annotations
@@ -36,10 +43,9 @@ import numpy as np
 from ratrain.config import load_config
 from ratrain.exec import layers as layer_kernels
 from ratrain.lifecycle.offload import OFFLOAD
-from ratrain.plan.cost import CostModel
-from ratrain.plan.search import Layout, cap_bytes, search
+from ratrain.plan.search import search
 from ratrain.plan.simulate import simulate_config
-from ratrain.plan.tierplan import plan_layout_tier, tier_search
+from ratrain.plan.tierplan import tier_search
 
 VARIANTS = {"recompute": "off", "offload": "prefer"}  # offload.activations of each
 MODELS = ("jobs/llama2-7b.yaml", "jobs/baichuan2-13b.yaml", "jobs/qwen2.5-32b.yaml",
@@ -102,6 +108,7 @@ def cmd_measure(a) -> None:
 
     comm = MPI.COMM_WORLD
     runs: dict[tuple, list] = {}
+    t0 = time.perf_counter()
     for r in range(a.rounds):
         for bw in a.bandwidths.split(","):
             names = list(VARIANTS)
@@ -109,59 +116,69 @@ def cmd_measure(a) -> None:
                 cfg = load_config(a.config, [*a.set, f"platform.tier_bandwidth={bw}",
                                              f"offload.activations={VARIANTS[name]}"])
                 rows = comm.allgather(_run(cfg, comm, cfg.run.steps, a.skip))
-                runs.setdefault((bw, name), []).append(rows)
+                runs.setdefault((float(bw), name), []).append(rows)
     if comm.Get_rank() != 0:
         return
+    out = []
     for (bw, name), rounds in runs.items():
         steps = [next(x["median"] for x in rows if x["reports"]) for rows in rounds]
         rows = sorted(rounds[-1], key=lambda x: x["stage"])
-        print(json.dumps({"variant": name, "tier_bandwidth": float(bw),
-                          "step_s": round(statistics.median(steps), 4),
-                          "rounds": [round(x, 4) for x in steps],
-                          "full": [x["full"] for x in rows], "offload": [x["offload"] for x in rows],
-                          "peak_ddr_MiB": round(max(x["peak"] for x in rows) / 2**20, 3),
-                          "loss": rows[-1]["loss"]}), flush=True)
+        m = {"case": f"{bw:.3g}/{name}", "variant": name, "tier_bandwidth": bw,
+             "step_s": round(statistics.median(steps), 4), "rounds": [round(x, 4) for x in steps],
+             "full": [x["full"] for x in rows], "offload": [x["offload"] for x in rows],
+             "peak_ddr_MiB": round(max(x["peak"] for x in rows) / 2**20, 3),
+             "loss": rows[-1]["loss"]}
+        m["simulated_s"] = round(_simulated(a, m), 4)
+        m["sim_over_measured"] = round(m["simulated_s"] / m["step_s"], 4)
+        out.append(m)
+        print(json.dumps(m), flush=True)
+    summary = {"sim_over_measured_min": min(m["sim_over_measured"] for m in out),
+               "sim_over_measured_max": max(m["sim_over_measured"] for m in out),
+               "losses_equal": len({m["loss"] for m in out}) == 1,
+               "wall_s": round(time.perf_counter() - t0, 1)}
+    for bw in sorted({m["tier_bandwidth"] for m in out}, reverse=True):
+        mine = [m for m in out if m["tier_bandwidth"] == bw]
+        planned = {m["variant"]: m["simulated_s"] for m in mine}  # the simulator's verdict
+        choice = min(planned, key=planned.get)
+        faster = min(mine, key=lambda m: m["step_s"])["variant"]
+        key = f"{bw:.3g}"
+        summary[f"{key}.planner_choice"] = choice
+        summary[f"{key}.measured_faster"] = faster
+        summary[f"{key}.agree"] = choice == faster
+        for name, sec in planned.items():
+            summary[f"{key}.planned_{name}_s"] = round(sec, 4)
+    summary["planner_agrees"] = all(v for k, v in summary.items() if k.endswith(".agree"))
+    print(json.dumps(summary), flush=True)
 
 
-def _planned(cfg) -> dict[str, float]:
-    """The planner's step (this host's time) for each variant at the job's own layout."""
-    p = cfg.parallel
-    lay = Layout(p.pp, p.dp, p.micro_batch, p.num_micro_batches, placement=p.placement)
-    cost, cap = CostModel.from_config(cfg), cap_bytes(cfg)
-    out = {}
-    for name, mode in VARIANTS.items():
-        q = plan_layout_tier(cfg, lay, cfg.schedule.policy, cost, cap, mode, "off", steps=3)
-        out[name] = q.step_s * cfg.platform.time_scale if q is not None else float("inf")
-    return out
+def _simulated(a, m) -> float:
+    """The simulator's step (this host's time) for a measured run, with its own choices."""
+    cfg = load_config(a.config, [*a.set, f"platform.tier_bandwidth={m['tier_bandwidth']}",
+                                 f"offload.activations={VARIANTS[m['variant']]}"])
+    res = simulate_config(cfg, recompute_layers=m["full"], offload_layers=m["offload"], steps=3,
+                          with_memory=False)
+    return res.step_s * cfg.platform.time_scale
 
 
 def cmd_table(a) -> None:
-    rows = [json.loads(x) for x in open(a.measured) if x.startswith("{")]
+    """The Markdown table of `measure`'s lines (docs/BENCHMARKS.md)."""
+    lines = [json.loads(x) for x in open(a.measured) if x.startswith("{")]
+    rows, summary = [x for x in lines if "case" in x], lines[-1]
     print("| tier B/s (per node) | variant | measured step s (rounds) | simulated s | simulated / "
           "measured | recomputed, offloaded per stage | peak DDR MiB | loss |")
     print("|---|---|---|---|---|---|---|---|")
-    verdicts = []
-    for bw in sorted({r["tier_bandwidth"] for r in rows}, reverse=True):
-        mine = [r for r in rows if r["tier_bandwidth"] == bw]
-        cfg0 = load_config(a.config, [*a.set, f"platform.tier_bandwidth={bw}"])
-        planned = _planned(cfg0)
-        for m in mine:
-            cfg = load_config(a.config, [*a.set, f"platform.tier_bandwidth={bw}",
-                                         f"offload.activations={VARIANTS[m['variant']]}"])
-            res = simulate_config(cfg, recompute_layers=m["full"], offload_layers=m["offload"],
-                                  steps=3, with_memory=False)
-            pred = res.step_s * cfg.platform.time_scale
-            print(f"| {bw:.3g} | {m['variant']} | {m['step_s']:.3f} ("
-                  f"{', '.join(f'{x:.3f}' for x in m['rounds'])}) | {pred:.3f} | "
-                  f"**{pred / m['step_s']:.3f}** | {m['full']}, {m['offload']} | "
-                  f"{m['peak_ddr_MiB']} | {m['loss']:.10f} |")
-        faster = min(mine, key=lambda r: r["step_s"])["variant"]
-        choice = min(planned, key=planned.get)
-        verdicts.append(f"tier {bw:.3g} B/s: the planner chooses {choice} "
-                        f"({', '.join(f'{k} {v:.3f} s' for k, v in planned.items())}), the "
-                        f"faster measured is {faster}: {'agree' if choice == faster else 'DISAGREE'}")
+    for m in rows:
+        print(f"| {m['tier_bandwidth']:.3g} | {m['variant']} | {m['step_s']:.3f} ("
+              f"{', '.join(f'{x:.3f}' for x in m['rounds'])}) | {m['simulated_s']:.3f} | "
+              f"**{m['sim_over_measured']:.3f}** | {m['full']}, {m['offload']} | "
+              f"{m['peak_ddr_MiB']} | {m['loss']:.10f} |")
     print()
-    print("\n".join(verdicts))
+    for key in sorted({k.split(".agree")[0] for k in summary if k.endswith(".agree")},
+                      key=float, reverse=True):
+        planned = ", ".join(f"{n} {summary[f'{key}.planned_{n}_s']:.3f} s" for n in VARIANTS)
+        print(f"- tier {key} B/s: the planner chooses {summary[f'{key}.planner_choice']} "
+              f"({planned}); measured, {summary[f'{key}.measured_faster']} is faster: "
+              f"{'agree' if summary[f'{key}.agree'] else 'DISAGREE'}")
 
 
 def cmd_peaks(a) -> None:
@@ -209,8 +226,10 @@ def cmd_peaks(a) -> None:
 
 
 def cmd_models(a) -> None:
-    print("| model | today's best (tokens/s, layout) | best with the tier | ratio | tier traffic |")
-    print("|---|---|---|---|---|")
+    """Per model, one JSON line: today's best plan and the best with the tier (every policy,
+    placement pp, as `python -m ratrain.plan --tier` plans them), the simulator's breakdown of
+    both (the busiest rank), and the tier's traffic; then a summary line."""
+    out = []
     for job in a.jobs:
         t0 = time.perf_counter()
         cfg = load_config(job, [*a.set, f"platform.tier={a.tier}"])
@@ -219,14 +238,29 @@ def cmd_models(a) -> None:
         tiered = tier_search(cfg, n, placements=("pp",))
         now = max((ps[0] for ps in today.values() if ps), key=lambda q: q.tokens_per_s)
         best = max((ps[0] for ps in tiered.values() if ps), key=lambda q: q.tokens_per_s)
-        lay, res = best.layout, best.result
-        print(f"| {job} | {now.tokens_per_s:,.0f} ({now.policy}, pp {now.layout.pp} x dp "
-              f"{now.layout.dp}) | {best.tokens_per_s:,.0f} ({best.policy}, pp {lay.pp} x dp "
-              f"{lay.dp}, {lay.describe(cfg.model.layers)}, optimizer {lay.offload_state}) | "
-              f"{best.tokens_per_s / now.tokens_per_s:.3f}x | "
-              f"{max(r.tier_bytes for r in res.ranks) / 1e9:.1f} GB/step, "
-              f"{res.tier_exposed_s:.2f} s exposed of {res.tier_s:.1f} s | "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        row = {"case": job.rsplit("/", 1)[-1].removesuffix(".yaml"), "tier": a.tier,
+               "today_tokens_per_s": round(now.tokens_per_s), "today_policy": now.policy,
+               "today_pp": now.layout.pp, "today_recovery": now.layout.describe(cfg.model.layers),
+               "tier_tokens_per_s": round(best.tokens_per_s), "tier_policy": best.policy,
+               "tier_pp": best.layout.pp,
+               "tier_recovery": f"{best.layout.offload}: "
+                                f"{best.layout.describe(cfg.model.layers)}",
+               "tier_optimizer": best.layout.offload_state,
+               "ratio": round(best.tokens_per_s / now.tokens_per_s, 4),
+               "tier_GB_per_step": round(max(r.tier_bytes for r in best.result.ranks) / 1e9, 2),
+               "tier_s": round(best.result.tier_s, 2),
+               "tier_exposed_s": round(best.result.tier_exposed_s, 3),
+               "tier_peak_GiB": round(max(best.tier_peaks) / 2**30, 2),
+               "planned_s": round(time.perf_counter() - t0, 1)}
+        for name, q in (("today", now), ("tier", best)):
+            r = max(q.result.ranks, key=lambda x: x.busy_s)
+            row.update({f"{name}_step_s": round(q.step_s, 2),
+                        f"{name}_compute_s": round(r.compute_s, 2),
+                        f"{name}_recompute_s": round(r.recompute_s, 2),
+                        f"{name}_bubble_s": round(q.result.bubble_s, 2)})
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({f"{r['case']}.ratio": r["ratio"] for r in out}), flush=True)
 
 
 def main(argv=None) -> int:

@@ -119,6 +119,26 @@ def test_config_rules():
         _plan("baseline-1f1b", precision="fp32", state="masters")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_layers_cache_from_shapes_is_what_the_kernels_keep(precision):
+    from ratrain.exec import layers
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.params import StageState
+    from ratrain.exec.spec import stage_blocks
+    from ratrain.shim.ledger import Ledger
+
+    cfg = tiny_config(precision=precision)
+    ctx = ExecContext(cfg.model, precision, np, ledger=Ledger(), threads=1)
+    state = StageState(stage_blocks(cfg.model, 1, 0), precision, ctx.ledger)
+    state.materialize_view("layers.0")
+    x = np.zeros((3, cfg.model.seq_len, cfg.model.hidden), ctx.dtype)
+    for rec in ("none", "selective", "full"):
+        cache = layers.layer_forward(x, state.view("layers.0"), ctx, rec)[1]
+        assert layers.cache_nbytes(cache) == layers.layer_cache_nbytes(cfg.model, 3, precision,
+                                                                       rec), rec
+    ctx.close()
+
+
 def test_hidden_layers_weighs_the_tier_against_compute():
     assert hidden_layers(4, 100, 1.0, None) == 4  # not modelled: free
     assert hidden_layers(4, 100, 1.0, 800.0) == 4  # 0.25 s per layer and micro-batch

@@ -44,7 +44,7 @@ from ratrain.config import Config, ModelConfig
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
 from ratrain.exec.spec import block_flops, block_params, block_role
-from ratrain.lifecycle.memory import layer_activation_bytes
+from ratrain.exec.layers import layer_cache_nbytes
 from ratrain.shim.platform import resolve_platform
 
 # The DDR bandwidth when the profile has no `ddr_bandwidth` fact (mt3000 has; this is its value).
@@ -282,10 +282,13 @@ class CostModel:
 
     def offload_bytes(self, role: str) -> int:
         """Bytes a layer's saved activations of one micro-batch move to and from the memory
-        tier (what the memory model counts it keeping without recomputation); 0 for others."""
+        tier: its cache as the kernels keep it without recomputation
+        (`exec.layers.layer_cache_nbytes`; the memory model's estimate of what a layer keeps,
+        `lifecycle.memory.layer_activation_bytes`, counts a few more, conservatively); 0 for
+        the other blocks."""
         if role != "layer":
             return 0
-        return layer_activation_bytes(self.model, self.micro_batch, self.precision, "none")
+        return layer_cache_nbytes(self.model, self.micro_batch, self.precision, "none")
 
     # -- compute --------------------------------------------------------------------------------
 

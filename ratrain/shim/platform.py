@@ -13,6 +13,9 @@ overrides single values:
     prof.ddr_bytes, prof.source("ddr_bytes")   # 21474836480, 'RATrain paper: ...'
 
 `time_scale` and `emulate` always come from the config (a profile describes hardware, not a run).
+A profile may also state the memory tiers below the DDR (`tiers:`, `shim.tier`); the config picks
+one (`platform.tier`, with `tier_bytes`, `tier_bandwidth`, `tier_latency` overriding its figures)
+and `Profile.tier` holds it.
 """
 
 from __future__ import annotations
