@@ -187,7 +187,6 @@ def cmd_peaks(a) -> None:
     from ratrain.lifecycle.rank import build_rank
 
     comm = MPI.COMM_WORLD
-    base = load_config(a.config, [*a.set, "platform.ddr_bytes=0", "run.steps=1"])
     cfgs = {"none": load_config(a.config, [*a.set, "platform.ddr_bytes=0", "run.steps=1",
                                            "schedule.recompute=none", "offload.activations=off"]),
             "all": load_config(a.config, [*a.set, "platform.ddr_bytes=0", "run.steps=1",
@@ -214,15 +213,17 @@ def cmd_peaks(a) -> None:
         "predicted_none_MiB": predicted["none"] / 2**20,
         "predicted_full_MiB": predicted["full"] / 2**20})
     if comm.Get_rank() == 0:
-        del base
+        met = True
         for r in sorted(rows, key=lambda r: r["stage"]):
             extents = -(-r["layer_cache_MiB"] * 2**20 // 4096) * 4096 / 2**20  # whole pages
             offloaded = r["tier_at_ddr_peak_MiB"] // extents * r["layer_cache_MiB"]
             drop = r["peak_none_MiB"] - r["peak_offload_MiB"]
-            r.update(offloaded_MiB=offloaded, drop_MiB=drop,
+            r.update(case=f"stage{r['stage']}", offloaded_MiB=offloaded, drop_MiB=drop,
                      target_met=drop >= offloaded - 2 * r["layer_cache_MiB"])
+            met = met and r["target_met"]
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                               for k, v in r.items()}), flush=True)
+        print(json.dumps({"target_met": met}), flush=True)
 
 
 def cmd_models(a) -> None:
