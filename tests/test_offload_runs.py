@@ -91,10 +91,20 @@ def test_a_tier_that_fails_during_the_run_ends_it_in_one_line_exit_5(job, tmp_pa
     assert status["exit"] == 5 and status["why"].startswith("the memory tier")
 
 
-def test_a_tier_without_room_stops_before_any_work_exit_2(job, tmp_path):
+def test_a_tier_without_room_is_refused_at_start_up(tmp_path):
+    """Start-up's check (`train.startup.check_tier`, which `agree` turns into one line and exit
+    2 before any work, as every start-up check): the storage's free space against the tier
+    bytes the memory plan predicts for the node's ranks."""
+    from dataclasses import replace
+
+    from ratrain.config import OffloadConfig
+    from ratrain.train.startup import check_tier
+    from tests._executor_util import tiny_config
+
     with tmpfs(tmp_path / "disk", "64k") as disk:
-        p = run(job, tmp_path / "run", "run.steps=2", f"offload.path={disk}", "model.hidden=128",
-                "model.ffn_hidden=344", *TIER)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert f"error: the memory tier at offload.path={disk} has 64.0 KiB free" in p.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        cfg = replace(tiny_config(precision="fp16"), offload=OffloadConfig(
+            activations="all", optimizer="masters", path=str(disk)))
+        with pytest.raises(OSError, match=rf"^the memory tier at offload.path={disk} has 64.0 "
+                                          r"KiB free, the 1 rank\(s\) of this node need about"):
+            check_tier(cfg, 0)
+        assert list(disk.iterdir()) == []
