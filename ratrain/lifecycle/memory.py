@@ -29,7 +29,14 @@ from ratrain.exec.params import (
 )
 from ratrain.exec.spec import RECOMPUTE, block_params, block_role
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.offload import STATE_TIER_BYTES, MemoryTier, held_params, kernel_recompute
+from ratrain.exec.layers import layer_cache_nbytes
+from ratrain.lifecycle.offload import (
+    OFFLOAD,
+    STATE_TIER_BYTES,
+    MemoryTier,
+    held_params,
+    kernel_recompute,
+)
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 
@@ -49,9 +56,12 @@ class StageSizes:
     offload_state: str = "off"  # offload.optimizer: the state that lives in the tier
 
     def kept(self, block: str) -> int:
-        """Bytes `block` keeps per micro-batch (an offloaded layer keeps what `none` keeps)."""
-        modes = self.act[block]
-        return modes.get(kernel_recompute(self.recompute.get(block, "none")), modes.get("none", 0))
+        """Bytes `block` keeps per micro-batch (an offloaded layer: what it moves to the tier,
+        when the sizes say, else what `none` keeps)."""
+        modes, choice = self.act[block], self.recompute.get(block, "none")
+        if choice in modes:
+            return modes[choice]
+        return modes.get(kernel_recompute(choice), modes.get("none", 0))
 
     def with_recompute(self, recompute: dict[str, str]) -> StageSizes:
         return replace(self, recompute=dict(recompute))
@@ -97,13 +107,16 @@ def stage_sizes(model, micro_batch: int, precision: str, blocks,
     """`StageSizes` of one stage on the platform, from shapes.
 
     Layers keep `layer_activation_bytes` per micro-batch (and hold their full activations
-    while a recomputation runs); the head keeps its input and fp32 statistics; the embedding
+    while a recomputation runs; an offloaded layer holds its cache as the kernels keep it,
+    `exec.layers.layer_cache_nbytes`, while it is written or read); the head keeps its input and fp32 statistics; the embedding
     keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
     fp32 weight copies, unlike the CPU emulation, whose executor measures its own).
     """
     tokens = micro_batch * model.seq_len
     x = tokens * model.hidden * act_itemsize(precision)
     layer = {r: layer_activation_bytes(model, micro_batch, precision, r) for r in RECOMPUTE}
+    # an offloaded layer's cache, as the kernels keep it: the bytes the tier moves
+    layer[OFFLOAD] = layer_cache_nbytes(model, micro_batch, precision, "none")
     params, act, full = {}, {}, {}
     for b in blocks:
         role = block_role(b)

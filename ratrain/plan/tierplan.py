@@ -1,6 +1,7 @@
 """The planner with the memory tier: offload as a recovery choice, searched beside today's plans.
 
-A layout's tier plans play `schedule.recompute: auto` with each layer kept, recomputed fully or
+The layouts are today's search's (`plan.search.candidate_layouts`) and the shallowest
+pipeline for each size of the fullest stage (`shallowest_depths`). A layout's tier plans play `schedule.recompute: auto` with each layer kept, recomputed fully or
 offloaded (`plan.memory.fit_recovery`: the runtime's own rule, by `offload.activations`:
 `auto` offloads what the tier hides under the stage's compute and recomputes the rest,
 `prefer` offloads every layer that must leave the DDR while the tier has room), with the
@@ -25,7 +26,14 @@ from ratrain.lifecycle.offload import OFFLOAD, STATE_TIER_BYTES, TierRates
 from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import fit_recovery
-from ratrain.plan.search import POLICY_NAMES, Layout, Plan, candidate_layouts, cap_bytes
+from ratrain.plan.search import (
+    POLICY_NAMES,
+    Layout,
+    Plan,
+    candidate_layouts,
+    candidate_pps,
+    cap_bytes,
+)
 from ratrain.plan.simulate import simulate
 
 ACT_MODES = ("auto", "prefer")  # offload.activations tried
@@ -104,6 +112,15 @@ def plan_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, 
                                                   act_mode, state, steps, send_mode)
 
 
+def shallowest_depths(layers: int) -> list[int]:
+    """For each size of the fullest stage, the fewest stages that hold the layers
+    (ceil(layers / k)): 80 layers -> ..., 27 (3 a stage), 40 (2), 80. Today's search tries the
+    depths that divide the layers or the clusters; with the tier the fullest stage's size is
+    what sets the step (each layer's compute without recomputation), so the tier's search adds
+    these: at most a few clusters idle (960 clusters at pp 27: dp 35, 15 idle)."""
+    return sorted({-(-layers // k) for k in range(1, layers + 1)})
+
+
 def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
                 cap: int | None = -1, global_batch: int | None = None, micro_batches=(1, 2),
                 placements=None, steps: int = 2, send_mode: str = "eager",
@@ -111,7 +128,9 @@ def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostMod
     """Every fitting plan with the tier per policy, fastest first (`cap=-1`: the platform's)."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
-    layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, None, placements)
+    pps = candidate_pps(cfg.model.layers, clusters, (cfg.parallel.pp,
+                                                     *shallowest_depths(cfg.model.layers)))
+    layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps, placements)
     out = {}
     for pol in policies:
         plans = []
@@ -132,7 +151,7 @@ def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostMod
 
 
 __all__ = ["ACT_MODES", "STATE_MODES", "fit_layout_tier", "plan_layout_tier", "report",
-           "simulate_tier", "tier_cap", "tier_rates",
+           "shallowest_depths", "simulate_tier", "tier_cap", "tier_rates",
            "tier_search"]
 
 
