@@ -26,6 +26,7 @@ from ratrain.checkpoint import (
     save_checkpoint,
 )
 from ratrain.checkpoint.space import checkpoint_bytes
+from ratrain.config.offload import tier_dir
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
 from ratrain.data import eval_batches, open_datasets
@@ -368,6 +369,10 @@ class Trainer:
             f"device {self.this_rank.device.describe()} (rank 0), "
             f"{self.this_rank.ctx.kernels.describe()}, "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            + (f", offload activations {cfg.offload.activations} optimizer "
+               f"{cfg.offload.optimizer} to {tier_dir(cfg)} (tier "
+               f"{self.profile.tier.name if self.profile.tier else 'not stated'})"
+               if cfg.offload.enabled else "")
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
