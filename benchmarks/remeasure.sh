@@ -3,12 +3,13 @@
 # current code, writing one record per figure group (benchmarks/record.py) to docs/records/,
 # then regenerates the tables (benchmarks/tables.py). Run it from a clean checkout, as root (the
 # disk-full and Slurm trials), on a quiet host (the load is recorded with every figure):
-#   bash benchmarks/remeasure.sh              # about 20-25 minutes on 2 quiet cores
+#   bash benchmarks/remeasure.sh              # about 35-40 minutes on 2 quiet cores
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle hetero tier checkpoint faults slurm timing (the
-# wall-clock tests, `pytest --timing -m timing`, which need the quiet host). A step that fails
+# PARTS (default all): bench parity comm lifecycle hetero tier checkpoint data faults slurm timing
+# (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
+# 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
 # figures) holds its exit_status and the table says so.
 set -uo pipefail
@@ -19,7 +20,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle hetero tier checkpoint faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero tier checkpoint data faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -94,6 +95,11 @@ for part in $PARTS; do
   checkpoint)  # ~1 min: a save against plain h5py, interleaved
     rec checkpoint-save --ratio "save_over_h5py=save.median_s:h5py.median_s" -- \
       "$PY" benchmarks/bench_checkpoint.py --reps "$(s 1 5)" --dir "$WORK" ;;
+  data)  # ~15 min: prepare against a bare encode_batch loop; its peak RSS on 2 GB of jsonl
+    rec prepare-throughput -- "$PY" benchmarks/prepare.py throughput --mb "$(s 1 20)" \
+      --rounds "$(s 1 3)"
+    rec prepare-memory -- "$PY" benchmarks/prepare.py memory --also-mb "$(s 2 200)" \
+      --jsonl-mb "$(s 10 2000)" --text-mb "$(s 5 200)" ;;
   faults)  # ~8 min: stop, share, disk full (root), kill -9 trials on jobs/tiny.yaml
     F=("$PY" benchmarks/faults.py)
     rec faults-stop -- "${F[@]}" stop --trials "$(s 1 4)" --timeout 10 --tokens "$TOKENS" \
@@ -103,7 +109,15 @@ for part in $PARTS; do
     rec faults-diskfull -- "${F[@]}" diskfull --trials "$(s 1 2)" --tokens "$TOKENS" --seed 14 \
       --work "$WORK/faults"
     rec faults-kill9 -- "${F[@]}" kill9 --trials "$(s 1 10)" --tokens "$TOKENS" --seed 14 \
-      --work "$WORK/faults" ;;
+      --work "$WORK/faults"
+    # ~5 min: random damage to two checkpoints, resume judged (issue 33)
+    rec ckpt-fuzz -- "$PY" benchmarks/ckpt_fuzz.py --cases "$(s 20 1200)" --every 25 \
+      --work "$WORK/ckpt-fuzz" ;;
+  memory)  # ~45 min, ~7 GiB: RSS over 20,000 steps, and 64 ranks of jobs/tiny.yaml on one host
+    rec soak -- "$PY" benchmarks/soak.py --steps "$(s 1200 20000)" --base "$(s 200 1000)" \
+      --cases 1x1,pp2xdp2,1x1-trace,pp2xdp2-trace --trace-bytes 1048576 --work "$WORK/soak"
+    rec rank-memory-64 -- "$PY" benchmarks/rank_memory.py --ranks "$(s 8 64)" --pp "$(s 4 8)" \
+      --dp "$(s 2 8)" --steps 10 --work "$WORK/rank-memory" ;;
   slurm)  # ~3 min: a private Slurm (root; Debian's slurm-wlm, munge, libpmix-dev)
     "$PY" -c "import numpy as np; from ratrain.data import write_tokens; write_tokens('$WORK/slurm.bin', np.random.default_rng(0).integers(0, 256, 400_000), vocab_size=256)"
     venv=$(cd "$(dirname "$PY")/.." && pwd)  # absolute: the jobs run elsewhere
@@ -117,7 +131,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle hetero tier checkpoint faults slurm timing)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero tier checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

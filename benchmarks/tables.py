@@ -45,6 +45,13 @@ TABLES = {
           ("ratrain.recomputed", "ratrain recomputed", ""),
           ("baseline-1f1b.recomputed", "baseline recomputed", ""),
           ("ratrain.host_busy", "host busy", ".2f")]),
+        ("rank-memory-64", "64 ranks of jobs/tiny.yaml on one host (pp 8 x dp 8, 10 steps): "
+         "resident set per rank (target <= 150 MiB), fused kernels on (the default) and off",
+         [("fused-on/64.rss_mib_max", "RSS MiB, fused on", ".1f"),
+          ("fused-off/64.rss_mib_max", "RSS MiB, fused off", ".1f"),
+          ("fused-on/64.stepped.pss_mib_median", "PSS MiB, fused on", ".1f"),
+          ("fused-off/64.stepped.pss_mib_median", "PSS MiB, fused off", ".1f"),
+          ("fused-on/64.ledger_peak_mib_max", "ledger peak MiB", ".2f")]),
         ("checkpoint-save", "checkpoint save against plain h5py (fsync'd)",
          [("save_over_h5py", "save time / h5py's", ".2f")]),
         ("ab_step_house", "whole fp32 step after the PipelinePlan against f97a2e0 (1 rank), "
@@ -79,6 +86,18 @@ TABLES = {
           ("qwen2.5-32b.mixed_over_uniform", "32B vs uniform", ".3f"),
           ("llama2-70b.mixed_over_symmetric", "70B vs symmetric", ".3f"),
           ("llama2-70b.mixed_over_uniform", "70B vs uniform", ".3f")]),
+        ("prepare-memory", "prepare's peak RSS, BPE of 8,192 tokens, 2 workers: 2 GB of jsonl, "
+         "200 MB of jsonl and one text file of 200 MB (target 1.5 GiB)",
+         [("jsonl-2000MB.peak_rss_gib", "2 GB jsonl, GiB", ".3f"),
+          ("text-200MB.peak_rss_gib", "200 MB text file, GiB", ".3f"),
+          ("jsonl-200MB.peak_rss_gib", "200 MB jsonl, GiB", ".3f"),
+          ("jsonl-2000MB.mb_per_s", "2 GB jsonl, MB/s", ".2f")]),
+        ("prepare-throughput", "prepare's documents/s against a bare Tokenizer.encode_batch loop "
+         "over the same documents with the same threads, interleaved (target 0.8)",
+         [("2KB.prepare_over_loop", "2 KB documents", ".3f"),
+          ("20KB.prepare_over_loop", "20 KB documents", ".3f"),
+          ("2KB.prepare_mb_per_s", "MB/s at 2 KB", ".2f"),
+          ("20KB.prepare_mb_per_s", "MB/s at 20 KB", ".2f")]),
         ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
          "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
          "peak, less the double buffer (a layer written, one read)",
@@ -124,6 +143,21 @@ TABLES = {
           ("trials_4r", "of", "d"), ("tracebacks_1r", "tracebacks", "d")]),
         ("slurm-quick", "USR1 under srun and mpirun, requeue, a finished run (local Slurm, root)",
          [("passed", "passed", "d"), ("trials", "trials", "d")]),
+        ("ckpt-fuzz", "random damage to a run's two checkpoints (1 x 1 and pp 2 x dp 2), resume "
+         "auto judged in-process; every 25th case restarted at 1 x 1 and compared bitwise with "
+         "a clean resume", [("cases", "cases", "d"), ("tracebacks", "tracebacks", "d"),
+                            ("wrong_step", "wrong-step resumes", "d"),
+                            ("damaged_resumes", "resumes from a damaged checkpoint", "d"),
+                            ("skipped_intact", "intact skipped", "d"),
+                            ("restarts", "trainer restarts", "d"),
+                            ("refusals", "refusals", "d")]),
+        ("soak", "resident set of each rank, step 1,000 -> 20,000, % (target < 5); with "
+         "run.trace, the timeline kept against run.trace_bytes",
+         [("1x1/1.growth_pct_max", "1 rank", ".2f"), ("pp2xdp2/4.growth_pct_max", "pp2 x dp2", ".2f"),
+          ("1x1-trace/1.growth_pct_max", "1 rank, trace", ".2f"),
+          ("pp2xdp2-trace/4.growth_pct_max", "pp2 x dp2, trace", ".2f"),
+          ("pp2xdp2-trace/4.timeline_bytes_kept_max", "timeline kept (bytes)", "d"),
+          ("pp2xdp2-trace/4.trace_bytes_bound", "bound (bytes)", "d")]),
     ],
 }
 

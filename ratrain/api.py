@@ -40,6 +40,7 @@ from ratrain.data import (
     default_tokens_path,
     eval_batches,
     load_tokenizer,
+    resolve_tokens,
     val_path,
 )
 from ratrain.device import to_device, to_host
@@ -282,8 +283,15 @@ def eval_dataset(cfg: Config, tokens: str | None = None) -> TokenDataset:
     """The held-out dataset an eval reads: `tokens`, else data.eval_tokens, else the val split
     beside data.tokens (DataError naming the fix when there is none)."""
     path = tokens or cfg.data.eval_tokens
+    if not path and cfg.data.sources:
+        raise DataError("the run blends data.sources, each with its own held-out file: give "
+                        "--tokens FILE (e.g. the val split beside "
+                        f"{cfg.data.sources[0].tokens}); training writes each source's eval "
+                        "loss to eval.jsonl")
     if not path:
         train = cfg.data.tokens or default_tokens_path()  # "": the default corpus, as training
+        if os.path.exists(train) or os.path.exists(f"{train}.bin"):  # a Megatron prefix too
+            train = resolve_tokens(train, "data.tokens")[0]
         path = str(val_path(train))
         if not os.path.exists(path):
             raise DataError(f"the run's held-out file {path} does not exist: give --tokens FILE")

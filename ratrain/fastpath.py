@@ -1,5 +1,11 @@
 """The one place numba, the compiler of the CPU's fast paths (`exec.fused`; the `fast` extra), is
-imported.
+imported: on first use, never by importing a module.
+
+numba costs a rank about 65 MiB of resident memory to import and about 50 more once it loads
+or compiles a kernel (docs/BENCHMARKS.md, "A rank's memory"), so it is imported only when a fast
+path is first asked for (the kernel table, `exec.backends`), and a compiled kernel is compiled
+(or loaded from numba's cache, shared by every rank of a host) on its first call (`jit`): a rank
+whose fast paths are off, or that never calls one, never imports it.
 
 `load_numba()` tells three cases apart:
 
@@ -43,3 +49,32 @@ def load_numba():
                           "numba)") from err
     warnings.warn(f"{why}; the fast paths are off", RuntimeWarning, stacklevel=2)
     return None, why
+
+
+class _Compiled:
+    """A function compiled by numba on its first call (see `jit`)."""
+
+    def __init__(self, fn, options: dict, prepare=None):
+        self.py_func, self.options, self.prepare, self._fn = fn, options, prepare, None
+        functools.update_wrapper(self, fn)
+
+    def compiled(self):
+        """The numba dispatcher (compiled, or loaded from the cache, on the first call), or
+        the plain function where numba does not import."""
+        if self._fn is None:
+            numba = load_numba()[0]
+            if numba is not None and self.prepare is not None:
+                self.prepare(numba)
+            self._fn = numba.njit(**self.options)(self.py_func) if numba else self.py_func
+        return self._fn
+
+    def __call__(self, *args):
+        return (self._fn or self.compiled())(*args)
+
+
+def jit(prepare=None, **options):
+    """`numba.njit(**options)`, applied on the decorated function's first call instead of at
+    import (with `cache=True` the compiled code is read from numba's cache, written by the first
+    process to compile it, so the ranks of a host compile each kernel once). `prepare(numba)`
+    runs first: what the function calls must be compiled before it is."""
+    return lambda fn: _Compiled(fn, options, prepare)

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from ratrain.api import load
-from ratrain.config import ConfigError
+from ratrain.config import PRECISIONS, ConfigError
 from ratrain.device import DEVICES
 
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
                     help="continuations to print (default 1)")
     ap.add_argument("--tokenizer", default=None, metavar="PATH|byte",
                     help="tokenizer to use instead of the run's data.tokenizer")
-    ap.add_argument("--precision", choices=("fp32", "fp16"), default=None,
+    ap.add_argument("--precision", choices=PRECISIONS, default=None,
                     help="arithmetic of the forward (default: the run's precision)")
     ap.add_argument("--device", default="cpu", metavar="|".join(DEVICES),
                     help="where to compute (run.device's values; default cpu, whatever device "

@@ -12,6 +12,7 @@ from ratrain.config import (
     ScheduleConfig,
 )
 from ratrain.lifecycle.rank import build_rank
+from ratrain.lifecycle.trace import Timeline
 
 MODEL = ModelConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=64, seq_len=16)
 
@@ -44,6 +45,8 @@ def train(cfg, comm=None, steps=None, cap=None, trace=None):
     the optimizer state is sharded)."""
     rank = build_rank(cfg, comm, cap=cap, watchdog_s=60)
     ex = rank.executor
+    if trace:  # every step's events, as run.trace keeps them (outside the ledger: cap tests)
+        ex.timeline = Timeline(cfg.run.trace_bytes)
     replica = rank.topo.replica if rank.topo is not None else 0
     results = []
     try:

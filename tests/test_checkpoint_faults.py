@@ -7,11 +7,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 
 from ratrain import checkpoint as ck
 from ratrain.checkpoint import space
+from ratrain.checkpoint.audit import seal
 from ratrain.checkpoint.show import show
 from ratrain.config import CheckpointConfig
 from tests.test_checkpoint import make_cfg, stage_tensors
@@ -113,6 +115,9 @@ def test_manifest_entries_must_be_shard_names_inside_the_checkpoint(tmp_path, ca
     data["files"][0]["file"] = "../../../../etc/hostname"
     with open(man, "w") as f:
         json.dump(data, f)
+    assert "checksum mismatch" in ck.verify_checkpoint(path)[0]  # the seal sees the edit
+    with open(man, "w") as f:  # and a forged seal does not let it through
+        json.dump(seal(data), f)
     problems = ck.verify_checkpoint(path)
     assert problems and "not a shard name inside the checkpoint" in problems[0]
     assert show(path, verify=True) == 1
@@ -155,3 +160,112 @@ def test_resume_auto_with_checkpoints_none_usable_is_an_error(tmp_path):
 def test_resume_auto_with_only_interrupted_saves_starts_fresh(tmp_path):
     (tmp_path / "ckpt-000003").mkdir()
     assert ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", make_cfg().model) is None
+
+
+# -- the manifest checked like a shard (issue 33) ---------------------------------------------
+
+
+def _rewrite(path, edit, sealed=True):
+    """Edit a checkpoint's manifest (a dict -> None function), re-sealed as only a deliberate
+    edit could, or left with its old seal."""
+    man = os.path.join(path, "manifest.json")
+    data = json.loads(open(man).read())
+    edit(data)
+    with open(man, "w") as f:
+        json.dump(seal(data) if sealed else data, f)
+
+
+def test_the_manifest_is_sealed_and_its_step_is_the_directorys(tmp_path):
+    cfg = make_cfg(keep=3)
+    older, path = _save(str(tmp_path), 1, cfg), _save(str(tmp_path), 2, cfg)
+    _rewrite(path, lambda m: m.update(step=8), sealed=False)
+    (problem,) = ck.verify_checkpoint(path)
+    assert "manifest.json: checksum mismatch" in problem and "\n" not in problem
+    _rewrite(path, lambda m: m.update(step=8))  # a forged seal: the directory's name disagrees
+    assert "its step 8 disagrees with the directory's name ckpt-000002" in ck.verify_checkpoint(path)[0]
+    logs = []
+    assert ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", cfg.model,
+                             log=logs.append) == older
+    assert "skipping" in logs[0] and "resuming from" in logs[1] and len(logs) == 2
+    renamed = os.path.join(str(tmp_path), "ckpt-000008")
+    os.rename(path, renamed)  # name and manifest agree now; the shard's own record does not
+    assert "shard-s000.h5: its step is 2, the manifest says 8" in ck.verify_checkpoint(renamed)[0]
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.resolve_resume(CheckpointConfig(resume=renamed), "x", cfg.model)
+    assert "\n" not in str(e.value) and "its step is 2" in str(e.value)
+
+
+def test_an_unsealed_manifest_is_read_only_as_format_1(tmp_path):
+    cfg = make_cfg()
+    path = _save(str(tmp_path), 3, cfg)
+    _rewrite(path, lambda m: m.pop("manifest_sha256"), sealed=False)
+    assert "no 'manifest_sha256'" in ck.verify_checkpoint(path)[0]
+    _rewrite(path, lambda m: m.update(format_version=1), sealed=False)  # as written before seals
+    assert ck.verify_checkpoint(path) == []
+    _rewrite(path, lambda m: m.update(step=30), sealed=False)
+    assert "disagrees with the directory's name" in ck.verify_checkpoint(path)[0]
+
+
+def test_fields_of_the_wrong_type_are_verdicts(tmp_path):
+    cfg = make_cfg()
+    path = _save(str(tmp_path), 1, cfg)
+    for edit, needle in [
+        (lambda m: m.update(step="1"), "is not a whole number"),
+        (lambda m: m["files"][0].update(bytes=-5), "byte count is not a whole number"),
+        (lambda m: m["files"][0].update(params=[1]), "parameter list is not"),
+        (lambda m: m["files"][0].update(kinds=["master", "w"]), "are not buffers of"),
+        (lambda m: m["topology"].update(pp=2), "needs one shard per stage"),
+        (lambda m: m["topology"]["ranks"].append({"stage": 0, "replica": 1}), "grid"),
+        (lambda m: m["config"]["parallel"].update(pp="x"), "its config does not load"),
+        (lambda m: m["config"]["model"].update(layers=6), "disagree with its config's split"),
+        (lambda m: m["config"]["model"].update(vocab_size=48), "the model's is (48, 16)"),
+    ]:
+        saved = open(os.path.join(path, "manifest.json")).read()
+        _rewrite(path, edit)
+        problems = ck.verify_checkpoint(path)
+        assert problems and needle in " ".join(problems), (needle, problems)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            f.write(saved)
+    assert ck.verify_checkpoint(path) == []
+
+
+def test_extra_foreign_and_mixed_shards_are_refused(tmp_path):
+    from tests.test_checkpoint import save_layout
+
+    a = save_layout(str(tmp_path / "a"), 2, 2, 1)
+    b = save_layout(str(tmp_path / "b"), 2, 2, 1)
+    c = save_layout(str(tmp_path / "c"), 3, 2, 1)
+    shutil.copy(os.path.join(a, "shard-s001.h5"), os.path.join(a, "shard-s002.h5"))
+    assert "shard-s002.h5: a shard the manifest does not list" in ck.verify_checkpoint(a)[0]
+    # a shard of another checkpoint, its hash forged into b's manifest: its own step says so
+    dst = os.path.join(b, "shard-s001.h5")
+    shutil.copy(os.path.join(c, "shard-s001.h5"), dst)
+    size, sha = os.path.getsize(dst), ck.sha256_file(dst)
+    _rewrite(b, lambda m: m["files"][1].update(bytes=size, sha256=sha))
+    problems = ck.verify_checkpoint(b)
+    assert any("shard-s001.h5: its step is 3, the manifest says 2" in p for p in problems)
+    assert any("2 different training states" in p for p in problems)
+
+
+def test_resume_needs_every_buffer_and_says_so_in_one_line(tmp_path):
+    cfg = make_cfg()
+    t = stage_tensors(cfg, 0, 1)
+    del t["m"], t["v"]
+    path = ck.save_checkpoint(str(tmp_path), 1, cfg, t, {})
+    assert ck.verify_checkpoint(path) == []  # masters only: enough for eval and export
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.resolve_resume(CheckpointConfig(resume=path), "x", cfg.model)
+    assert "holds no 'm' state" in str(e.value) and "\n" not in str(e.value)
+    os.unlink(os.path.join(path, "shard-s000.h5"))
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", cfg.model)
+    assert "none usable (ckpt-000001: " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_saved_model_is_compared_as_the_config_loads_it(tmp_path):
+    """A key absent from the saved config takes its default (found by the fuzzer: a forged
+    manifest without model.rope_theta was refused as another model, not read as the same)."""
+    cfg = make_cfg()
+    path = _save(str(tmp_path), 1, cfg)
+    _rewrite(path, lambda m: m["config"]["model"].pop("rope_theta"))
+    assert ck.resolve_resume(CheckpointConfig(dir=str(tmp_path)), "x", cfg.model) == path

@@ -42,7 +42,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("", ["parallel.pp=9"], "parallel.pp=9 is more pipeline stages than model.layers=4"),
         ("", ["parallel.dp=0"], "parallel.dp=0 must be > 0"),
         ("", ["schedule.policy=zero3"], "schedule.policy='zero3' is not one of"),
-        ("", ["precision=bf16"], "precision='bf16' is not one of"),
+        ("", ["precision=fp8"], "precision='fp8' is not one of"),
         ("", ["run.trace=maybe"], "run.trace='maybe' must be true or false"),
         ("", ["optim.betas=[0.9]"], "optim.betas"),
         ("", ["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], "sums to 3 but model.layers=4"),
@@ -143,3 +143,21 @@ def test_readme_lists_every_switch():
     from ratrain.config.switches import table
 
     assert table() in (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_readme_names_every_ratrain_variable_of_the_repository():
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    names = set()
+    for f in files:
+        if f.endswith((".py", ".sh", ".sbatch", ".cfg", ".yaml")) or f.startswith("slurm/"):
+            p = root / f
+            if p.is_file():
+                names |= set(re.findall(r"RATRAIN_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace")))
+    readme = (root / "README.md").read_text()
+    assert names and not sorted(n for n in names if f"`{n}`" not in readme)

@@ -14,6 +14,8 @@ settings within `workspace_bound`. Without a GPU those tests skip, saying so.
 """
 
 import os
+import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -46,7 +48,7 @@ def token_major(B, H, T, D):
 
 
 def layouts(cs, kind, B, H, KV, T, D):
-    row = cs._row_major
+    row = cs.row_major
     s = {r: row((B, KV if r in cs.KV_ROLES else H, T, D)) for r in cs.ROLES[kind]}
     s["o"] = token_major(B, H, T, D)
     if kind == "backward":
@@ -210,3 +212,209 @@ def test_backward_is_deterministic_and_within_its_workspace_bound(cs, card, limi
         assert bool(xp.array_equal(a.view(xp.uint16), b.view(xp.uint16)))
     for spec, g in s.graphs.items():
         assert g.workspace_nbytes <= cs.workspace_bound(spec), (spec.describe(), g.engine)
+
+
+# --------------------------------------------------------------------------------------------
+# The `cudnn` attention backend (exec.attention.CudnnAttention), everywhere up to execution
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def backends(cs, monkeypatch):
+    """exec.backends with cuDNN's libraries reported loaded (CI has none): what a GPU rank with
+    the frontend and libcudnn sees, up to the card."""
+    from ratrain.exec import backends
+
+    class Uncarded:  # a CudnnSdpa whose graphs are validated where a card would build them
+        def __init__(self, dp_workspace_limit):
+            self.graph = cs.describe
+
+    monkeypatch.setattr(cs, "load", lambda: (cs.frontend(), 92700))
+    monkeypatch.setattr(cs, "CudnnSdpa", Uncarded)
+    return backends
+
+
+def test_the_backend_validates_a_models_graphs_and_refuses_in_one_line(cs):
+    from ratrain.exec.attention import CudnnAttention
+    from ratrain.exec.kernels import BF16
+    from tests._executor_util import MODEL
+
+    attn = CudnnAttention()
+    assert attn.refuses(MODEL, BF16) == "" and attn.refuses(MODEL, np.float16) == ""
+    fwd, bwd = attn.specs(MODEL, BF16, 2, MODEL.seq_len)  # the layer's layout
+    assert fwd.stride("o") == token_major(2, 4, 16, 8) and bwd.stride("do") == fwd.stride("o")
+    assert bwd.dp_workspace_limit == cs.DP_WORKSPACE_LIMIT and bwd.dtype == "bfloat16"
+    for model, words in ((replace(MODEL, hidden=16), "head size 4"),
+                         (replace(MODEL, hidden=2048, heads=4, kv_heads=2), "head size 512")):
+        why = attn.refuses(model, BF16)
+        assert words in why and "\n" not in why
+    assert "float32" in attn.refuses(MODEL, np.float32)
+
+
+def test_auto_takes_cudnn_on_a_gpu_at_16_bits_else_the_tiled_path_saying_why(backends):
+    from tests._executor_util import MODEL
+
+    attn, passed = backends.choose_attention("auto", "gpu", "bf16", MODEL)
+    assert attn.name == "cudnn" and attn.on_card and passed == {}
+    assert backends.AUTO["gpu"] == ["cudnn", "tiled-1024"] and "cudnn" not in backends.AUTO["cpu"]
+    attn, passed = backends.choose_attention("auto", "gpu", "fp32", MODEL)
+    assert attn.name == "tiled-1024" and passed == {"cudnn": "fp16 and bf16 only, not fp32"}
+    attn, passed = backends.choose_attention("auto", "gpu", "fp16", replace(MODEL, hidden=16))
+    assert attn.name == "tiled-1024" and "head size 4" in passed["cudnn"]
+    for device in ("cpu", "standin"):
+        assert backends.choose_attention("auto", device, "bf16", MODEL)[1] == {}
+
+
+def test_auto_falls_back_when_libcudnn_does_not_load_and_the_banner_says_so(cs, monkeypatch):
+    from ratrain.exec import backends
+    from tests._executor_util import MODEL
+
+    def missing():
+        raise cs.CudnnUnavailable("cuDNN attention needs libcudnn 9, which was not found")
+
+    monkeypatch.setattr(cs, "load", missing)
+    gpu = types.ModuleType("cupy")  # any array module but numpy and the stand-in: a GPU's
+    table = backends.kernel_table(gpu, "bf16", devkernels_mode="off", model=MODEL)
+    assert table.names["attention"] == "tiled-1024"
+    assert table.describe().endswith("attention tiled-1024 (passed over cudnn: cuDNN attention "
+                                      "needs libcudnn 9, which was not found)")
+    with pytest.raises(backends.BackendError, match=r"^run.attention=cudnn: cuDNN attention "
+                       r"needs libcudnn 9, which was not found$"):
+        backends.kernel_table(gpu, "bf16", devkernels_mode="off", attention="cudnn")
+
+
+@pytest.mark.parametrize("device,precision,words", [
+    ("standin", "bf16", "run.attention=cudnn runs on a GPU rank (run.device=gpu), not on "
+                        "run.device=standin: set run.attention=auto"),
+    ("cpu", "fp16", "run.attention=cudnn runs on a GPU rank"),
+    ("gpu", "fp32", "run.attention=cudnn computes in fp16 or bf16, not precision=fp32: set "
+                    "precision=bf16 (or fp16), or run.attention=auto (the tiled path)"),
+])
+def test_cudnn_asked_for_where_it_cannot_run_is_one_line_naming_the_key(backends, device,
+                                                                        precision, words):
+    with pytest.raises(backends.BackendError) as e:
+        backends.attention_backend("cudnn", device, precision)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+    from tests._executor_util import MODEL
+
+    with pytest.raises(backends.BackendError, match=r"^run.attention=cudnn: cuDNN SDPA: head "
+                       r"size 4 must be a multiple of 8 .*; set run.attention=auto$"):
+        backends.attention_backend("cudnn", "gpu", "bf16", replace(MODEL, hidden=16))
+
+
+class RecordingSdpa:
+    """CudnnSdpa's calls without a card: each spec checked against the backend's canonical
+    one (whose graph the backend asked for) and validated by the frontend, the workspace held
+    to the graph's bound and taken from the ledger, the arithmetic done by the tiled path in
+    fp32 and rounded to the operands' dtype as cuDNN returns it."""
+
+    def __init__(self, cs, attn, ctx):
+        self.cs, self.attn, self.ctx = cs, attn, ctx
+        self.specs, self.calls = set(), []
+
+    def workspace_nbytes(self, spec):
+        self.cs.describe(spec)
+        self.specs.add(spec)
+        return self.cs.workspace_bound(spec)
+
+    def _check(self, kind, arrays, workspace):
+        limit = self.attn.dp_workspace_limit if kind == "backward" else None
+        spec = self.cs.spec_of(kind, arrays, True, limit)
+        B, _, T, _ = arrays["q"].shape
+        assert spec == self.attn.specs(self.ctx.model, arrays["q"].dtype, B, T)[kind == "backward"]
+        assert spec in self.specs  # the backend asked for its workspace first
+        assert workspace.nbytes >= self.cs.workspace_bound(spec)
+        assert self.ctx.ledger.in_use("scratch.attention") == workspace.nbytes
+        self.calls.append(kind)
+
+    def forward(self, q, k, v, out=None, lse=None, workspace=None):
+        from ratrain.exec.attention import flash_attention_forward
+
+        self._check("forward", dict(q=q, k=k, v=v, o=out), workspace)
+        f32 = np.float32
+        o, cache = flash_attention_forward(q.astype(f32), k.astype(f32), v.astype(f32),
+                                           self.ctx.xp, 64)
+        out[...] = o.astype(q.dtype)
+        return out, cache.lse
+
+    def backward(self, q, k, v, o, do, lse, out=None, workspace=None):
+        from ratrain.exec.attention import AttentionCache, flash_attention_backward
+
+        self._check("backward", dict(q=q, k=k, v=v, o=o, do=do, dq=out[0], dk=out[1],
+                                     dv=out[2]), workspace)
+        f32 = np.float32
+        cache = AttentionCache(q.astype(f32), k.astype(f32), v.astype(f32), o.astype(f32), lse)
+        for dst, g in zip(out, flash_attention_backward(do.astype(f32), cache, self.ctx.xp, 64)):
+            dst[...] = g.astype(q.dtype)
+        return out
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_the_layers_hand_cudnn_its_graphs_operands_and_ledger_workspace(cs, recompute):
+    """Training steps in bf16 on the stand-in through the cudnn backend with its card calls
+    recorded (RecordingSdpa): the layers hand it q, k, v and o, do, dq, dk, dv in exactly the
+    layout of the graphs it validated, its workspace comes from the ledger, and the steps
+    track the tiled path's (the outputs are rounded to bf16, as cuDNN's are)."""
+    from ratrain.exec.attention import CudnnAttention
+    from ratrain.exec.backends import register_attention, unregister_attention
+    from tests._executor_util import tiny_config, train
+
+    class Recorded(CudnnAttention):
+        def _on(self, ctx):
+            if self._sdpa is None:
+                self._sdpa = RecordingSdpa(cs, self, ctx)
+
+        def forward(self, q, k, v, ctx, out=None):
+            self._on(ctx)
+            return super().forward(q, k, v, ctx, out)
+
+        def backward(self, do, cache, ctx):
+            self._on(ctx)
+            return super().backward(do, cache, ctx)
+
+        def workspace_nbytes(self, ctx, batch, seq_len, backward=False):
+            self._on(ctx)
+            return super().workspace_nbytes(ctx, batch, seq_len, backward)
+
+    made = []
+    register_attention("cudnn-recorded", lambda device, precision: made.append(Recorded())
+                       or made[-1], "cudnn with its card calls recorded (a test)")
+    try:
+        base = tiny_config(m=2, precision="bf16", steps=2, recompute=recompute)
+        base = replace(base, run=replace(base.run, device="standin"))
+        ref, _, _ = train(base)
+        got, _, ex = train(replace(base, run=replace(base.run, attention="cudnn-recorded")))
+    finally:
+        unregister_attention("cudnn-recorded")
+    rec = made[-1]._sdpa
+    n = base.model.layers * base.parallel.num_micro_batches * 2  # layers x micro-batches x steps
+    assert rec.calls.count("backward") == n
+    assert rec.calls.count("forward") >= n * (2 if recompute == "selective" else 1)
+    assert ex.ctx.kernels.names["attention"] == "cudnn"
+    assert ex.ledger.peak_by_tag().get("scratch.attention", 0) > 0
+    assert "scratch.attention" not in ex.ledger.by_tag()  # freed after each call
+    np.testing.assert_allclose([r.loss for r in got], [r.loss for r in ref], rtol=5e-3)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_training_steps_through_cudnn_track_the_tiled_path_on_a_card(cs, card, precision):
+    """On a GPU: `run.attention: auto` takes cudnn at 16 bits; three steps track the tiled
+    path's; the layers' calls hit the graphs built for the layer's layout (one forward and one
+    backward graph per shape: the start-up check's one sequence, the micro-batch), and the
+    workspace the ledger held is the built graph's."""
+    from tests._executor_util import MODEL, tiny_config, train
+
+    model = replace(MODEL, hidden=64)  # head size 16
+    out = {}
+    for attention in ("auto", "tiled-1024"):
+        cfg = tiny_config(m=2, precision=precision, steps=3, model=model)
+        cfg = replace(cfg, run=replace(cfg.run, device="gpu", attention=attention))
+        res, _, ex = train(cfg)
+        out[attention] = [r.loss for r in res]
+        if attention == "auto":
+            attn = ex.ctx.kernels.attention
+            assert attn.name == "cudnn", ex.ctx.kernels.describe()
+            assert sorted(s.B for s in attn.sdpa.graphs) == [1, 1, 2, 2], list(attn.sdpa.graphs)
+            ws = max(g.workspace_nbytes for g in attn.sdpa.graphs.values() if g.spec.B == 2)
+            assert ex.ledger.peak_by_tag().get("scratch.attention", 0) == ws
+    np.testing.assert_allclose(out["auto"], out["tiled-1024"], rtol=1e-2)

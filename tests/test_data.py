@@ -45,14 +45,18 @@ def test_prepare_byte_round_trip(tmp_path):
     text = "first file, héllo\nsecond file\nthird, in a folder\n"  # sorted: a, b, sub/c
     raw = text.encode()
     assert res.train == out and res.val == tmp_path / "tok" / "val.bin"
-    assert res.num_train + res.num_val == len(raw) and res.num_val == round(len(raw) * 0.25)
-    assert res.documents == 3 and res.skipped == (str(src / "bin.dat"),)
+    # the held-out split takes whole documents: round(3 x 0.25) = 1, the last one
+    assert res.num_train + res.num_val == len(raw) and res.num_val == len("third, in a folder\n")
+    assert res.documents == 3 and res.val_documents == 1
+    assert res.skipped == (str(src / "bin.dat"),)
     train = np.fromfile(out, dtype="<u2")
     val = np.fromfile(res.val, dtype="<u2")
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == raw
     meta = D.read_meta(out)
     assert meta["vocab_size"] == 256 and meta["dtype"] == "uint16" and meta["tokenizer"] == "byte"
     assert meta["num_tokens"] == res.num_train and meta["split"] == "train"
+    assert meta["layout"] == "megatron" and meta["documents"] == 2
+    assert D.open_tokens(out, None, "t").index.lengths.tolist() == [19, 12]  # é: 2 bytes
     assert meta["sha256"] == D.file_sha256(out)
     assert D.read_meta(res.val)["sha256"] == D.file_sha256(res.val)
     assert not [p for p in out.parent.iterdir() if ".tmp." in p.name]  # no temporaries left behind
@@ -63,14 +67,16 @@ def test_prepare_byte_round_trip(tmp_path):
 
 
 def test_prepare_no_val_removes_stale_split(tmp_path):
-    f = tmp_path / "a.txt"
-    f.write_text("x" * 100)
+    (tmp_path / "in").mkdir()
+    for i in range(10):
+        (tmp_path / "in" / f"{i}.txt").write_text("x" * 10)
     out = tmp_path / "corpus.bin"
-    assert D.prepare([str(f)], out=out, val_fraction=0.1).val == tmp_path / "corpus.val.bin"
-    assert (tmp_path / "corpus.val.bin").exists()
-    res = D.prepare([str(f)], out=out, val_fraction=0.0)
+    res = D.prepare([str(tmp_path / "in")], out=out, val_fraction=0.1)
+    assert res.val == tmp_path / "corpus.val.bin" and res.val_documents == 1
+    assert (tmp_path / "corpus.val.bin").exists() and (tmp_path / "corpus.val.idx").exists()
+    res = D.prepare([str(tmp_path / "in")], out=out, val_fraction=0.0)
     assert res.val is None and res.num_train == 100
-    assert not (tmp_path / "corpus.val.bin").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("corpus.val")]
 
 
 def test_naming_convention(tmp_path):
@@ -84,8 +90,8 @@ def test_naming_convention(tmp_path):
 
 
 def test_prepare_cli(tmp_path):
-    f = tmp_path / "in.txt"
-    f.write_text("hello cli " * 50)
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"text": "hello cli " * 5}) + "\n" for _ in range(10)))
     out = tmp_path / "o" / "train.bin"
     r = subprocess.run(
         [sys.executable, "-m", "ratrain.data", "prepare", str(f), "--out", str(out),
@@ -93,6 +99,10 @@ def test_prepare_cli(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "450 train tokens" in r.stdout and out.exists() and (out.parent / "val.bin").exists()
+    assert "prepare: 100.0% | 10 documents" in r.stderr  # progress lines: not a terminal
+    r = subprocess.run([sys.executable, "-m", "ratrain.data", "info", str(out.with_suffix(""))],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 0 and "Megatron indexed dataset" in r.stdout and "9 documents" in r.stdout
     r = subprocess.run([sys.executable, "-m", "ratrain.data", "prepare", str(tmp_path / "nope")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr
@@ -107,8 +117,11 @@ def test_prepare_errors(tmp_path):
     with pytest.raises(D.DataError, match="not UTF-8"):
         D.prepare([str(tmp_path / "bad.txt")], out=tmp_path / "t.bin")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(D.DataError, match="no tokens"):
+    with pytest.raises(D.DataError, match="no documents with text"):
         D.prepare([str(tmp_path / "empty")], out=tmp_path / "t.bin")
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(D.DataError, match="1 document.*--val-fraction 0"):
+        D.prepare([str(tmp_path / "one.txt")], out=tmp_path / "t.bin")
     with pytest.raises(D.DataError, match="no such file"):
         D.prepare([], out=tmp_path / "t.bin", tokenizer=str(tmp_path / "tokenizer.json"))
 
@@ -216,12 +229,14 @@ def test_hf_tokenizer(tmp_path):
         D.TokenDataset(res.train, 2, vocab_size=5)
 
 
-def test_large_vocab_is_uint32(tmp_path):
+@pytest.mark.parametrize("layout, dtype", [("megatron", "int32"), ("nanogpt", "uint32")])
+def test_large_vocab_is_32_bit(tmp_path, layout, dtype):
     assert D.dtype_for_vocab(65536) == np.dtype("<u2")
     assert D.dtype_for_vocab(65537) == np.dtype("<u4")
     ids = np.array([0, 70000, 5, 65536, 1])
-    meta = D.write_tokens(tmp_path / "big.bin", ids, vocab_size=70001)
-    assert meta["dtype"] == "uint32" and (tmp_path / "big.bin").stat().st_size == 20
+    meta = D.write_tokens(tmp_path / "big.bin", ids, vocab_size=70001, layout=layout)
+    assert meta["dtype"] == dtype and (tmp_path / "big.bin").stat().st_size == 20
+    assert (tmp_path / "big.idx").exists() == (layout == "megatron")
     ds = D.TokenDataset(tmp_path / "big.bin", 4, 70001)
     x, y = ds.batch_for_step(0)
     assert x.tolist() == [[[0, 70000, 5, 65536]]] and y.tolist() == [[[70000, 5, 65536, 1]]]

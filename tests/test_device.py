@@ -22,7 +22,7 @@ from ratrain.device import (
     to_host,
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
-from ratrain.exec import devkernels, layers
+from ratrain.exec import devkernels, kernels, layers
 from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import ExecContext
 from ratrain.lifecycle.rank import build_rank
@@ -106,7 +106,7 @@ def test_stacked_rows_are_views_on_host_and_device():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_device_layers_copy_no_weights(device, precision):
     # the GEMM weights of a layer on a device are views of its parameter views (no copy per
     # call: wq|wk|wv and w_gate|w_up lie back to back in the flat buffers)
@@ -118,7 +118,8 @@ def test_device_layers_copy_no_weights(device, precision):
         if not rank.state.has_view(layer):
             ex.materialize_now(layer)
         assert layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx) == 0
-        assert rank.ctx.device_half == (precision == "fp16")
+        half = {"fp16": np.dtype(np.float16), "bf16": kernels.BF16}.get(precision)
+        assert rank.ctx.device_half == half  # the layers' GEMMs in 16 bits on a device
     finally:
         rank.close()
 

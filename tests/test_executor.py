@@ -13,7 +13,7 @@ from tests._executor_util import tiny_config, train
 POLICIES = ["baseline-1f1b", "megatron-1f1b", "ratrain", "gpipe"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_policies_bitwise_equal(precision):
     ref = None
     for policy in POLICIES:

@@ -38,7 +38,7 @@ def test_layout_matches_single_rank(pp, dp, mpi_group):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_policies_bitwise_equal_2x2(precision, mpi_group):
     comm = mpi_group(4)
     out = {}

@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py (issue 19's GPU figures) runs: its plumbing on the stand-in with PyTorch on
+"""benchmarks/gpu.py (issues 19 and 29's GPU figures) runs: its plumbing on the stand-in with PyTorch on
 the CPU (--smoke: seconds, no figures), and its refusal without a GPU. The figures themselves
 are scripts/gpu-check.sh's, on a GPU."""
 
@@ -27,10 +27,13 @@ def test_speed_plumbing_on_the_standin():
     p = run("speed", "--device", "standin", "--smoke")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(out["tokens_per_s"]) == {"ratrain fp16", "ratrain fp32", "torch fp32 eager",
-                                        "torch amp fp16 sdpa"}
+    assert set(out["tokens_per_s"]) == {"ratrain bf16", "ratrain fp16", "ratrain fp32",
+                                        "torch amp bf16 sdpa", "torch amp fp16 sdpa",
+                                        "torch fp32 eager"}
     assert all(v > 0 for v in out["tokens_per_s"].values())
-    assert out["ratrain_fp16_ledger_peak_bytes"] > 0
+    assert set(out["vs_torch"]) == {"bf16", "fp16", "fp32"}
+    assert all(out["memory"][f"ratrain {p}"]["ledger_peak"] > 0 for p in ("bf16", "fp16", "fp32"))
+    assert out["kernels"]["bf16"].endswith("attention tiled-1024")  # the stand-in's
 
 
 def test_agree_plumbing_on_the_standin():
@@ -38,7 +41,7 @@ def test_agree_plumbing_on_the_standin():
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["cpu_vs_device_fp32_max_rel"] < 1e-5  # the stand-in's arithmetic is numpy's
-    assert out["fp16_vs_fp32_max_rel"] < 1e-2
+    assert out["fp16_vs_fp32_max_rel"] < 1e-2 and out["bf16_vs_fp32_max_rel"] < 3e-2
 
 
 def test_refuses_without_a_gpu_or_with_standin_alone():

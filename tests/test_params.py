@@ -145,7 +145,7 @@ def test_initial_params_and_errors():
     with pytest.raises(RuntimeError, match="alloc_grad"):
         st.grad("embed")
     with pytest.raises(ValueError, match="precision"):
-        StageState(model_blocks(M), "bf16", Ledger())
+        StageState(model_blocks(M), "fp8", Ledger())
 
 
 def test_tied_embeddings_have_no_head_weight():

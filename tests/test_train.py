@@ -71,6 +71,7 @@ def test_run_writes_the_contract_files(job, tmp_path):
         (["model.vocab_size=32"], "vocab"),
         (["parallel.pp=2"], "world size 1 != parallel.pp x parallel.dp"),
         (["checkpoint.resume=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["run.attention=cudnn", "precision=bf16"], "run.attention=cudnn runs on a GPU rank"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(job, tmp_path, sets, needle):
@@ -82,7 +83,7 @@ def test_bad_input_is_refused_before_any_work(job, tmp_path, sets, needle):
     assert not run.exists()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_resume_is_bitwise_exact(job, tmp_path, precision):
     full, part = tmp_path / "full", tmp_path / "part"
     train(job, full, f"precision={precision}", "run.steps=6")

@@ -3,8 +3,10 @@
 Owns: the checkpoint directory layout and names (`names`), the one-process communicator and the
 rank-0-then-broadcast helper (`collective`), writing one stage's shard, fast and plain
 (`shard`), what a model's checkpoint must hold (`model`), the collective save, manifest, commit
-and `keep` (`commit`), room on the disk: sizes, pruning ahead, space errors (`space`),
-verification and the choice of the checkpoint to resume from (`verify`), loading into any
+and `keep` (`commit`), room on the disk: sizes, pruning ahead, space errors (`space`), what a
+checkpoint's files must agree on: the manifest's seal, its fields and each shard's record
+(`audit`), verification, the one place that decides whether a checkpoint is usable, and the
+choice of the checkpoint to resume from (`verify`), loading into any
 layout (`load`), finding a committed checkpoint and loading it into a stage block by block, the
 one way the trainer, eval, generate and export take weights (`stage`), and the `show` CLI
 (`show`, `__main__`).
@@ -20,7 +22,8 @@ Layout of one checkpoint (`<checkpoint.dir>/ckpt-000100/`, default dir `<run.dir
 
     shard-s000.h5     stage 0's state, written by replica 0 of stage 0
     shard-s001.h5     ...one file per pipeline stage
-    manifest.json     written last, by rank 0, after every shard is on disk: the commit mark
+    manifest.json     written last, by rank 0, after every shard is on disk: the commit mark,
+                      sealed with the SHA-256 of its own content
 
     path = save_checkpoint(root, step, cfg, state.state_dict(), scalars, stage=s, replica=r, comm=c)
     path = resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=c)   # or None: fresh
@@ -40,6 +43,7 @@ from ratrain.checkpoint.names import (
     CheckpointSpaceError,
     checkpoint_name,
     checkpoint_root,
+    checkpoint_step,
     is_committed,
     linked_checkpoints,
     list_checkpoints,
@@ -68,6 +72,7 @@ __all__ = [
     "StateStream",
     "checkpoint_name",
     "checkpoint_root",
+    "checkpoint_step",
     "is_committed",
     "linked_checkpoints",
     "list_checkpoints",

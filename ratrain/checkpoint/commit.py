@@ -8,7 +8,9 @@ sizes and hashes are gathered to rank 0, which checks that every stage wrote its
 parameter of the model is there once and the scalar state agrees across ranks, then writes
 `manifest.json` the same way (`ratrain.fileio.atomic_write`). The manifest lists every file with
 its size and SHA-256, which parameters (and shapes) it holds, the topology, the step, the config
-and the ratrain version. Only a directory with a manifest counts. Older checkpoints beyond
+and the ratrain version, and is sealed last with the SHA-256 of all of that (`audit.seal`: a
+key added to the manifest is covered when it is added before the seal, in `_manifest`). Only
+a directory with a manifest counts. Older checkpoints beyond
 `checkpoint.keep` are removed after that, manifest first, so a kill during removal leaves an
 uncommitted directory, never a damaged committed one. Leftovers of killed saves (directories
 without a manifest, with their temporary files) are ignored by resume and removed by the next
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import ratrain
+from ratrain.checkpoint.audit import seal
 from ratrain.checkpoint.collective import Solo, log_default, root_then_bcast
 from ratrain.checkpoint.model import coverage_problems, stage_bounds
 from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
@@ -140,7 +143,7 @@ def _commit(root, path, step, cfg: Config, gathered, keep, log) -> str:
     if problems:
         raise CheckpointError(f"checkpoint {path} not committed: " + "; ".join(problems))
     fsync_dir(path)  # every shard's rename is durable before the manifest names it
-    atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
+    atomic_write(os.path.join(path, MANIFEST), json.dumps(seal(manifest), indent=1))
     fsync_dir(root)
     _prune(root, keep, step, log)
     return path

@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 import yaml
 
 from ratrain.checkpoint.names import BUFFER_GROUPS, CheckpointError
 from ratrain.checkpoint.verify import read_manifest
 from ratrain.config import config_from_dict
+
+if TYPE_CHECKING:  # annotations only: functions import h5py where they read or write
+    import h5py
 
 
 def _read_into(ds: h5py.Dataset, dst) -> None:
@@ -83,6 +85,8 @@ def load_checkpoint(
     "topology", "master", "m", "v" ({name: array})}. Verification is `resolve_resume`'s job
     (collective); this function trusts the manifest's file list.
     """
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
+
     manifest = read_manifest(path)
     buffers = list(buffers)
     entries = {e["file"]: e for e in manifest["files"]}

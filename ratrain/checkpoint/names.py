@@ -10,7 +10,11 @@ Only a directory with a manifest counts (`is_committed`); one without is the lef
 killed or failed save, whatever temporary files it holds: resume skips it and the next save
 removes it. A `ckpt-NNNNNN` that is a symbolic link is never a checkpoint (`linked_checkpoints`
 lists them so that resume can say so): nothing is read, pruned or removed through it. The
-files a manifest names are plain shard names inside their checkpoint (`SHARD_RE`).
+files a manifest names are plain shard names inside their checkpoint (`SHARD_RE`), and the
+number in a checkpoint's name is its step (`checkpoint_step`).
+
+Format versions: 1, the manifest unsealed; 2 (since issue 33), the manifest carries the SHA-256
+of its own content (`SEAL`, `ratrain.checkpoint.audit`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import re
 from ratrain.config import CheckpointConfig
 
 FORMAT = "ratrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+SEAL = "manifest_sha256"  # the manifest's key for the SHA-256 of the rest of it
 # The state buffers of a shard -> their HDF5 group: fp32 masters and AdamW's two moments.
 BUFFER_GROUPS = {"master": "master", "m": "optim/m", "v": "optim/v"}
 _CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
@@ -40,6 +45,13 @@ def checkpoint_root(ckpt: CheckpointConfig, run_dir: str) -> str:
 
 def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:06d}"
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step in a checkpoint directory's name (`ckpt-000100` -> 100); None for another name
+    (a copy given by path under a name of its own)."""
+    m = _CKPT_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
 
 
 def shard_name(stage: int) -> str:

@@ -30,9 +30,8 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 
 import ratrain
@@ -40,6 +39,9 @@ from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, FORMAT_VERSION, Chec
 from ratrain.config import Config
 from ratrain.device import to_host
 from ratrain.fileio import atomic_path
+
+if TYPE_CHECKING:  # annotations only: functions import h5py where they read or write
+    import h5py
 
 _CHUNK = 8 << 20  # bytes per pwrite / hash update / read
 _WRITEBACK = 32 << 20  # start the writeback of every this many bytes written
@@ -186,6 +188,7 @@ def _write_attrs(f: h5py.File, step: int, stage: int, cfg: Config, state: str) -
 
 def _raw_dcpl():
     """Contiguous layout, space allocated at creation, never filled: we write the bytes."""
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
@@ -196,6 +199,7 @@ def _raw_dcpl():
 def _lay_out(tmp: str, step, stage, cfg, stream: StateStream, state: str) -> dict:
     """Create the shard's attributes and datasets (space allocated, nothing written); return
     {(buffer, name): file offset} of every dataset that has storage."""
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     offsets = {}
     with h5py.File(tmp, "w") as f:
         _write_attrs(f, step, stage, cfg, state)
@@ -324,6 +328,7 @@ def _write_shard_fast(tmp: str, step, stage, cfg, stream: StateStream, state) ->
 
 def _write_shard_plain(tmp: str, step, stage, cfg, stream: StateStream, state) -> tuple[int, str]:
     """Reference writer: h5py writes the datasets, then the file is hashed by reading it."""
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     with h5py.File(tmp, "w") as f:
         _write_attrs(f, step, stage, cfg, state)
         for buf, name, src in stream.items():

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-import h5py
 
 from ratrain.checkpoint.names import CheckpointError, is_committed, list_checkpoints
 from ratrain.checkpoint.space import human_bytes
@@ -71,6 +70,7 @@ def _show_config(cfg: dict, out) -> None:
 
 
 def _show_state(path: str, man: dict, out) -> None:
+    import h5py  # only a rank that reads or writes a shard loads HDF5 (~12 MiB)
     first = os.path.join(path, man["files"][0]["file"]) if man["files"] else None
     if not first or not os.path.isfile(first):
         return

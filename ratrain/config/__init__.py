@@ -22,11 +22,13 @@ from typing import Any
 
 import yaml
 
-from ratrain.config.sections import CheckpointConfig, CommConfig, DataConfig, InitConfig
+from ratrain.config.data import DataConfig
 from ratrain.config.offload import OffloadConfig, check_offload
+from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
-from ratrain.config.sections import RunConfig, ScheduleConfig, _choice, global_batch
+from ratrain.config.sections import PRECISIONS, RunConfig, ScheduleConfig, _choice, global_batch
+from ratrain.config.sections import act_itemsize, is_half
 from ratrain.config.switches import SWITCHES, env_overrides
 from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
@@ -35,7 +37,9 @@ from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy,
 class Config:
     """A run's configuration: sections of keys, and precision.
 
-    precision: fp32 | fp16 (fp16 views and activations, fp32 masters, dynamic loss scaling)
+    precision: fp32 | fp16 | bf16 (fp16: fp16 views and activations, and GEMMs on a GPU, fp32
+        masters and accumulation, dynamic loss scaling; bf16: the same in bfloat16 without loss
+        scaling, as PyTorch's autocast runs it)
     """
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -55,7 +59,7 @@ class Config:
             sub = getattr(self, f.name)
             if hasattr(sub, "check"):
                 sub.check()
-        _choice(self, "", "precision", ("fp32", "fp16"))
+        _choice(self, "", "precision", PRECISIONS)
         check_offload(self)
         m, p = self.model, self.parallel
         if p.pp > m.layers:
@@ -238,7 +242,8 @@ def _apply_override(data: dict, ov: str) -> None:
 
 
 __all__ = [
-    "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "InitConfig",
+    "PRECISIONS", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
+    "InitConfig", "act_itemsize", "is_half",
     "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
     "SWITCHES", "ScheduleConfig", "StrictLoader", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",

@@ -271,10 +271,12 @@ class OptimConfig:
     min_lr: cosine floor
     decay_steps: cosine length after warm-up; 0 = run.steps - warmup_steps
     no_decay: parameter-name globs exempt from weight decay, e.g. "*norm*" or [embed.*, "*norm*"]
-    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default)
+    loss_scale_init: fp16 dynamic loss scaling: initial scale (torch.amp.GradScaler's default;
+        fp32 and bf16 run unscaled)
     loss_scale_window: fp16: steps without overflow before the scale doubles
     max_nonfinite_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
-        after which the run stops (exit 4); 0 = auto: 1 in fp32 (the first), 20 in fp16
+        after which the run stops (exit 4); 0 = auto: 1 in fp32 and bf16 (the first), 20 in
+        fp16
     """
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -312,38 +314,6 @@ class OptimConfig:
     def nonfinite_limit(self, precision: str) -> int:
         """Consecutive non-finite steps that stop the run (`max_nonfinite_steps`, 0 = auto)."""
         return self.max_nonfinite_steps or (20 if precision == "fp16" else 1)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Token files (a flat uint16/uint32 array, nanoGPT's .bin layout) and the held-out eval.
-
-    tokens: training token file; "" = the embedded default corpus (prepared on first use)
-    order: sequential | shuffled windows of seq_len + 1 tokens
-    seed: shuffle seed (order: shuffled)
-    eval_tokens: held-out token file; "" = the val split beside tokens, if any
-    eval_interval: steps between eval losses (written to eval.jsonl); 0 = never
-    eval_batches: batches of the held-out file each eval reads (the same ones every time)
-    tokenizer: the tokenizer of the token files: "byte" or a tokenizer.json path; "" = what the
-        token file's sidecar records (filled in at start-up, carried to checkpoints and exports)
-    tokenizer_sha256: SHA-256 of the tokenizer.json; "" = filled in at start-up; set: the file must
-        match it
-    """
-    tokens: str = ""  # token file; "" = the embedded default corpus (prepared on first use)
-    order: str = "sequential"
-    seed: int = 0
-    eval_tokens: str = ""  # held-out token file; "" = the `.val` split beside `tokens`, if any
-    eval_interval: int = 0  # steps between eval losses; 0 = never
-    eval_batches: int = 4
-    tokenizer: str = ""
-    tokenizer_sha256: str = ""
-
-    def check(self) -> None:
-        _choice(self, "data", "order", ("sequential", "shuffled"))
-        for key in ("seed", "eval_interval"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= 0")
-        _positive(self, "data", "eval_batches")
 
 
 @dataclass(frozen=True)
@@ -405,7 +375,11 @@ class RunConfig:
         checkpoints); "" = runs/<name>, or runs/default without a name
     steps: total optimizer steps (a resumed run continues up to this step)
     log_interval: steps between progress lines
-    trace: write trace.json (Chrome trace events; Perfetto) at the end
+    trace: write trace.json (Chrome trace events; Perfetto) at the end; without it a rank keeps
+        only the current step's timeline
+    trace_bytes: with trace, the most bytes of timeline each rank keeps (26 bytes an event, in
+        blocks of 1,024 events, at least one; counted by the DDR ledger as trace.timeline);
+        the oldest steps are dropped beyond
     threads: compute threads per rank; 0 = the cores the launcher gives this rank (its CPU
         affinity, shared by the node's ranks that have the same cores)
     device: where each rank computes: cpu (numpy), gpu (cupy on card local_rank % visible
@@ -426,7 +400,9 @@ class RunConfig:
         numba-cuda's simulator: tests only); RATRAIN_DEVKERNELS overrides it
     attention: the attention backend: auto (this device's best) or a registered backend's name:
         tiled-64 (the tiled online softmax at tile 64: the host's auto), tiled-1024 (tile 1024:
-        a device's auto), or one a program registered (docs/INTERNALS.md, "Kernel backends")
+        the stand-in's auto, a GPU's at fp32 or where cudnn cannot run, the banner saying why),
+        cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and bf16; refused elsewhere), or one a
+        program registered (docs/INTERNALS.md, "Kernel backends")
     malloc: the host allocator: tuned (freed memory stays in the process, as a cluster's DDR
         pool; ratrain/shim/allocator.py) | default (glibc's own); RATRAIN_MALLOC overrides it
     """
@@ -435,6 +411,7 @@ class RunConfig:
     steps: int = 10
     log_interval: int = 1
     trace: bool = False
+    trace_bytes: int = 64 << 20  # with trace: the timeline a rank keeps at most
     threads: int = 0  # compute threads per rank (micro-batch split); 0 = auto
     device: str = "cpu"  # cpu | gpu | standin
     tensorboard: bool = False
@@ -463,6 +440,7 @@ class RunConfig:
     def check(self) -> None:
         _positive(self, "run", "steps")
         _positive(self, "run", "log_interval")
+        _positive(self, "run", "trace_bytes")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
         if self.device not in DEVICES:
@@ -514,6 +492,22 @@ def _positive(obj, section: str, key: str) -> None:
         raise ConfigError(f"{section}.{key}={v} must be > 0")
 
 
+PRECISIONS = ("fp32", "fp16", "bf16")  # the values of `precision`
+HALF_PRECISIONS = ("fp16", "bf16")  # 16-bit activations and working views, fp32 masters
+
+
+def is_half(precision: str) -> bool:
+    """Whether `precision` keeps activations and working views in 16 bits (fp16, bf16; the
+    masters and optimizer state are fp32 either way): the one test of it that the kernels, the
+    memory model and the planner share."""
+    return precision in HALF_PRECISIONS
+
+
+def act_itemsize(precision: str) -> int:
+    """Bytes of one activation or working-view element: 2 in fp16 and bf16, else 4."""
+    return 2 if is_half(precision) else 4
+
+
 def _choice(obj, section: str, key: str, choices) -> None:
     v = getattr(obj, key)
     if v not in choices:
@@ -521,6 +515,6 @@ def _choice(obj, section: str, key: str, choices) -> None:
         raise ConfigError(f"{name}={v!r} is not one of: {', '.join(choices)}")
 
 
-__all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "InitConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "RunConfig", "ScheduleConfig",
-           "global_batch"]
+__all__ = ["HALF_PRECISIONS", "PRECISIONS", "CheckpointConfig", "CommConfig",
+           "InitConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+           "ScheduleConfig", "act_itemsize", "global_batch", "is_half"]

@@ -10,21 +10,33 @@ CLI ``python -m ratrain.data prepare|info`` (`__main__`).
 
 May import: `ratrain.config`, `ratrain.fileio` (every file is written through its one
 atomic-write protocol) and third-party packages (numpy; `tokenizers` only when a Hugging Face
-tokenizer is asked for). Nothing else of ratrain: collectives come in as a `comm` argument (the
+tokenizer is asked for; `pyarrow` for parquet and Arrow inputs and `zstandard` for .zst ones,
+the `data` extra, only when such an input is given). Nothing else of ratrain: collectives come in as a `comm` argument (the
 default corpus's rank-0 word is two point-to-point calls on it), and schedules are not its
 business.
 
     python -m ratrain.data prepare                        # default corpus -> data/stdlib/train.bin
+    python -m ratrain.data prepare docs.jsonl.zst --tokenizer tok.json --out data/web/train.bin
     paths = check_data(cfg, comm)                         # before any work: DataError names the fix
     train, ev = open_datasets(cfg, paths)
     inputs, targets = train.batch_for_step(step, replica)  # (M, B, T) int64 each
 """
 
-from ratrain.data.checks import DataPaths, check_data, open_datasets, record_tokenizer
+from ratrain.data.blend import BlendedDataset
+from ratrain.data.checks import (
+    DataPaths,
+    SourcePaths,
+    check_data,
+    data_resume_problem,
+    open_datasets,
+    open_eval_sets,
+    record_tokenizer,
+)
 from ratrain.data.corpus import default_tokens_path, ensure_default_corpus
 from ratrain.data.dataset import BatchLayout, TokenDataset, eval_batches
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, Prepared, default_out, prepare
 from ratrain.data.sources import DEFAULT_CORPUS_BYTES, stdlib_files
+from ratrain.data.tokenfile import open_tokens, resolve_tokens, write_tokens
 from ratrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_meta
 from ratrain.data.tokens import (
     FORMAT,
@@ -35,7 +47,6 @@ from ratrain.data.tokens import (
     scan_max_id,
     sidecar_path,
     val_path,
-    write_tokens,
 )
 
 __all__ = [
@@ -43,13 +54,16 @@ __all__ = [
     "DEFAULT_VAL_FRACTION",
     "FORMAT",
     "BatchLayout",
+    "BlendedDataset",
     "ByteTokenizer",
     "DataError",
     "DataPaths",
     "HFTokenizer",
     "Prepared",
+    "SourcePaths",
     "TokenDataset",
     "check_data",
+    "data_resume_problem",
     "default_out",
     "default_tokens_path",
     "dtype_for_vocab",
@@ -58,9 +72,12 @@ __all__ = [
     "file_sha256",
     "load_tokenizer",
     "open_datasets",
+    "open_eval_sets",
+    "open_tokens",
     "prepare",
     "read_meta",
     "record_tokenizer",
+    "resolve_tokens",
     "scan_max_id",
     "sidecar_path",
     "stdlib_files",

@@ -1,13 +1,17 @@
 """The trainer's entry to the data: every token file resolved and checked before any work.
 
 ``check_data`` resolves ``data.tokens`` (``""``: the default corpus, prepared on first use) and
-``data.eval_tokens`` (``""``: the held-out split beside ``data.tokens`` when it exists) and opens
-each as the run will (size, dtype, sidecar, every id below ``model.vocab_size``); a problem is a
+``data.eval_tokens`` (``""``: the held-out split beside ``data.tokens`` when it exists), or each
+source of a mixture (``data.sources``) and its held-out file, and opens each as the run will
+(index, size, dtype, sidecar, every id below ``model.vocab_size``); a problem is a
 ``DataError`` (a ``ConfigError``) naming the key, the value and the fix. ``open_datasets`` then
-opens the checked files without scanning them again. ``record_tokenizer`` fills in
-``data.tokenizer`` / ``data.tokenizer_sha256`` from the train file's sidecar (checking them
-against it when the config sets them), so a run's config, its checkpoints and its exports name
-the tokenizer.
+opens the checked files without scanning them again (a mixture: a ``BlendedDataset``), and
+``open_eval_sets`` the held-out files the eval reads (one per source of a mixture).
+``record_tokenizer`` fills in ``data.tokenizer`` / ``data.tokenizer_sha256`` from the train
+files' sidecars (checking them against it when the config sets them; every source of a mixture
+must agree), so a run's config, its checkpoints and its exports name the tokenizer.
+``data_resume_problem`` says why a checkpoint's data position does not continue this run's
+mixture.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ratrain.config import Config
+from ratrain.data.blend import BlendedDataset, normalise, resume_problem
 from ratrain.data.corpus import ensure_default_corpus
 from ratrain.data.dataset import TokenDataset
 from ratrain.data.tokenizer import tokenizer_of_meta
@@ -23,11 +28,52 @@ from ratrain.data.tokens import DataError, file_sha256, read_meta, val_path
 
 
 @dataclass(frozen=True)
-class DataPaths:
-    """The resolved token files of a run (`eval_tokens` is None when there is no held-out file)."""
+class SourcePaths:
+    """One source of a mixture, resolved: its name, weight, train file and held-out file."""
 
+    name: str
+    weight: float
     tokens: Path
     eval_tokens: Path | None
+
+
+@dataclass(frozen=True)
+class DataPaths:
+    """The resolved token files of a run (`eval_tokens` is None when there is no held-out file;
+    a mixture has `sources` and neither of the two)."""
+
+    tokens: Path | None
+    eval_tokens: Path | None
+    sources: tuple[SourcePaths, ...] = ()
+
+
+def _beside(train: TokenDataset) -> Path | None:
+    """The held-out split beside a train file, when it exists (``val_path``)."""
+    v = val_path(train.path)
+    return v if v.exists() else None
+
+
+def _no_eval(interval: int, key: str, train: Path, fix: str) -> DataError:
+    return DataError(
+        f"data.eval_interval={interval} but there is no held-out file: {key} is empty and "
+        f"{val_path(train)} does not exist; prepare with --val-fraction > 0, set {key}, or "
+        f"{fix}")
+
+
+def _check_sources(cfg: Config, check_ids: bool) -> DataPaths:
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        train = TokenDataset.from_config(cfg, s.tokens, check_ids=check_ids, stream=i,
+                                         label=f"data.sources[{i}].tokens")
+        ev = Path(s.eval_tokens) if s.eval_tokens else _beside(train)
+        if ev is None and cfg.data.eval_interval > 0:
+            raise _no_eval(cfg.data.eval_interval, f"data.sources[{i}].eval_tokens", train.path,
+                           "set data.eval_interval=0")
+        if ev is not None:
+            TokenDataset.from_config(cfg, ev, eval=True, check_ids=check_ids,
+                                     label=f"data.sources[{i}].eval_tokens")
+        out.append(SourcePaths(s.label(), s.weight, train.path, ev))
+    return DataPaths(None, None, tuple(out))
 
 
 def check_data(cfg: Config, comm=None, check_ids: bool = True) -> DataPaths:
@@ -39,25 +85,24 @@ def check_data(cfg: Config, comm=None, check_ids: bool = True) -> DataPaths:
     error. Raises ``DataError`` (a ``ConfigError``) naming the key, the value and the fix.
     """
     d = cfg.data
+    if d.sources:
+        return _check_sources(cfg, check_ids)
     tokens = Path(d.tokens) if d.tokens else ensure_default_corpus(comm=comm)
-    TokenDataset.from_config(cfg, tokens, check_ids=check_ids)
-    if d.eval_tokens:
-        ev: Path | None = Path(d.eval_tokens)
-    else:
-        ev = val_path(tokens) if val_path(tokens).exists() else None
+    train = TokenDataset.from_config(cfg, tokens, check_ids=check_ids)
+    ev = Path(d.eval_tokens) if d.eval_tokens else _beside(train)
     if ev is None and d.eval_interval > 0:
-        raise DataError(
-            f"data.eval_interval={d.eval_interval} but there is no held-out file: "
-            f"data.eval_tokens is empty and {val_path(tokens)} does not exist; prepare with "
-            "--val-fraction > 0, set data.eval_tokens, or set data.eval_interval=0"
-        )
+        raise _no_eval(d.eval_interval, "data.eval_tokens", train.path, "set data.eval_interval=0")
     if ev is not None:
         TokenDataset.from_config(cfg, ev, eval=True, check_ids=check_ids)
-    return DataPaths(tokens, ev)
+    return DataPaths(train.path, ev)
 
 
-def open_datasets(cfg: Config, paths: DataPaths) -> tuple[TokenDataset, TokenDataset | None]:
-    """The (train, eval) datasets of checked `paths` (no second id scan)."""
+def open_datasets(cfg: Config, paths: DataPaths) -> tuple[TokenDataset | BlendedDataset,
+                                                          TokenDataset | None]:
+    """The (train, eval) datasets of checked `paths` (no second id scan); a mixture's train
+    dataset is a ``BlendedDataset`` and its eval files are ``open_eval_sets``'."""
+    if paths.sources:
+        return BlendedDataset.from_config(cfg, paths.sources, check_ids=False), None
     train = TokenDataset.from_config(cfg, paths.tokens, check_ids=False)
     ev = None
     if paths.eval_tokens is not None:
@@ -65,9 +110,42 @@ def open_datasets(cfg: Config, paths: DataPaths) -> tuple[TokenDataset, TokenDat
     return train, ev
 
 
+def open_eval_sets(cfg: Config, paths: DataPaths) -> list[tuple[str, float, TokenDataset]]:
+    """(name, weight, dataset) of every held-out file an eval reads: ("", 1.0, ...) for a single
+    file; each source with one for a mixture (weights normalised over the whole mixture)."""
+    if not paths.sources:
+        ev = open_datasets(cfg, paths)[1]
+        return [] if ev is None else [("", 1.0, ev)]
+    w = normalise([s.weight for s in paths.sources])
+    return [(s.name, float(wi), TokenDataset.from_config(cfg, s.eval_tokens, eval=True,
+                                                         check_ids=False))
+            for s, wi in zip(paths.sources, w) if s.eval_tokens is not None]
+
+
+def data_resume_problem(saved: dict | None, train) -> str:
+    """Why the data position a checkpoint recorded (`saved`) does not continue `train` (the
+    run's train dataset), or "" (``blend.resume_problem``)."""
+    return resume_problem(saved, train.state_dict(int((saved or {}).get("step", 0))))
+
+
 def _tokenizer_file(spec: str) -> Path:
     p = Path(spec)
     return p / "tokenizer.json" if p.is_dir() else p
+
+
+def _tokenizer_of(paths: DataPaths) -> tuple[str, str]:
+    """The tokenizer the train files' sidecars record (every source of a mixture agreeing)."""
+    if not paths.sources:
+        return tokenizer_of_meta(read_meta(paths.tokens))
+    told = [(i, tokenizer_of_meta(read_meta(s.tokens))) for i, s in enumerate(paths.sources)]
+    known = [(i, t) for i, t in told if t[0]]
+    for i, (spec, sha) in known[1:]:
+        j, (spec0, sha0) = known[0]
+        if (spec == "byte") != (spec0 == "byte") or (sha and sha0 and sha != sha0):
+            raise DataError(
+                f"data.sources[{i}] was prepared with the tokenizer {spec} but data.sources[{j}] "
+                f"with {spec0}: a mixture needs one tokenizer; prepare them with the same one")
+    return known[0][1] if known else ("", "")
 
 
 def record_tokenizer(cfg: Config, paths: DataPaths) -> Config:
@@ -75,16 +153,16 @@ def record_tokenizer(cfg: Config, paths: DataPaths) -> Config:
     the train file (unchanged when the sidecar says nothing, e.g. a nanoGPT file). A tokenizer
     the config names must be the one the data was prepared with (DataError otherwise)."""
     d = cfg.data
-    spec, sha = tokenizer_of_meta(read_meta(paths.tokens))
+    spec, sha = _tokenizer_of(paths)
     if d.tokenizer:
         mine = "byte" if d.tokenizer == "byte" else str(_tokenizer_file(d.tokenizer).resolve())
         mine_sha = "" if mine == "byte" else (
             file_sha256(mine) if Path(mine).is_file() else d.tokenizer_sha256)
         if spec and ((mine == "byte") != (spec == "byte") or (sha and mine_sha and sha != mine_sha)):
             raise DataError(
-                f"data.tokenizer={d.tokenizer!r} is not the tokenizer data.tokens={str(paths.tokens)!r}"
-                f" was prepared with ({spec}): leave data.tokenizer empty, or prepare the data "
-                "with it"
+                f"data.tokenizer={d.tokenizer!r} is not the tokenizer the train data "
+                f"({paths.tokens or 'data.sources'}) was prepared with ({spec}): leave "
+                "data.tokenizer empty, or prepare the data with it"
             )
         spec, sha = mine, mine_sha or sha
     if d.tokenizer_sha256 and sha and d.tokenizer_sha256 != sha:

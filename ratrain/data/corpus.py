@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, prepare
 from ratrain.data.sources import DEFAULT_CORPUS_BYTES
+from ratrain.data.tokenfile import index_path
 from ratrain.data.tokens import DataError, parse_dtype, read_meta, sidecar_path, val_path
 
 try:
@@ -44,6 +45,8 @@ def _ready(train: Path, need_val: bool) -> bool:
     except DataError:
         return False
     if train.stat().st_size != int(meta.get("num_tokens", -1)) * itemsize:
+        return False
+    if meta.get("layout") == "megatron" and not index_path(train).exists():
         return False
     return not need_val or sidecar_path(val_path(train)).exists()
 

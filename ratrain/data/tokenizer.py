@@ -4,9 +4,20 @@
     ids = tok.encode(text); text = tok.decode(ids)     # tok.vocab_size, tok.name (for sidecars)
     tok.eot_id                                         # end-of-text id (None: byte / none found)
     tok.spec, tok.sha256                               # what data.tokenizer / _sha256 record
+    ids, lengths = tok.encode_batch(texts)             # many at once: all ids, each one's count
 
 End of text: a Hugging Face tokenizer's end-of-text token is the first of `EOT_TOKENS` it has
 as a special (added) token; the byte tokenizer has none (its 256 ids are all bytes).
+
+Cuts: ``tok.cuts`` are the places where a text may be cut so that its pieces' tokens equal the
+whole text's (``prepare`` encodes long documents in pieces): ``any`` for the byte tokenizer;
+for a Hugging Face tokenizer, of ``space`` (before a single space between two non-space
+characters) and ``newline`` (after a single newline between two non-space characters), those
+that pass `probe_cuts` on `CUT_PROBES` (both do for byte-level BPE such as GPT-2's, LLaMA 3's
+or Qwen's; ``space`` only for SentencePiece-style Metaspace; none where a normalizer prepends
+to every text, and such a document is encoded whole; never a kind whose mark is inside an added
+token, which a cut could split). A Hugging Face tokenizer encodes without
+special tokens, truncation or padding, whatever its tokenizer.json says.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +34,14 @@ from ratrain.data.tokens import DataError
 
 
 EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
+CUT_PROBES = (
+    "def f(x):\n    return x + 1\nprint(f(2))",
+    "The cat sat on the mat.\nIt was 2024, and 37 cats agreed: don't move!",
+    "héllo wörld ünïcode ça va\nÄpfel 1234567 z",
+    "日本語 の テキスト\n中文 文本 测试\nмир дом",
+    "a\tb c  d\n\ne f (g) [h] {i} <j> k=l m-n o.p q,r s;t",
+    "x=1 y==2 z!=3 #comment\n  indented line\nurl http://a.b/c?d=e f",
+)
 
 
 class ByteTokenizer:
@@ -34,8 +54,17 @@ class ByteTokenizer:
     eot_id = None
     eot_token = None
 
+    cuts = ("any",)
+    parallel = False  # encoding is a copy: no thread would help
+
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(every text's ids back to back, each text's count)."""
+        raw = [t.encode("utf-8") for t in texts]
+        return (np.frombuffer(b"".join(raw), dtype=np.uint8),
+                np.fromiter(map(len, raw), dtype=np.int64, count=len(raw)))
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
@@ -76,6 +105,9 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_str(self.raw.decode())
         except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exceptions
             raise DataError(f"--tokenizer {str(path)!r}: not a tokenizer.json ({e})") from None
+        self._tok.no_truncation()  # a document's every token, whatever the file says
+        self._tok.no_padding()
+        self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.path = path
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.spec = str(path.resolve())
@@ -84,9 +116,21 @@ class HFTokenizer:
                    if t.special}
         self.eot_token = next((t for t in EOT_TOKENS if t in special), None)
         self.eot_id = special[self.eot_token] if self.eot_token else None
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        self.cuts = tuple(k for k in probe_cuts(self.encode)  # never through an added token
+                          if not any((" " if k == "space" else "\n") in t for t in added))
+
+    parallel = True  # encode_batch releases the GIL: threads encode at once
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(every text's ids back to back, each text's count), as ``encode`` gives them."""
+        ids = [e.ids for e in self._batch(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum()))
+        return flat, lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -94,6 +138,31 @@ class HFTokenizer:
     def token_id(self, token: str) -> int | None:
         """The id of `token` (a vocabulary entry), or None."""
         return self._tok.token_to_id(token)
+
+
+def cut_points(text: str, kind: str) -> list[int]:
+    """Where `text` may be cut by `kind` (see the module doc): positions p, text[:p] | text[p:]."""
+    if kind == "any":
+        return list(range(1, len(text)))
+    mark = " " if kind == "space" else "\n"
+    shift = 0 if kind == "space" else 1  # a space starts the next piece; a newline ends this one
+    out = []
+    for i, ch in enumerate(text):
+        if ch == mark and 0 < i < len(text) - 1 and not text[i - 1].isspace() \
+                and not text[i + 1].isspace():
+            out.append(i + shift)
+    return out
+
+
+def probe_cuts(encode) -> tuple[str, ...]:
+    """The kinds of cut (``space``, ``newline``) at which `encode` gives the same tokens for
+    the two pieces as for the whole, on every cut of every text of `CUT_PROBES`."""
+    ok = []
+    for kind in ("space", "newline"):
+        if all(np.array_equal(np.concatenate([encode(t[:p]), encode(t[p:])]), encode(t))
+               for t in CUT_PROBES for p in cut_points(t, kind)):
+            ok.append(kind)
+    return tuple(ok)
 
 
 def load_tokenizer(spec: str = "byte", sha256: str = "", *,

@@ -5,7 +5,8 @@ host/device transfer, host sync, pinned staging buffer and copy stream (`arrays`
 module asks which module it was given; the stand-in (`standin`): numpy underneath, refusing
 implicit host conversion as cupy does, so the CPU suite catches a missing transfer.
 
-May import: numpy; cupy, lazily, only where `run.device: gpu` asks for it. Nothing of ratrain:
+May import: numpy, ml_dtypes (bfloat16, cupy's too); cupy, lazily, only where `run.device: gpu`
+asks for it. Nothing of ratrain:
 every layer above moves its arrays through here.
 """
 

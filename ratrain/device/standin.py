@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import types
 
+import ml_dtypes
 import numpy as np
 
 COUNTS: collections.Counter = collections.Counter()  # syncs, downloads, uploads
@@ -64,15 +65,17 @@ def _wrap(v):
     return v
 
 
-_F16 = np.dtype(np.float16)
+_HALVES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))  # cupy's bfloat16: ml_dtypes'
 
 
 def _matmul(a, b, *args, **kwargs):
-    """np.matmul as a GPU does it: fp16 x fp16 accumulates in fp32 and rounds the result to
-    fp16 once (cuBLAS's default for half), instead of numpy's slow loops over halves."""
-    if getattr(a, "dtype", None) == _F16 and getattr(b, "dtype", None) == _F16:
+    """np.matmul as a GPU does it: fp16 x fp16 (bf16 x bf16) accumulates in fp32 and rounds the
+    result to the operands' dtype once (cuBLAS's default for halves), instead of numpy's slow
+    loops over halves (or ml_dtypes' float32 result)."""
+    half = getattr(a, "dtype", None)
+    if half in _HALVES and getattr(b, "dtype", None) == half:
         out = kwargs.pop("out", None)
-        r = np.matmul(a.astype(np.float32), b.astype(np.float32), *args, **kwargs).astype(_F16)
+        r = np.matmul(a.astype(np.float32), b.astype(np.float32), *args, **kwargs).astype(half)
         if out is not None:
             out[...] = r
             return out

@@ -2,8 +2,9 @@
 
 Owns: what the model is made of, its blocks, parameters, stage split and flops (`spec`); the
 plain reference kernels `forward(x, ..., xp) -> (y, cache)` / `backward(dy, cache, xp)` over
-numpy or cupy (`kernels`), the fp16 GEMM (`gemm`), attention behind its seam (`attention`: the
-backend interface, its cache, the tiled kernels), the fast paths (`fused`, numba on the host;
+numpy or cupy (`kernels`, with each precision's dtype), the 16-bit GEMM (`gemm`), attention
+behind its seam (`attention`: the backend interface, its cache, the tiled kernels and cuDNN's as
+a backend), the fast paths (`fused`, numba on the host;
 `devkernels`, numba-cuda on a GPU, imported on first use; `cudnn_sdpa`, cuDNN's fused attention
 through nvidia-cudnn-frontend, imported on first use) and the table that picks, once per
 rank, which implementation runs each op (`backends`, with the registry of attention backends);
@@ -14,6 +15,6 @@ scaling (`optim`).
 
 May import: `ratrain.config` (the model's and optimizer's sections), `ratrain.fastpath` (numba,
 loaded once), `ratrain.device` (the array module's kind, transfers and syncs) and third-party
-numerics (numpy, threadpoolctl; cupy when given as `xp`; numba-cuda in `devkernels`;
+numerics (numpy, ml_dtypes' bfloat16, threadpoolctl; cupy when given as `xp`; numba-cuda in `devkernels`;
 nvidia-cudnn-frontend's `cudnn` in `cudnn_sdpa`). Never MPI, comm, lifecycle or plan: buffers are allocated through a ledger passed in, never imported.
 """

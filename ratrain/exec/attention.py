@@ -22,20 +22,31 @@ transient memory is what `workspace_nbytes` says, which the layer reserves in th
 whose inputs are half precision says so with `dtype` (ctx.dtype); the layer then hands it the
 rounded q, k, v it keeps, and o comes back in that dtype.
 
+A backend may also say which models it cannot run (`refuses(model, dtype)`: the reason, or ""),
+which `run.attention: auto` takes as a reason to try the next backend, and may take its
+workspace from the ledger itself (`owns_workspace`: then the layer does not reserve it).
+
 Entries here: the tiled online softmax (flash-attention style) of `flash_attention_*`, whose
 transient memory is O(block^2 + block * D) per (batch, head) whatever T and whose cache holds
 nothing T x T, at tile 64 on the host (`tiled-64`: a core's cache) and 1024 on a device
-(`tiled-1024`); `exec.backends` registers them. `kernels.attention_*` (the (T, T) scores
-materialised) is the plain reference both are tested against.
+(`tiled-1024`); cuDNN's fused SDPA on a GPU in fp16 and bf16 (`CudnnAttention`, `cudnn`);
+`exec.backends` registers them. `kernels.attention_*` (the (T, T) scores materialised) is the
+plain reference the tiled one is tested against, and the tiled one the fused one's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from ratrain.exec import cudnn_sdpa as cs
 from ratrain.exec.kernels import NEG_INF, as_dtype, compute_dtype, gqa_shape
 from ratrain.exec.profile import add_flops, timed
+
+WORKSPACE_TAG = "scratch.attention"  # a backend's own workspace in the ledger (owns_workspace)
 
 
 @dataclass
@@ -54,6 +65,11 @@ class AttentionBackend:
     """The interface of an attention backend (see the module); subclasses implement it."""
 
     name = "attention"
+    owns_workspace = False  # True: it allocates its workspace from ctx.ledger during its calls
+
+    def refuses(self, model, dtype) -> str:
+        """Why this backend cannot run `model`'s attention with `dtype` operands ("": it can)."""
+        return ""
 
     def dtype(self, ctx):
         """The dtype the layer hands q, k, v in: the compute type unless overridden."""
@@ -92,6 +108,111 @@ class TiledAttention(AttentionBackend):
             return 0
         in_flight = min(batch, ctx.threads, len(ctx.split(batch)))
         return 4 * 4 * ctx.model.heads * self.block**2 * in_flight
+
+
+class CudnnAttention(AttentionBackend):
+    """cuDNN's fused causal GQA attention (`exec.cudnn_sdpa`) on a GPU rank in fp16 or bf16.
+
+    q, k, v come in ctx.dtype (the layer's rounded, kept values), o goes into the layer's
+    token-major buffer, lse is cuDNN's fp32 stats (the tiled path's numbers), dq, dk, dv come
+    back in ctx.dtype (as PyTorch's SDPA under autocast). The `CudnnSdpa` (a handle on the
+    current card) is made on first use and builds a graph per shape once (`sdpa.graphs`); each
+    call's workspace is a buffer from the DDR ledger under `scratch.attention` (WORKSPACE_TAG),
+    exactly the built graph's size, which `workspace_nbytes` reports to the memory plan (the
+    forward's, or the larger of both for a backward: a selective backward runs both in turn).
+    The backward is cuDNN's deterministic one: the same bytes for the same shapes on the same
+    card and software, so every policy stays bitwise equal. Without a card, `refuses` builds
+    and validates both graphs of a model (CI)."""
+
+    name = "cudnn"
+    owns_workspace = True
+
+    def __init__(self, dp_workspace_limit: int | None = cs.DP_WORKSPACE_LIMIT,
+                 on_card: bool = False):
+        self.dp_workspace_limit = dp_workspace_limit
+        self.on_card = on_card  # made for a GPU rank: `refuses` builds the graphs there too
+        self._sdpa = None
+        self._workspace: dict[tuple, int] = {}  # (dtype, batch, seq_len, backward) -> bytes
+
+    @property
+    def sdpa(self) -> cs.CudnnSdpa:
+        """The rank's cuDNN handle and graphs, made on first use (needs a GPU)."""
+        if self._sdpa is None:
+            self._sdpa = cs.CudnnSdpa(self.dp_workspace_limit)
+        return self._sdpa
+
+    def dtype(self, ctx):
+        return ctx.dtype
+
+    def specs(self, model, dtype, batch: int, seq_len: int) -> tuple[cs.SdpaSpec, cs.SdpaSpec]:
+        """The (forward, backward) graphs' specs of a layer call: q, k, v, dq, dk, dv
+        contiguous, o and do views of the layer's token-major (B, T, H * D) buffers."""
+        B, H, KV, T, D = batch, model.heads, model.kv_heads, seq_len, model.head_dim
+        q, kv = cs.row_major((B, H, T, D)), cs.row_major((B, KV, T, D))
+        tok = (T * H * D, D, H * D, 1)  # (B, T, H, D) seen as (B, H, T, D)
+        dt = np.dtype(dtype).name
+        return (cs.SdpaSpec("forward", B, H, KV, T, D, dt, strides=(q, kv, kv, tok)),
+                cs.SdpaSpec("backward", B, H, KV, T, D, dt, strides=(q, kv, kv, tok, tok, q, kv, kv),
+                            dp_workspace_limit=self.dp_workspace_limit))
+
+    def refuses(self, model, dtype) -> str:
+        """Why cuDNN cannot run `model`'s attention ("" when it can): the spec's checks (fp16 or
+        bf16, head size a multiple of 8 up to 256) and the frontend's validate() of both graphs
+        for one sequence of the model's length (no card needed); `on_card`, both graphs also
+        built on the card (its support, cuDNN's own checks)."""
+        try:
+            for spec in self.specs(model, dtype, 1, model.seq_len):
+                if self.on_card:
+                    self.sdpa.graph(spec)
+                else:
+                    cs.describe(spec)
+        except (ValueError, cs.CudnnUnavailable) as e:
+            return str(e)
+        return ""
+
+    @contextlib.contextmanager
+    def _workspace_for(self, ctx, spec):
+        """A device byte buffer of the graph's workspace, from the ledger while the call runs
+        (None when the graph needs none)."""
+        n = self.sdpa.workspace_nbytes(spec)
+        if n == 0 or ctx.ledger is None:
+            yield None if n == 0 else ctx.xp.empty(n, np.uint8)
+            return
+        buf = ctx.ledger.alloc(WORKSPACE_TAG, (n,), np.uint8, ctx.xp, zero=False)
+        try:
+            yield buf
+        finally:
+            ctx.ledger.free(buf)
+
+    @timed("attention")
+    def forward(self, q, k, v, ctx, out=None):
+        o = ctx.xp.empty(q.shape, q.dtype) if out is None else out
+        spec = cs.spec_of("forward", dict(q=q, k=k, v=v, o=o), causal=True)
+        add_flops(2.0 * q.size * q.shape[2])  # QK^T and PV, half of it masked
+        with self._workspace_for(ctx, spec) as ws:
+            o, lse = self.sdpa.forward(q, k, v, out=o, workspace=ws)
+        return o, AttentionCache(q, k, v, o, lse)
+
+    @timed("attention")
+    def backward(self, do, cache, ctx):
+        q, k, v, o, lse = cache.q, cache.k, cache.v, cache.o, cache.lse
+        xp = ctx.xp
+        do = as_dtype(do, q.dtype)
+        out = (xp.empty(q.shape, q.dtype), xp.empty(k.shape, q.dtype), xp.empty(v.shape, q.dtype))
+        spec = cs.spec_of("backward", dict(q=q, k=k, v=v, o=o, do=do, dq=out[0], dk=out[1],
+                                           dv=out[2]), True, self.dp_workspace_limit)
+        add_flops(5.0 * q.size * q.shape[2])  # the backward's five GEMMs, half masked
+        with self._workspace_for(ctx, spec) as ws:
+            return self.sdpa.backward(q, k, v, o, do, lse, out=out, workspace=ws)
+
+    def workspace_nbytes(self, ctx, batch, seq_len, backward=False):
+        """The built graphs' workspace bytes at the layer's layout (built now if not yet)."""
+        key = (ctx.dtype.name, batch, seq_len, backward)
+        if key not in self._workspace:
+            fwd, bwd = self.specs(ctx.model, ctx.dtype, batch, seq_len)
+            n = self.sdpa.workspace_nbytes(fwd)
+            self._workspace[key] = max(n, self.sdpa.workspace_nbytes(bwd)) if backward else n
+        return self._workspace[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,5 +361,5 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
     dq *= scale
 
 
-__all__ = ["AttentionBackend", "AttentionCache", "TiledAttention", "flash_attention_backward",
-           "flash_attention_forward"]
+__all__ = ["WORKSPACE_TAG", "AttentionBackend", "AttentionCache", "CudnnAttention",
+           "TiledAttention", "flash_attention_backward", "flash_attention_forward"]

@@ -8,10 +8,11 @@ environment. The choice follows the config's switches (`run.fused`, `run.devkern
 `run.attention`, which `load_config` has already merged with their RATRAIN_* variables):
 
     op             host (cpu)                     gpu                    reference
-    gemm           numpy (fp16 by fp32 tiles)     cupy (fp16 cuBLAS)     -
+    gemm           numpy (16-bit by fp32 tiles)   cupy (16-bit cuBLAS)   -
     rmsnorm        fused (fp32 runs)              devkernels             kernels.rmsnorm_*
     rope, swiglu   fused                          devkernels             kernels.rope_*, swiglu_*
-    attention      tiled-64                       tiled-1024             kernels.attention_*
+    attention      tiled-64                       cudnn (fp16, bf16),    kernels.attention_*
+                                                  else tiled-1024
     cross_entropy  numpy                          devkernels             kernels.logsumexp_rows
     adamw          fused                          devkernels             optim._adam_core
     grad_norm      numpy                          devkernels             kernels.block_sq_norm
@@ -26,8 +27,10 @@ entry hands what it does not take (float64, float16 weights, odd layouts) to the
 `BackendError` (one line naming the key), which start-up turns into exit 2.
 
 Attention backends are registered by name (`register_attention`): the tiled kernels at tile 64
-(`tiled-64`, the host's `auto`) and 1024 (`tiled-1024`, a device's). A backend from outside the
-package is one call:
+(`tiled-64`, the host's `auto`) and 1024 (`tiled-1024`, the stand-in's), and cuDNN's fused SDPA
+(`cudnn`: a GPU's `auto` in fp16 and bf16 where nvidia-cudnn-frontend and libcudnn load and the
+model's graphs validate; else `auto` falls back to `tiled-1024`, and the banner's clause says
+why). A backend from outside the package is one call:
 
     register_attention("toy", lambda device, precision: ToyAttention(), about="a test's")
     # then run.attention: toy
@@ -38,13 +41,14 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ratrain.config import is_half
 from ratrain.device import kind_of
-from ratrain.exec import devkernels, fused, kernels
-from ratrain.exec.attention import AttentionBackend, TiledAttention
+from ratrain.exec import cudnn_sdpa, devkernels, fused, kernels
+from ratrain.exec.attention import AttentionBackend, CudnnAttention, TiledAttention
 from ratrain.exec.gemm import matmul
 from ratrain.exec.kernels import block_sq_norm
 from ratrain.exec.profile import timed
@@ -59,7 +63,12 @@ ENGINES = {"fused": "numba", "devkernels": "numba-cuda"}  # the compilers, for t
 
 
 class BackendError(ValueError):
-    """A backend the config asks for cannot run on this rank (one line: the key and the fix)."""
+    """A backend the config asks for cannot run on this rank (one line: the key and the fix);
+    `reason`: the same in a few words, for the banner when `auto` passes the backend over."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,22 +115,56 @@ register_attention("tiled-1024", lambda device, precision: TiledAttention(1024),
                    "124M model, seq 1024: tile 64 0.71 s, 256 0.067 s, 1024 0.022 s a layer)")
 
 
-def attention_backend(name: str, device: str, precision: str) -> AttentionBackend:
+def _cudnn(device: str, precision: str) -> CudnnAttention:
+    if device != "gpu":
+        raise BackendError(f"run.attention=cudnn runs on a GPU rank (run.device=gpu), not on "
+                           f"run.device={device}: set run.attention=auto", f"not on {device}")
+    if not is_half(precision):
+        raise BackendError(f"run.attention=cudnn computes in fp16 or bf16, not precision="
+                           f"{precision}: set precision=bf16 (or fp16), or run.attention=auto "
+                           "(the tiled path)", f"fp16 and bf16 only, not {precision}")
+    try:
+        cudnn_sdpa.load()
+    except cudnn_sdpa.CudnnUnavailable as e:
+        raise BackendError(f"run.attention=cudnn: {e}", str(e)) from None
+    return CudnnAttention(on_card=True)
+
+
+register_attention("cudnn", _cudnn, "cuDNN's fused SDPA (nvidia-cudnn-frontend), fp16 and bf16 "
+                   "on a GPU: the scores never reach memory", auto=("gpu",))
+
+
+def attention_backend(name: str, device: str, precision: str, model=None) -> AttentionBackend:
     """The attention backend `run.attention: name` gives a rank (`auto`: the device's first
-    that can run)."""
+    that can run `model`)."""
+    return choose_attention(name, device, precision, model)[0]
+
+
+def choose_attention(name: str, device: str, precision: str, model=None):
+    """(the backend `attention_backend` gives, {backend `auto` passed over: why})."""
+    dtype = kernels.DTYPES[precision]
     if name != "auto":
         if name not in ATTENTION:
             raise BackendError(f"run.attention={name!r} is not a registered attention backend: "
                                f"use auto or one of {', '.join(sorted(ATTENTION))}")
-        return ATTENTION[name].make(device, precision)
-    why = []
+        backend = ATTENTION[name].make(device, precision)
+        why = backend.refuses(model, dtype) if model is not None else ""
+        if why:
+            raise BackendError(f"run.attention={name}: {why}; set run.attention=auto")
+        return backend, {}
+    passed = {}
     for candidate in AUTO[device]:
         try:
-            return ATTENTION[candidate].make(device, precision)
+            backend = ATTENTION[candidate].make(device, precision)
         except BackendError as e:
-            why.append(str(e))
+            passed[candidate] = e.reason
+            continue
+        why = backend.refuses(model, dtype) if model is not None else ""
+        if not why:
+            return backend, passed
+        passed[candidate] = why
     raise BackendError(f"run.attention=auto: no attention backend runs on {device}: "
-                       + "; ".join(why))
+                       + "; ".join(f"{k}: {v}" for k, v in passed.items()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,6 +191,7 @@ class Kernels:
     cast: Callable  # (a, dtype) -> a in dtype (itself when it has it)
     assign: Callable  # (dst, src): dst[...] = src, cast
     attention: AttentionBackend
+    passed_over: Mapping[str, str] = field(default_factory=dict)  # auto's attention: name -> why
 
     @property
     def host(self) -> bool:
@@ -161,23 +205,26 @@ class Kernels:
         rest = ", ".join(f"{op.replace('_', '-')} {impl}" for op, impl in ops.items()
                          if impl != main)
         inner = "; ".join(x for x in (ENGINES.get(main, ""), rest) if x)
-        return f"kernels: {main}{f' ({inner})' if inner else ''}, attention {self.names['attention']}"
+        passed = "; ".join(f"{k}: {v}" for k, v in self.passed_over.items())
+        return (f"kernels: {main}{f' ({inner})' if inner else ''}, attention "
+                f"{self.names['attention']}{f' (passed over {passed})' if passed else ''}")
 
 
 def kernels_for(cfg, xp=np) -> Kernels:
     """The table of a rank of `cfg` computing with `xp` (its `run.*` switches)."""
     r = cfg.run
-    return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention)
+    return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention, cfg.model)
 
 
 def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
-                 devkernels_mode: str = "auto", attention="auto") -> Kernels:
+                 devkernels_mode: str = "auto", attention="auto", model=None) -> Kernels:
     """The table for a rank computing with `xp` at `precision` (see the module); `attention`:
-    a registered name, auto, or a backend object (tests: a tile of their own)."""
+    a registered name, auto, or a backend object (tests: a tile of their own); `model`: the
+    model's section, whose shapes an attention backend may refuse (None: not asked)."""
     device = kind_of(xp)
     fast = _fast_kernels(device, precision, str(fused_mode), str(devkernels_mode))
-    attn = attention if isinstance(attention, AttentionBackend) else \
-        attention_backend(attention, device, precision)
+    attn, passed = (attention, {}) if isinstance(attention, AttentionBackend) else \
+        choose_attention(attention, device, precision, model)
     reference = {"cpu": "numpy", "gpu": "cupy", "standin": "standin"}[device]
     names = dict.fromkeys(ENTRIES, reference)
     if fast is not None:  # every op the compiled kernels cover
@@ -187,7 +234,8 @@ def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
             names["rmsnorm"] = reference  # fp16 runs: the norms' weights are fp16 views
     table = {f: _COMPILED.get(impl, _REFERENCE)[f] for op, impl in names.items()
              for f in ENTRIES[op]}
-    return Kernels(device, {**names, "attention": attn.name}, attention=attn, **table)
+    return Kernels(device, {**names, "attention": attn.name}, attention=attn, passed_over=passed,
+                   **table)
 
 
 @functools.cache
@@ -213,7 +261,7 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
     if dev_mode == "on" and device == "gpu" and devkernels.simulated():
         raise BackendError("run.devkernels=on on a GPU but numba-cuda runs its simulator "
                            "(NUMBA_ENABLE_CUDASIM=1): unset it, or set run.devkernels=auto")
-    if precision not in ("fp32", "fp16"):
+    if precision not in ("fp32", "fp16", "bf16"):
         return None  # fp64: the references (finite-difference tests)
     if device == "cpu":
         return "fused" if fused_mode != "off" and fused.available() else None
@@ -318,5 +366,5 @@ _COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compile
 
 
 __all__ = ["ATTENTION", "AUTO", "ENTRIES", "OPS", "AttentionEntry", "BackendError", "Kernels",
-           "attention_backend", "default_kernels", "kernel_table", "kernels_for",
-           "register_attention", "unregister_attention"]
+           "attention_backend", "choose_attention", "default_kernels", "kernel_table",
+           "kernels_for", "register_attention", "unregister_attention"]

@@ -1,7 +1,7 @@
 """ExecContext: what the block kernels need besides their inputs.
 
-It carries the array module `xp`, the `ModelConfig`, the compute dtype of activations and
-weight views (float32 or float16), the rank's kernel table (`kernels`: which implementation runs
+It carries the array module `xp`, the `ModelConfig`, the dtype of activations and weight views
+(float32, float16 or bfloat16: `dtype`, `half`) and of the arithmetic (`compute`), the rank's kernel table (`kernels`: which implementation runs
 each op, attention included, chosen once in `exec.backends`), RoPE tables cached per sequence
 length, the DDR ledger (GEMM scratch and transient workspace are accounted there while a block
 runs) and the compute threads.
@@ -29,7 +29,7 @@ import numpy as np
 from ratrain.config import ModelConfig
 from ratrain.device import kind_of
 from ratrain.exec.backends import Kernels, default_kernels, kernels_for
-from ratrain.exec.kernels import rope_tables
+from ratrain.exec.kernels import DTYPES, is_half_dtype, rope_tables
 
 
 def auto_threads() -> int:
@@ -109,8 +109,8 @@ class ExecContext:
         head_chunk_bytes: int = 16 << 20,
         kernels: Kernels | None = None,
     ):
-        if precision not in ("fp32", "fp16", "fp64"):
-            raise ValueError(f"precision={precision!r}: expected fp32 or fp16 (fp64: tests)")
+        if precision not in DTYPES:
+            raise ValueError(f"precision={precision!r}: expected fp32, fp16 or bf16 (fp64: tests)")
         self.kernels = kernels if kernels is not None else default_kernels(xp, precision)
         if self.kernels.device != kind_of(xp):
             raise ValueError(f"a kernel table for {self.kernels.device} given to a context "
@@ -119,14 +119,16 @@ class ExecContext:
         self.xp = xp
         self.model = model
         self.precision = precision
-        self.dtype = np.dtype({"fp32": np.float32, "fp16": np.float16, "fp64": np.float64}[precision])
+        self.dtype = DTYPES[precision]
+        self.half = is_half_dtype(self.dtype)  # 16-bit activations and views (fp16, bf16)
         # arithmetic inside a block: fp32, or fp64 for finite-difference tests
         self.compute = np.dtype(np.float64 if precision == "fp64" else np.float32)
         self.ledger = ledger
         self.threads = threads if threads > 0 else auto_threads()
-        # the layers' GEMMs in fp16 (tensor cores, fp32 accumulation): fp16 mode on a device;
-        # the host keeps fp32 GEMMs (fp16 operands converted by tiles, `exec.gemm`)
-        self.device_half = not self.host and self.dtype == np.float16
+        # the dtype of the layers' GEMMs on a device in fp16 and bf16 (tensor cores, fp32
+        # accumulation), else None: the host keeps fp32 GEMMs (16-bit operands converted by
+        # tiles, `exec.gemm`)
+        self.device_half = self.dtype if self.half and not self.host else None
         self.head_chunk_bytes = head_chunk_bytes  # bound on the fp32 logits of one head chunk
         self._rope: dict[int, tuple] = {}
         self._pool = None

@@ -72,7 +72,7 @@ class CudnnUnavailable(RuntimeError):
     """cuDNN's fused attention cannot run here (one line: what is missing and the fix)."""
 
 
-def _row_major(shape) -> tuple[int, ...]:
+def row_major(shape) -> tuple[int, ...]:
     strides, n = [], 1
     for d in reversed(shape):
         strides.append(n)
@@ -115,7 +115,7 @@ class SdpaSpec:
             raise ValueError(f"cuDNN SDPA: head size {self.D} must be a multiple of 8 and at "
                              f"most {MAX_HEAD_DIM}; use the tiled attention")
         if not self.strides:
-            object.__setattr__(self, "strides", tuple(_row_major(self.shape(r))
+            object.__setattr__(self, "strides", tuple(row_major(self.shape(r))
                                                       for r in ROLES[self.kind]))
         if len(self.strides) != len(ROLES[self.kind]):
             raise ValueError(f"cuDNN SDPA: {len(self.strides)} stride tuples for the "
@@ -148,7 +148,8 @@ def dtype_name(a) -> str:
 
 def spec_of(kind: str, arrays: dict, causal: bool = True,
             dp_workspace_limit: int | None = None) -> SdpaSpec:
-    """The spec of `arrays` ({role: array} for every role of ROLES[kind]); a ValueError of one
+    """The spec of `arrays` ({role: array} for every role of ROLES[kind]; host or device arrays,
+    only their shapes, dtypes and strides are read); a ValueError of one
     line naming the operand whose shape or dtype does not fit q's."""
     q = arrays["q"]
     if q.ndim != 4 or arrays["k"].ndim != 4:
@@ -427,4 +428,5 @@ class CudnnSdpa:
 
 
 __all__ = ["DP_WORKSPACE_LIMIT", "DTYPES", "ROLES", "CudnnSdpa", "CudnnUnavailable", "SdpaGraph",
-           "SdpaSpec", "build", "describe", "frontend", "load", "spec_of", "workspace_bound"]
+           "SdpaSpec", "build", "describe", "frontend", "load", "row_major", "spec_of",
+           "workspace_bound"]

@@ -1,19 +1,21 @@
-"""The GEMM entry point: fp32 GEMMs, and fp16 operands with fp32 accumulation.
+"""The GEMM entry point: fp32 GEMMs, and 16-bit operands (fp16, bf16) with fp32 accumulation.
 
 - float32 (or float64) operands: `xp.matmul`, BLAS handles transposed views.
-- float16 operands on numpy: numpy's own float16 matmul is hundreds of times slower than sgemm
-  (about 0.5 vs 200 GFLOP/s here), so fp16 operands are converted *by tiles* into a bounded
-  fp32 scratch (at most `SCRATCH_BYTES`, accounted in the DDR ledger as `scratch.gemm` while the
-  call runs) and each tile product is an sgemm. This is our analogue of the platform's explicit
+- 16-bit operands on numpy: numpy's own float16 matmul is hundreds of times slower than sgemm
+  (about 0.5 vs 200 GFLOP/s here; ml_dtypes' bfloat16 promotes to a whole fp32 copy), so 16-bit
+  operands are converted *by tiles* into a bounded fp32 scratch (at most `SCRATCH_BYTES`,
+  accounted in the DDR ledger as `scratch.gemm` while the call runs) and each tile product is
+  an sgemm. This is our analogue of the platform's explicit
   DDR -> on-chip data movement. The result is float32.
-- on a device (cupy, the stand-in), an fp16 operand, or `half=True` (the layers' GEMMs in fp16
-  mode, `ExecContext.device_half`), makes both operands fp16: one GEMM on the tensor cores
-  (cuBLAS, fp32 accumulation), its fp16 result handed back as float32 (or written into `out`),
-  as PyTorch's autocast does; never an fp32 GEMM that upcasts an fp16 weight every call.
+- on a device (cupy, the stand-in), a 16-bit operand, or `half` (a 16-bit dtype: the layers'
+  GEMMs in fp16 or bf16 mode, `ExecContext.device_half`), makes both operands that dtype: one
+  GEMM on the tensor cores (cuBLAS, fp32 accumulation; cupy's bfloat16 is ml_dtypes', 2-D GEMMs
+  only), its 16-bit result handed back as float32 (or written into `out`), as PyTorch's autocast
+  does; never an fp32 GEMM that upcasts a 16-bit weight every call.
 
-The layers avoid needless casts: they convert each fp16 weight view to fp32 once per layer
+The layers avoid needless casts: they convert each 16-bit weight view to fp32 once per layer
 call (`layers._gemm_weights`) and pass fp32 operands here, so the tiled path only runs for
-operands that are needed in fp16 alone.
+operands that are needed in 16 bits alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ratrain.device import is_host
+from ratrain.exec.kernels import HALF_DTYPES
 from ratrain.exec.profile import add_flops, timed
 
 SCRATCH_BYTES = 8 << 20  # fp32 conversion scratch of one fp16 GEMM on the CPU
@@ -29,21 +32,23 @@ SCRATCH_TAG = "scratch.gemm"
 
 @timed("gemm")
 def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES,
-           half: bool = False):
+           half=None):
     """a @ b with fp32 (or better) accumulation.
 
-    a (..., M, K), b (K, N) or (..., K, N); transposed views welcome. With a float16 operand the
-    result is float32 (or written into `out`, any float dtype). fp16 operands on numpy must be
-    2-D for `b` (the tiled path flattens the leading dimensions of `a`). `half`: on a device,
-    an fp16 GEMM even for fp32 operands (ignored on numpy)."""
+    a (..., M, K), b (K, N) or (..., K, N); transposed views welcome. With a 16-bit operand the
+    result is float32 (or written into `out`, any float dtype). 16-bit operands on numpy must
+    be 2-D for `b` (the tiled path flattens the leading dimensions of `a`). `half` (float16 or
+    bfloat16; None: off): on a device, a GEMM in that dtype even for fp32 operands (ignored on
+    numpy)."""
     add_flops(2.0 * a.size * b.shape[-1])  # 2 M N K (a: (..., M, K), b: (K, N))
-    f16 = np.dtype(np.float16)
-    if a.dtype != f16 and b.dtype != f16 and not (half and not is_host(xp)):
+    h = a.dtype if a.dtype in HALF_DTYPES else b.dtype if b.dtype in HALF_DTYPES else None
+    if not is_host(xp) and half is not None:
+        h = np.dtype(half)
+    if h is None:
         return xp.matmul(a, b, out=out)
     if not is_host(xp):
-        # cuBLAS fp16 GEMM with fp32 accumulation (cupy's default compute type for half)
-        r = xp.matmul(a if a.dtype == f16 else a.astype(f16),
-                      b if b.dtype == f16 else b.astype(f16))
+        # cuBLAS 16-bit GEMM with fp32 accumulation (cupy's default compute type for halves)
+        r = xp.matmul(a if a.dtype == h else a.astype(h), b if b.dtype == h else b.astype(h))
         if out is None:
             return r.astype(xp.float32)
         out[...] = r
@@ -64,7 +69,7 @@ def _matmul_fp16_tiled(a, b, out, ledger, scratch_bytes):
         out = np.empty((*lead, N), np.float32)
     o2 = out.reshape(M, N)  # (M, N)
     budget = max(scratch_bytes // 4, 2 * K)  # fp32 elements
-    a16, b16 = a2.dtype == np.float16, b.dtype == np.float16
+    a16, b16 = a2.dtype in HALF_DTYPES, b.dtype in HALF_DTYPES
     # Column panels of b (converted once each), row panels of a (converted per b panel).
     tn = N if not b16 else max(1, min(N, (budget // 2 if a16 else budget) // K))
     tm = M if not a16 else max(1, min(M, (budget - (K * tn if b16 else 0)) // K))

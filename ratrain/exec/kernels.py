@@ -2,8 +2,9 @@
 
 Every kernel is a pair `*_forward(..., xp) -> (y, cache)` / `*_backward(dy, cache, xp) -> grads`
 (llm.c's and ShallowSpeed's style): no globals, no MPI, `xp` is numpy or cupy. Arithmetic runs in
-the *compute type* of the inputs: float64 stays float64 (finite-difference tests), float32 and
-float16 compute in float32 (norms, softmax, loss and every reduction in fp32 in fp16 mode).
+the *compute type* of the inputs: float64 stays float64 (finite-difference tests), float32,
+float16 and bfloat16 compute in float32 (norms, softmax, loss and every reduction in fp32 in the
+16-bit precisions).
 Python scalars are used for constants so that float32 arrays are never promoted to float64.
 
 Shapes: B batch, T sequence, C hidden, H query heads, KV key/value heads (H % KV == 0, G = H / KV
@@ -20,16 +21,27 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from ratrain.device import is_host, module_of
 from ratrain.exec.profile import timed
 
 NEG_INF = -math.inf
+BF16 = np.dtype(ml_dtypes.bfloat16)  # bfloat16: ml_dtypes' dtype, numpy's and cupy's alike
+HALF_DTYPES = (np.dtype(np.float16), BF16)
+# each precision's dtype of activations and working views (fp64: finite-difference tests)
+DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16,
+          "fp64": np.dtype(np.float64)}
+
+
+def is_half_dtype(dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (float16 or bfloat16), computed in float32."""
+    return np.dtype(dtype) in HALF_DTYPES
 
 
 def compute_dtype(*arrays):
-    """float64 if any input is float64, else float32 (float16 computes in float32)."""
+    """float64 if any input is float64, else float32 (float16 and bfloat16 compute in float32)."""
     for a in arrays:
         if a.dtype == np.float64:
             return np.dtype(np.float64)
@@ -381,6 +393,9 @@ def cross_entropy_backward(dloss, cache, xp):
 
 
 __all__ = [
+    "BF16",
+    "DTYPES",
+    "HALF_DTYPES",
     "as_dtype",
     "assign",
     "attention_backward",
@@ -392,6 +407,7 @@ __all__ = [
     "embedding_backward",
     "embedding_forward",
     "gqa_shape",
+    "is_half_dtype",
     "linear_backward",
     "linear_forward",
     "logsumexp_rows",

@@ -8,20 +8,21 @@ The interface is docs/INTERNALS.md's "Block kernels":
     cache_nbytes(cache) -> int ; cache_arrays(cache) -> list of arrays (for ledger.track)
     layer_cache_nbytes(model, batch, precision, recompute) -> int  (the same, from shapes)
 
-`p` maps local names to the block's working weight view (ctx.dtype: float16 or float32, Hugging
-Face layout (out, in), y = x @ W.T); `g` maps local names to fp32 gradient arrays that backward
-*adds* into. With tied embeddings the caller passes the embedding's view and gradient as the
+`p` maps local names to the block's working weight view (ctx.dtype: float16, bfloat16 or
+float32, Hugging Face layout (out, in), y = x @ W.T); `g` maps local names to fp32 gradient
+arrays that backward *adds* into. With tied embeddings the caller passes the embedding's view and gradient as the
 head's `p["weight"]` / `g["weight"]`.
 
 A decoder layer (pre-norm LLaMA):
     h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x))
     y = h + Wd . (silu(Wg . rms(h)) * Wu . rms(h))
 Wq/Wk/Wv and Wg/Wu are concatenated once per call (one GEMM each, forward and backward), and in
-fp16 mode on the CPU every weight view is converted to fp32 once per call into scratch
-(`scratch.gemm`) so that each GEMM is an sgemm. Activations crossing blocks and kept in caches
-are ctx.dtype; inside a call everything is fp32 (GEMM accumulation, norms, softmax, loss).
-In fp16 mode q, k, v are rounded to fp16 before attention (they are kept in fp16), so that a
-recomputation from the kept values reproduces the forward bit for bit. Every op runs through
+fp16 and bf16 mode on the CPU every weight view is converted to fp32 once per call into scratch
+(`scratch.gemm`) so that each GEMM is an sgemm (on a device the GEMMs run in the 16-bit dtype).
+Activations crossing blocks and kept in caches are ctx.dtype; inside a call everything is fp32
+(GEMM accumulation, norms, softmax, loss). In fp16 and bf16 mode q, k, v are rounded to 16 bits
+before attention (they are kept so), so that a recomputation from the kept values reproduces
+the forward bit for bit. Every op runs through
 the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
 (`exec.attention`), handed q, k, v in the backend's `dtype` and giving back o and the softmax
 statistics (lse) in a named cache.
@@ -39,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
+from ratrain.config import act_itemsize
 from ratrain.device import stacked_rows
 from ratrain.exec import kernels
 from ratrain.exec.attention import AttentionCache
@@ -49,7 +50,6 @@ from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
 
 WORK_TAG = "scratch.exec"  # transient fp32 workspace of a block call (an estimate)
-HALF = np.dtype(np.float16)
 
 
 @dataclass
@@ -82,7 +82,7 @@ def layer_cache_nbytes(model, batch: int, precision: str, recompute: str = "none
     as `layer_forward` keeps it (tested against `cache_nbytes`): the input, q, k, v, h, gate|up
     and the RMSNorm statistics; `none` adds o and its logsumexp; `full` keeps the input only.
     What offloading a layer moves to the memory tier and back (`plan.cost.offload_bytes`)."""
-    n, e = batch * model.seq_len, 2 if precision == "fp16" else 4
+    n, e = batch * model.seq_len, act_itemsize(precision)
     hd, kvd = model.heads * model.head_dim, model.kv_heads * model.head_dim
     x = n * model.hidden * e
     if recompute == "full":
@@ -202,15 +202,29 @@ def _gemm_weights(p, ctx):
 
 
 def layer_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
-    """An estimate of the transient fp32 workspace of one layer call (accounted under
-    scratch.exec while the call runs): the layer's own arrays and its attention backend's."""
+    """An estimate of the transient workspace of one layer call: the layer's own fp32 arrays and
+    its attention backend's workspace (what the memory plan counts; see `_reserved_nbytes`)."""
+    attn = ctx.kernels.attention.workspace_nbytes(ctx, batch, seq_len, backward)
+    return _own_nbytes(ctx, batch, seq_len, backward) + attn
+
+
+def _own_nbytes(ctx, batch: int, seq_len: int, backward: bool) -> int:
     C, H, KV, D, F = _dims(ctx)
     qkv = H * D + 2 * KV * D
     per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
     if backward:
         per_token += 2 * C + qkv + 3 * F + H * D  # dy, dh; dqkv; dgu, dact; do
-    attn = ctx.kernels.attention.workspace_nbytes(ctx, batch, seq_len, backward)
-    return 4 * batch * seq_len * per_token + attn
+    return 4 * batch * seq_len * per_token
+
+
+def _reserved_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
+    """What a layer call reserves under scratch.exec while it runs: its own arrays, and its
+    attention backend's workspace unless the backend takes that from the ledger itself
+    (`owns_workspace`: cuDNN's, a buffer under `scratch.attention` during its calls)."""
+    attn = ctx.kernels.attention
+    if attn.owns_workspace:
+        return _own_nbytes(ctx, batch, seq_len, backward)
+    return layer_workspace_nbytes(ctx, batch, seq_len, backward)
 
 
 @timed("layer (rest)")
@@ -220,7 +234,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     C, H, KV, D, F = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
-    half = ctx.dtype == HALF
+    half = ctx.half
     cos, sin = ctx.rope(T)  # (T, D)
     cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
     eps = ctx.model.norm_eps
@@ -236,8 +250,8 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
     del qkv
     attn = ops.attention
-    adt = attn.dtype(ctx)  # the compute type, or fp16 for a backend of half inputs
-    if half:  # keep fp16, attend on the rounded values
+    adt = attn.dtype(ctx)  # the compute type, or ctx.dtype for a backend of 16-bit inputs
+    if half:  # keep 16 bits, attend on the rounded values
         q16, k16, v16 = (ops.cast(a, ctx.dtype) for a in (q, k, v))
         if adt == ct:
             for a, a16 in ((q, q16), (k, k16), (v, v16)):
@@ -331,11 +345,12 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     else:  # selective: recompute the attention core, rounded as the forward kept it
         o = xp.empty((b, T, HD), adt)
         lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
-        if ctx.dtype == HALF:
+        if ctx.half:
             o = _as(ctx, ops.cast(o, ctx.dtype), adt)
     dh2 = dh.reshape(N, C)
     parts["wo"] = ops.gemm(dh2.T, o.reshape(N, HD), xp=xp, half=half16)  # (C, HD)
-    do = ops.gemm(dh2, w["wo"], xp=xp, half=half16)  # (N, HD)
+    do = xp.empty((N, HD), adt)  # (N, HD), in the dtype the attention backend takes
+    ops.gemm(dh2, w["wo"], out=do, xp=xp, half=half16)
     dq, dk, dv = attn.backward(_heads(do.reshape(b, T, HD), H),
                                AttentionCache(q, k, v, _heads(o, H), lse), ctx)
     del do, q, k, v, o
@@ -366,7 +381,7 @@ def layer_forward(x, p, ctx, recompute="none"):
     B = x.shape[0]
     chunks = ctx.split(B)
     y = xp.empty(x.shape, ctx.dtype)  # (B, T, C)
-    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, B, x.shape[1])), \
+    with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, B, x.shape[1])), \
             ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
         w = _gemm_weights(p, ctx)
         kept = ctx.map(lambda sl: _layer_fwd_chunk(x[sl], p, w, ctx, recompute, y[sl]), chunks)
@@ -389,7 +404,7 @@ def layer_backward(dy, cache, p, g, ctx):
             kept = cache.parts[i]
         return _layer_bwd_chunk(dy[sl], x[sl], kept, p, w, ctx, dx[sl])
 
-    with ctx.scratch(WORK_TAG, layer_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
+    with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, *x.shape[:2], backward=True)), \
             ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
         w = _gemm_weights(p, ctx)
         parts = ctx.map(run, range(len(chunks)))

@@ -6,7 +6,7 @@ One `StageState` per rank holds, for the blocks of its stage (in model order):
 - `m_buf`, `v_buf`: AdamW's first and second moments, flat fp32 arrays of the same size (tags `optim.m`,
   `optim.v`), allocated and zeroed at construction so a stage's steady memory is known up front;
 - per-block working views: in fp32 the view *is* the block's master slice (no allocation); in
-  fp16 `materialize_view(block)` allocates `params.view.<block>` and casts the master slice into
+  fp16 and bf16 `materialize_view(block)` allocates `params.view.<block>` and casts the master slice into
   it, `drop_view(block)` releases it;
 - per-block fp32 gradient buffers `grads.<block>`, allocated zeroed by `alloc_grad` and released
   by `free_grad`; backward kernels add into them.
@@ -21,7 +21,7 @@ segment a ring reduce-scatter leaves on dp rank q, `ratrain.comm.collectives.seg
 the master, m and v; the flat buffers are these segments back to back (same ledger tags, 1/p of
 the bytes). `flat(buf, block)` is then the own segment, `segment(block)` its (lo, hi) within
 the block. Working views are whole-block buffers of their own in fp32 too:
-`materialize_view` casts (fp16) or copies (fp32) the own master segment into the view's
+`materialize_view` casts (fp16, bf16) or copies (fp32) the own master segment into the view's
 segment, and the caller all-gathers the rest (this package does no MPI). Gradients are whole
 blocks while backward accumulates; after the reduce-scatter `shrink_grad` keeps only the own
 segment (`grad_segment`). Whole-parameter accessors (`named`, `master`, `state_dict`) refuse in
@@ -38,7 +38,9 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ratrain.config import is_half
 from ratrain.exec.backends import Kernels, default_kernels
+from ratrain.exec.kernels import DTYPES
 from ratrain.exec.spec import BlockSpec, ParamSpec, init_param
 
 STATE_BUFFERS = ("master", "m", "v")  # the flat fp32 buffers a stage holds (masters, AdamW moments)
@@ -50,9 +52,10 @@ GRAD_BYTES_PER_PARAM = 4  # an fp32 gradient
 
 
 def view_bytes_per_param(precision: str, shards: int = 1) -> int:
-    """Bytes per parameter a materialised working view holds: 2 in fp16; in fp32 4 when the
-    master is sharded (the view is a whole-block copy), 0 when the view is the master itself."""
-    if precision == "fp16":
+    """Bytes per parameter a materialised working view holds: 2 in fp16 and bf16; in fp32 4
+    when the master is sharded (the view is a whole-block copy), 0 when the view is the master
+    itself."""
+    if is_half(precision):
         return 2
     return 4 if shards > 1 else 0
 
@@ -88,7 +91,7 @@ class StageState:
 
     Args:
         blocks: the stage's blocks in model order (`spec.stage_blocks`).
-        precision: "fp32" (views are the masters) or "fp16" (views are fp16 copies).
+        precision: "fp32" (views are the masters), "fp16" or "bf16" (views are 16-bit copies).
         ledger: the rank's DDR ledger; every buffer here is allocated through it.
         xp: the array module (numpy or cupy).
         seed: `init.seed`; each parameter starts at `spec.init_param(p, seed)`, which depends only
@@ -115,16 +118,16 @@ class StageState:
         kernels: Kernels | None = None,
         external: Mapping[str, object] | None = None,
     ):
-        if precision not in ("fp32", "fp16"):
-            raise ValueError(f"precision={precision!r} is not one of: fp32, fp16")
+        if precision not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"precision={precision!r} is not one of: fp32, fp16, bf16")
         self.blocks: list[BlockSpec] = list(blocks)
         if not self.blocks:
             raise ValueError("a stage needs at least one block")
         self.precision = precision
-        self.view_dtype = np.float16 if precision == "fp16" else np.float32
+        self.view_dtype = DTYPES[precision]
         self.ledger = ledger
         self.xp = xp
-        # the rank's kernel table: its `assign` casts masters into fp16 views
+        # the rank's kernel table: its `assign` casts masters into 16-bit views
         self.kernels = kernels if kernels is not None else default_kernels(xp)
         self._block = {b.name: b for b in self.blocks}
         if len(self._block) != len(self.blocks):
@@ -159,7 +162,7 @@ class StageState:
             else:
                 setattr(self, f"{buf}_buf", ledger.alloc(tag, (self.held_size,), np.float32, xp))
         self._placed: dict[tuple[str, str], object] = {}  # (buffer, block) -> DDR copy
-        self._views: dict[str, object] = {}  # separate views (fp16 or sharded): block -> flat
+        self._views: dict[str, object] = {}  # separate views (16-bit or sharded): block -> flat
         self._grads: dict[str, object] = {}  # block -> flat fp32 gradient
         self._shrunk: set[str] = set()  # blocks whose gradient holds only the own segment
 
@@ -193,8 +196,8 @@ class StageState:
 
     @property
     def separate_views(self) -> bool:
-        """Whether working views are buffers of their own (fp16, or sharded masters)."""
-        return self.precision == "fp16" or self.sharded
+        """Whether working views are buffers of their own (16-bit, or sharded masters)."""
+        return is_half(self.precision) or self.sharded
 
     def shard(self, q: int, p: int) -> None:
         """Turn a whole-block state into a sharded one in place (keep segment q of p of every
@@ -408,10 +411,11 @@ class StageState:
     def materialize_view(self, block: str):
         """Make the block's working parameter view current; returns it flat.
 
-        Unsharded fp32: the view is the master slice (nothing is allocated). fp16: allocate
-        `params.view.<block>` on first use and cast the master slice into it (round to
-        nearest). Sharded: allocate the whole-block view (fp16 or fp32) and cast / copy the own
-        master segment into its segment; the other segments are the caller's to all-gather.
+        Unsharded fp32: the view is the master slice (nothing is allocated). fp16, bf16:
+        allocate `params.view.<block>` on first use and cast the master slice into it (round to
+        nearest even). Sharded: allocate the whole-block view (16-bit or fp32) and cast / copy
+        the own master segment into its segment; the other segments are the caller's to
+        all-gather.
         """
         master = self.master_flat(block)
         if not self.separate_views:
@@ -424,7 +428,7 @@ class StageState:
             )
             self._views[block] = view
         lo, hi = self._seg[block]
-        self.kernels.assign(view[lo:hi], master)  # fp32 -> fp16 cast (or copy)
+        self.kernels.assign(view[lo:hi], master)  # fp32 -> fp16 / bf16 cast (or copy)
         return view
 
     def drop_view(self, block: str) -> None:
@@ -452,7 +456,7 @@ class StageState:
             ) from None
 
     def view(self, block: str) -> dict[str, object]:
-        """{local name: working view (param shape, fp16 or fp32)} of a block."""
+        """{local name: working view (param shape, fp16, bf16 or fp32)} of a block."""
         a, _ = self.block_range(block)
         return self._split(block, self.view_flat(block), base=a)
 

@@ -27,26 +27,8 @@ from ratrain.hf.read import (
 )
 from ratrain.hf.write import export_hf, hf_config_dict, to_dtype, write_safetensors
 
-__all__ = [
-    "CONFIG",
-    "DTYPES",
-    "GENERATION",
-    "INDEX",
-    "KEYS",
-    "SINGLE",
-    "HFError",
-    "check_hf",
-    "check_model_matches",
-    "expected_tensors",
-    "export_hf",
-    "hf_config_dict",
-    "hf_max_positions",
-    "hf_model_config",
-    "import_model_section",
-    "load_hf_params",
-    "read_hf_config",
-    "read_safetensors_header",
-    "resolve_model_config",
-    "to_dtype",
-    "write_safetensors",
-]
+__all__ = ["CONFIG", "DTYPES", "GENERATION", "INDEX", "KEYS", "SINGLE", "HFError", "check_hf",
+           "check_model_matches", "expected_tensors", "export_hf", "hf_config_dict",
+           "hf_max_positions", "hf_model_config", "import_model_section", "load_hf_params",
+           "read_hf_config", "read_safetensors_header", "resolve_model_config", "to_dtype",
+           "write_safetensors"]

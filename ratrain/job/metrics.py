@@ -2,7 +2,10 @@
 printed on rank 0.
 
 `metrics.jsonl` holds one record per training step, every record with the same fields and
-types (`REQUIRED`, plus `mfu` and `elapsed_s` from the trainer); eval results go to their own
+types (`REQUIRED`, plus from the trainer `mfu`, `elapsed_s`, and each rank's whole memory
+beside its ledger peak: `rss_bytes` (the largest resident set over ranks, measured at the
+step's gradient norm), `rss_bytes_by_rank` and `peak_ddr_bytes_by_rank` (lists by world
+rank)); eval results go to their own
 file, `eval.jsonl` (`step, eval_loss, eval_ppl, eval_tokens, elapsed_s`), so a table of either
 file has one type per column. The progress line shows MFU (model flops utilisation: achieved
 flop/s over the peak of every rank) and the time elapsed since the run (or its resume) began.
@@ -127,6 +130,8 @@ class MetricsWriter:
         if rec.get("mfu") is not None:
             parts.append(f"MFU {100 * rec['mfu']:.1f}%")
         parts.append(f"peak {_human(rec['peak_ddr_bytes'])}")
+        if rec.get("rss_bytes"):
+            parts.append(f"rss {_human(rec['rss_bytes'])}")
         if rec.get("skipped"):
             parts.append(f"SKIPPED (overflow, scale -> {rec['loss_scale']:g})")
         if "elapsed_s" in rec:

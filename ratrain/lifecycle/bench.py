@@ -45,6 +45,7 @@ from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.policies import POLICIES, Policy
+from ratrain.lifecycle import trace
 from ratrain.lifecycle.rank import build_rank
 
 
@@ -120,6 +121,8 @@ def cmd_time(args) -> None:
         cfg = _time_config(args, policy)
         rank = build_rank(cfg, comm, watchdog_s=120)
         ex, replica = rank.executor, rank.topo.replica
+        if args.trace:  # every step's events (outside the ledger: the figures stay the run's)
+            ex.timeline = trace.Timeline(cfg.run.trace_bytes)
         times = []
         for s in range(args.steps):
             comm.Barrier()  # benchmark only: start every step together
@@ -169,6 +172,7 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     after the first `skip`. Collective; every rank returns the same dict."""
     rank = build_rank(cfg, comm, watchdog_s=120)
     ex, topo = rank.executor, rank.topo
+    ex.timeline = trace.Timeline(cfg.run.trace_bytes)  # the window's events, for the breakdown
     pacer = ex.pacer
     times, peaks = [], []
     t_win = c_win = m_win = 0.0

@@ -1,4 +1,5 @@
-"""The executor: runs one rank's action list, step after step, and records its timeline.
+"""The executor: runs one rank's action list, step after step, and records its timeline (the
+current step; with `run.trace` every step up to `run.trace_bytes`: `lifecycle.trace.Timeline`).
 
 It decides nothing: its lists come from the `PipelinePlan` it is handed (`lifecycle.pipeline`),
 its recompute choice from `set_recompute` (`lifecycle.rank.build_rank` measures and chooses it
@@ -78,8 +79,7 @@ from ratrain.lifecycle.offloader import Offloader
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
 from ratrain.lifecycle.staged import StagedEngine
-
-MAX_EVENTS = 500_000  # timeline events kept per rank (the oldest are dropped beyond)
+from ratrain.shim.allocator import resident_bytes
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class StepResult:
     peak_ddr_bytes: int  # the largest ledger peak over ranks during the step
     local_peak_ddr_bytes: int  # this rank's
     step_time_s: float
+    peaks_ddr_bytes: tuple[int, ...] = ()  # every world rank's ledger peak
+    resident_bytes: tuple[int, ...] = ()  # every world rank's resident set at the step's GradNorm
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class Executor:
         self._adam_t, self._carry, self._pending = self.opt.step, False, None
         self.gathers: dict[str, Future] = {}  # block -> view all-gather in flight
         self.mailbox, self.handlers = self._open_mailbox(), self._dispatch_table()
-        self.events: list[tuple] = []  # (name, group, t0, t1, tid, args)
+        # what it ran: the current step, or with run.trace every step up to run.trace_bytes
+        self.timeline = trace.Timeline.for_run(cfg.run, self.ledger)
         self.step = -1  # before the first step (measurement may gather views)
         self._reset_step_state()
         self.set_recompute(self._plain_recompute(), None)
@@ -252,6 +255,7 @@ class Executor:
         self._check_batch(inputs, targets)
         self._reset_step_state()
         self.step = step
+        self.timeline.new_step()
         self.inputs, self.targets = self._to_device(inputs), self._to_device(targets)
         self.ledger.reset_peak()
         actions = self.plan.step_list(self.stage, self._carry)
@@ -335,6 +339,12 @@ class Executor:
         for k, named in arrays.items():
             self.state.load_named(named, k, blocks=[block])
 
+    @property
+    def events(self) -> list[tuple]:
+        """The kept timeline, (name, group, t0, t1, tid, {"step": step}) oldest first
+        (`lifecycle.trace.Timeline`)."""
+        return self.timeline.events()
+
     def write_trace(self, path: str, png: str | None = None) -> None:
         """Gather every rank's timeline on rank 0 and write Chrome trace JSON (and a PNG Gantt
         of the last step when matplotlib is installed). Collective: every rank calls it."""
@@ -349,16 +359,14 @@ class Executor:
         if self.mailbox is not None:
             self.mailbox.poll()
 
-    def _event(self, name, group, t0, t1, tid=0, args=None):
-        if len(self.events) >= MAX_EVENTS:
-            del self.events[: MAX_EVENTS // 10]
-        self.events.append((name, group, t0, t1, tid, args or {"step": self.step}))
+    def _event(self, name, group, t0, t1, tid=0, step=None):
+        self.timeline.add(name, group, t0, t1, tid, self.step if step is None else step)
 
     def _comm_event(self, name, t0, fut) -> None:
         step = self.step
 
         def done(_f, name=name, t0=t0, step=step):
-            self._event(name, "comm", t0, time.perf_counter(), 1, {"step": step})
+            self._event(name, "comm", t0, time.perf_counter(), 1, step)
 
         fut.add_done_callback(done)
 
@@ -461,6 +469,7 @@ class Executor:
         for mb, loss in zip(self.losses, sq[len(self.sq):]):  # the last stage's
             facts.put_loss(vec, self.replica, mb, loss)
         facts.put_peak(vec, self.rank, self.ledger.peak)
+        facts.put_resident(vec, self.rank, resident_bytes())
         vec = self._allreduce_world(vec)
 
         loss_scale = self.scaler.scale
@@ -476,7 +485,8 @@ class Executor:
         self._result = StepResult(
             step=self.step, loss=facts.mean_loss(vec), grad_norm=grad_norm, lr=lr,
             loss_scale=loss_scale, skipped=skipped, peak_ddr_bytes=facts.peak(vec),
-            local_peak_ddr_bytes=int(self.ledger.peak), step_time_s=0.0)
+            local_peak_ddr_bytes=int(self.ledger.peak), step_time_s=0.0,
+            peaks_ddr_bytes=facts.peaks(vec), resident_bytes=facts.resident(vec))
 
     def _update(self, a: sched.Update) -> None:
         pend = self._pending

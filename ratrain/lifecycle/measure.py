@@ -55,7 +55,7 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
             ex.state.drop_view(b)
     params = {b.name: b.size for b in ex.state.blocks}
     extra = layers.layer_workspace_nbytes(ctx, shape[0], shape[1], backward=True)
-    if ex.info.fp16:
+    if ex.info.half:
         extra += 4 * max(params.values())  # fp32 GEMM copies of a block's weights
     held_grads = sum(GRAD_BYTES_PER_PARAM * params[b] for b in ex.blocks if ex.state.has_grad(b))
     return StageSizes(

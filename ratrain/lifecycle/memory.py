@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ratrain.config import act_itemsize, is_half
 from ratrain.exec.params import (
     GRAD_BYTES_PER_PARAM,
     STATE_BYTES_PER_PARAM,
@@ -65,11 +66,6 @@ class StageSizes:
 
     def with_recompute(self, recompute: dict[str, str]) -> StageSizes:
         return replace(self, recompute=dict(recompute))
-
-
-def act_itemsize(precision: str) -> int:
-    """Bytes of one activation element."""
-    return 2 if precision == "fp16" else 4
 
 
 def layer_activation_bytes(model, micro_batch: int, precision: str, recompute: str) -> int:
@@ -138,7 +134,7 @@ class _Walk:
     def __init__(self, blocks, sizes: StageSizes):
         self.sizes, self.first_block = sizes, blocks[0]
         shards = sizes.shards
-        self.separate = sizes.precision == "fp16" or shards > 1  # views are buffers of their own
+        self.separate = is_half(sizes.precision) or shards > 1  # views are buffers of their own
         self.vb = view_bytes_per_param(sizes.precision, shards)
         resident = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[sizes.offload_state]
         static = sizes.static if sizes.static is not None else (

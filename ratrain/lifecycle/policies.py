@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ratrain.config import ScheduleConfig
+from ratrain.config import ScheduleConfig, is_half
 from ratrain.lifecycle.schedule import (
     Action,
     AllocGrad,
@@ -77,8 +77,9 @@ class StageInfo:
     offload_state: str = "off"  # the optimizer state that lives in the tier (offload.optimizer)
 
     @property
-    def fp16(self) -> bool:
-        return self.precision == "fp16"
+    def half(self) -> bool:
+        """16-bit working views (fp16, bf16): buffers of their own, cast from the masters."""
+        return is_half(self.precision)
 
     @property
     def sharded(self) -> bool:
@@ -86,8 +87,8 @@ class StageInfo:
 
     @property
     def separate_views(self) -> bool:
-        """Views are buffers of their own (fp16, or a sharded master): made and dropped."""
-        return self.fp16 or self.sharded
+        """Views are buffers of their own (16-bit, or a sharded master): made and dropped."""
+        return self.half or self.sharded
 
 
 SYNCS, UPDATES = ScheduleConfig.SYNCS, ScheduleConfig.UPDATES

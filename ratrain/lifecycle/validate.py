@@ -338,7 +338,7 @@ def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True) -> None
     simulate([[a for lst in r for a in lst] for r in per_rank])
     if lifecycle:
         for info, r in zip(infos, per_rank):
-            check_lifecycle(r, info.blocks, m, info.stage, info.fp16, info.sharded, info.offload,
+            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, info.offload,
                             info.offload_state)
 
 

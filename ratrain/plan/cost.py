@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from ratrain.comm import algos
 from ratrain.comm import model as comm_model
 from ratrain.comm.topology import grid
-from ratrain.config import Config, ModelConfig
+from ratrain.config import Config, ModelConfig, act_itemsize
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
 from ratrain.exec.spec import block_flops, block_params, block_role
@@ -265,7 +265,7 @@ class CostModel:
 
     @property
     def act_dtype_bytes(self) -> int:
-        return 2 if self.precision == "fp16" else 4
+        return act_itemsize(self.precision)
 
     @property
     def activation_bytes(self) -> int:
@@ -377,9 +377,9 @@ class CostModel:
         return view_cast_bytes_per_param(self.precision, shards) * n / self.rates.mem_bandwidth
 
     def view_bytes(self, role: str) -> int:
-        """Bytes of one block's working view (fp16, or the fp32 copy when sharded in fp32):
+        """Bytes of one block's working view (16-bit, or the fp32 copy when sharded in fp32):
         what the sharded view all-gather assembles."""
-        return (2 if self.precision == "fp16" else 4) * self.block_params(role)
+        return act_itemsize(self.precision) * self.block_params(role)
 
 
 __all__ = [

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ratrain.comm.topology import coords
+from ratrain.config import act_itemsize
 from ratrain.config.platform import RankClass
 from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.spec import block_flops_per_token, block_params, stage_layers
@@ -59,7 +60,7 @@ def role_seconds(cfg, role: str, rate: tuple[float, float]) -> float:
     m, tokens = cfg.model, cfg.parallel.micro_batch * cfg.model.seq_len
     flops, ddr = rate
     if role == "embed":  # a gather (and its scatter-add): memory-bound
-        act = 2 if cfg.precision == "fp16" else 4
+        act = act_itemsize(cfg.precision)
         return 2 * tokens * m.hidden * act / ddr
     return block_flops_per_token(m, role) * tokens / flops
 

@@ -18,12 +18,17 @@ instead of falling back between steps; the peak itself does not change (measured
 
 It is glibc-only (a no-op elsewhere: other allocators, macOS) and process-wide; `run.malloc:
 default` (or RATRAIN_MALLOC=default) leaves the allocator alone.
+
+`resident_bytes()` is the process's whole memory as the host sees it (its resident set:
+imports, compiled kernels, the interpreter's heap and every buffer, the ledger's and the
+rest), which the trainer reports beside the ledger's peak.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc <malloc.h>
 MMAP_THRESHOLD = 1 << 30  # blocks above 1 GiB (whole flat buffers of a large stage) still mmap
@@ -69,4 +74,22 @@ def tuned() -> bool | None:
     return _state["tuned"]
 
 
-__all__ = ["tune", "tuned"]
+def resident_bytes() -> int:
+    """This process's resident set size in bytes now (Linux: /proc/self/statm); elsewhere its
+    peak so far (getrusage), or 0 when neither is known."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes there, KiB elsewhere
+    except (ImportError, OSError):
+        return 0
+
+
+__all__ = ["resident_bytes", "tune", "tuned"]

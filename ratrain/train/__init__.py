@@ -30,7 +30,7 @@ import argparse
 import faulthandler
 import sys
 
-from ratrain.job.abort import abort_on_error
+from ratrain.job.abort import abort, abort_on_error
 from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
 from ratrain.plan.check import run_plan
@@ -45,7 +45,7 @@ from ratrain.train.startup import (
     resolve_config,
     startup,
 )
-from ratrain.train.trainer import Trainer
+from ratrain.train.trainer import ResumeFailed, Trainer
 
 
 def parse_args(argv=None):
@@ -103,13 +103,20 @@ def dry_run(setup: Setup, comm) -> int:
               f"device {setup.device.describe() if setup.device else 'cpu'} (rank 0)\n"
               f"data {ds.path}: {ds.num_tokens} tokens, {ds.num_windows} windows of "
               f"{cfg.model.seq_len + 1}; run.steps={cfg.run.steps} reads {epochs:.2f} epochs\n"
-              f"eval {setup.data_paths.eval_tokens or 'none'}; tokenizer "
+              f"eval {_eval_files(setup.data_paths)}; tokenizer "
               f"{cfg.data.tokenizer or 'unknown'}\n" + "\n".join(plan.describe()), flush=True)
     if bad is not None:
         raise bad
     if comm.Get_rank() == 0:
         print("dry run: every check passed; nothing trained", flush=True)
     return 0
+
+
+def _eval_files(paths) -> str:
+    """The held-out files an eval reads (one, or one per source of a mixture), or none."""
+    files = [f"{s.name}={s.eval_tokens}" for s in paths.sources if s.eval_tokens] \
+        or [str(paths.eval_tokens)] * (paths.eval_tokens is not None)
+    return ", ".join(files) or "none"
 
 
 def _comm_timeout(args) -> float:
@@ -175,6 +182,11 @@ def _main(args, comm, ctl) -> int:
         return EXIT_OK
     try:
         return Trainer(setup, comm, ctl).run()
+    except ResumeFailed as e:  # every rank verified it; this one could not read it after all
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if comm.Get_size() > 1:
+            abort(None, EXIT_USAGE)  # the other ranks may be waiting in a collective
+        return EXIT_USAGE
     finally:
         setup.release()
 

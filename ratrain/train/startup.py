@@ -19,12 +19,12 @@ import sys
 from dataclasses import dataclass, field
 
 from ratrain.job import tblog
-from ratrain.checkpoint import checkpoint_root, read_manifest, resolve_resume
+from ratrain.checkpoint import checkpoint_root, load_checkpoint, read_manifest, resolve_resume
 from ratrain.checkpoint.space import free_bytes, human_bytes, room_problem
 from ratrain.comm.algos import check_choice
 from ratrain.config import Config, ConfigError, load_config
 from ratrain.config.offload import tier_dir
-from ratrain.data import check_data, record_tokenizer
+from ratrain.data import check_data, data_resume_problem, open_datasets, record_tokenizer
 from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
 from ratrain.exec.backends import kernels_for
@@ -161,6 +161,18 @@ def finished_message(cfg: Config, resume: str | None) -> str | None:
             "run.steps to train on, or set checkpoint.resume=never to start over")
 
 
+def check_data_position(cfg: Config, data_paths, resume: str) -> None:
+    """The checkpoint's data position continues this run's data: a mixture changed since it
+    was written (sources, weights, their tokens, order, seed, seq_len) is refused, since the
+    resumed run would not read what the uninterrupted one reads (`data.data_resume_problem`)."""
+    saved = load_checkpoint(resume, names=[], buffers=())["state"].get("data")
+    problem = data_resume_problem(saved, open_datasets(cfg, data_paths)[0])
+    if problem:
+        raise ConfigError(
+            f"checkpoint {resume} cannot continue this run's data: {problem}; restore "
+            "data.sources as they were, or start afresh (checkpoint.resume=never)")
+
+
 def rank_classes(cfg: Config, comm):
     """The class of every world rank (`platform.classes`; None without classes), each rank's
     node named by itself; with `calibrate` classes, their compute rates measured here (each
@@ -206,6 +218,8 @@ def startup(args, comm) -> Setup:
     agree(comm, check_memory, cfg, comm.Get_rank(), device)
     agree(comm, check_tier, cfg, comm.Get_rank())
     done = agree(comm, finished_message, cfg, resume)
+    if resume and not done:
+        agree(comm, check_data_position, cfg, data_paths, resume)
     if done:
         return Setup(cfg, data_paths, resume, finished=done, classes=classes, device=device)
     root = checkpoint_root(cfg.checkpoint, cfg.run.dir)
@@ -225,5 +239,6 @@ def _no_room(root: str, cfg: Config) -> None:
         raise OSError(problem)
 
 
-__all__ = ["Setup", "StartupError", "agree", "check_device_memory", "check_memory", "check_tier",
+__all__ = ["Setup", "StartupError", "agree", "check_data_position", "check_device_memory",
+           "check_memory", "check_tier",
            "finished_message", "rank_classes", "rank_device", "resolve_config", "startup"]

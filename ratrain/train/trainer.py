@@ -29,11 +29,13 @@ from ratrain.checkpoint.space import checkpoint_bytes
 from ratrain.config.offload import tier_dir
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
-from ratrain.data import eval_batches, open_datasets
+from ratrain.data import eval_batches, open_datasets, open_eval_sets
 from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
 from ratrain.lifecycle.rank import build_rank
+from ratrain.lifecycle.trace import TAG as TIMELINE_TAG
+from ratrain.shim.allocator import resident_bytes
 from ratrain.job.metrics import MetricsWriter
 from ratrain.job import early
 from ratrain.job.runctl import (
@@ -51,6 +53,11 @@ from ratrain.job.tblog import TensorBoard
 from ratrain.shim.tier import TierFull
 from ratrain.shim.tierstore import TierError
 from ratrain.train.startup import Setup
+
+
+class ResumeFailed(RuntimeError):
+    """The verified checkpoint could not be read after all (changed since, or unreadable); the
+    message is the one line that says so."""
 
 
 class WriteFailed(RuntimeError):
@@ -89,8 +96,12 @@ class Trainer:
         self.topo, self.profile = self.this_rank.topo, self.this_rank.profile
         self.state, self.executor = self.this_rank.state, self.this_rank.executor
         if self.resume_state is not None:
-            self.executor.load_state_dict(self.resume_state["executor"])
-        self.train_ds, self.eval_ds = open_datasets(cfg, setup.data_paths)
+            with self._resuming(setup.resume):
+                self.executor.load_state_dict(self.resume_state["executor"])
+        self.train_ds = open_datasets(cfg, setup.data_paths)[0]
+        self.eval_sets = open_eval_sets(cfg, setup.data_paths)  # (name, weight, dataset)
+        if self.resume_state is not None:  # a mixture's counts there: no replay from sample 0
+            self.train_ds.load_state_dict(self.resume_state.get("data"))
         self.writes_metrics = self.executor.reports_loss
         self.metrics = self.tb = None
         self.nonfinite = 0  # consecutive non-finite steps
@@ -113,9 +124,23 @@ class Trainer:
     def _load_checkpoint(self, state, path: str) -> None:
         """Read this stage's parameters and moments (`checkpoint.load_stage`: a sharded state
         keeps only its segment, one block at a time)."""
-        ck = load_stage(state, path)
+        with self._resuming(path):
+            ck = load_stage(state, path)
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _resuming(path: str):
+        """Reading the checkpoint that start-up verified: a failure now (the files changed
+        since, or cannot be read) is ResumeFailed, one line, never a traceback."""
+        try:
+            yield
+        except (CheckpointError, OSError, KeyError, ValueError, TypeError) as e:
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ResumeFailed(f"cannot resume from {path}: {what} (it verified at start-up: "
+                               "changed since?); checkpoint.resume=auto takes the newest "
+                               "usable one") from None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -198,7 +223,7 @@ class Trainer:
             self._record(n, res, dt)
             if self._diverged(n, res):
                 return EXIT_DIVERGED
-            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_ds is not None:
+            if cfg.data.eval_interval and n % cfg.data.eval_interval == 0 and self.eval_sets:
                 self._eval(n)
             # The last step is saved whenever checkpoints are in use (an interval, or this run
             # resumed one), so that a later start knows the run is finished.
@@ -227,6 +252,10 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_s": tokens_per_step / dt,
             "peak_ddr_bytes": int(res.peak_ddr_bytes),
+            # each rank's whole memory (resident set) beside its ledger peak, by world rank
+            "rss_bytes": max(res.resident_bytes),
+            "rss_bytes_by_rank": list(res.resident_bytes),
+            "peak_ddr_bytes_by_rank": list(res.peaks_ddr_bytes),
             "mfu": tokens_per_step / dt * cfg.model.flops_per_token() / self.peak,
             "elapsed_s": time.perf_counter() - self.t_start,
         }
@@ -292,19 +321,29 @@ class Trainer:
         return (inputs if first else None, targets if last else None)
 
     def _eval(self, n: int) -> None:
-        batches = eval_batches(self.eval_ds, self.cfg.data.eval_batches, self.replica)
-        loss = self.executor.eval_loss(batches)
-        if self.metrics is not None:
-            rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
-                   "eval_tokens": len(batches) * self.cfg.parallel.global_batch
-                   * self.cfg.model.seq_len, "elapsed_s": time.perf_counter() - self.t_start}
-            with writing("eval.jsonl", self.cfg.run.dir):
-                self.metrics.write_event(rec)
-            if self.tb is not None:
-                with writing("tensorboard/", self.cfg.run.dir):
-                    self.tb.log(rec, "eval")
-            print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}",
-                  flush=True)
+        """The eval loss of each held-out file (one; or each source of a mixture, whose
+        weighted mean is eval_loss) into eval.jsonl."""
+        tokens = self.cfg.data.eval_batches * self.cfg.parallel.global_batch * self.cfg.model.seq_len
+        losses = [(name, w, self.executor.eval_loss(
+            eval_batches(ds, self.cfg.data.eval_batches, self.replica)))
+            for name, w, ds in self.eval_sets]
+        loss = sum(w * x for _, w, x in losses) / sum(w for _, w, _ in losses)
+        if self.metrics is None:
+            return
+        rec = {"step": n, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+               "eval_tokens": tokens * len(losses)}
+        for name, _, x in losses:
+            if name:  # a mixture's source
+                rec.update({f"eval_loss/{name}": x, f"eval_ppl/{name}": math.exp(min(x, 700.0))})
+        rec["elapsed_s"] = time.perf_counter() - self.t_start
+        with writing("eval.jsonl", self.cfg.run.dir):
+            self.metrics.write_event(rec)
+        if self.tb is not None:
+            with writing("tensorboard/", self.cfg.run.dir):
+                self.tb.log(rec, "eval")
+        each = "".join(f" | {name} {x:.4f}" for name, _, x in losses if name)
+        print(f"step {n:>5d} | eval loss {loss:.4f} | perplexity {rec['eval_ppl']:.2f}{each}",
+              flush=True)
 
     def _save(self, n: int, stopping: bool = False) -> bool:
         """Checkpoint step n and log it; on failure (the same error on every rank) say so and
@@ -368,7 +407,8 @@ class Trainer:
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
             f"{self.this_rank.ctx.kernels.describe()}, "
-            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}"
+            f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}, "
+            f"{self._memory_note()}"
             + (f", offload activations {cfg.offload.activations} optimizer "
                f"{cfg.offload.optimizer} to {tier_dir(cfg)} (tier "
                f"{self.profile.tier.name if self.profile.tier else 'not stated'})"
@@ -377,6 +417,16 @@ class Trainer:
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
         )
+
+    def _memory_note(self) -> str:
+        """Rank 0's memory at start (its resident set and the ledger's part of it) and what its
+        timeline keeps."""
+        ledger, run = self.this_rank.ledger, self.cfg.run
+        kept = (f"trace timeline up to {run.trace_bytes / 2**20:.3g} MiB per rank (ledger tag "
+                f"{TIMELINE_TAG}; the oldest steps dropped beyond)" if run.trace else
+                "timeline of the current step only (run.trace off)")
+        return (f"memory at start: rss {resident_bytes() / 2**20:.1f} MiB, ledger "
+                f"{ledger.current / 2**20:.1f} MiB (rank 0), {kept}")
 
     def close(self) -> None:
         if self.metrics is not None:
