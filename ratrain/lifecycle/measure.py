@@ -15,7 +15,7 @@ from ratrain.exec import layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak, simulate_peaks
-from ratrain.lifecycle.offload import choose_recovery
+from ratrain.lifecycle.offload import OFFLOAD, choose_recovery
 
 
 def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
@@ -92,7 +92,6 @@ def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
     `offload.activations`), else the choice as it stands; the activations' file sized for the
     tier bytes the memory model plays."""
     off = ex.offloader
-
     base = ex.plan.with_offload([()] * ex.pp, validate=False) if any(ex.plan.offloaded) else ex.plan
 
     def lists_for(offloaded):
@@ -111,7 +110,7 @@ def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
             off.store.ledger.cap, walk)
         choice = {b: choice.get(b, "none") for b in layers}
     else:
-        peak, tier = walk(lists_for(tuple(b for b, c in choice.items() if c == "offload")),
+        peak, tier = walk(lists_for(tuple(b for b, c in choice.items() if c == OFFLOAD)),
                           sizes.with_recompute(choice))
     off.prepare_activations(tier - off.state_bytes)
     return choice, peak

@@ -29,8 +29,8 @@ from ratrain.exec.params import (
     view_bytes_per_param,
 )
 from ratrain.exec.spec import RECOMPUTE, block_params, block_role
-from ratrain.lifecycle import schedule as sched
 from ratrain.exec.layers import layer_cache_nbytes
+from ratrain.lifecycle import schedule as sched
 from ratrain.lifecycle.offload import (
     OFFLOAD,
     STATE_TIER_BYTES,
@@ -104,8 +104,8 @@ def stage_sizes(model, micro_batch: int, precision: str, blocks,
 
     Layers keep `layer_activation_bytes` per micro-batch (and hold their full activations
     while a recomputation runs; an offloaded layer holds its cache as the kernels keep it,
-    `exec.layers.layer_cache_nbytes`, while it is written or read); the head keeps its input and fp32 statistics; the embedding
-    keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
+    `exec.layers.layer_cache_nbytes`, while it is written or read); the head keeps its input
+    and fp32 statistics; the embedding keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
     fp32 weight copies, unlike the CPU emulation, whose executor measures its own).
     """
     tokens = micro_batch * model.seq_len
