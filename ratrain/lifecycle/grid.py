@@ -24,6 +24,10 @@ alloc-grad L    allocate block L's gradient            free-grad L   release it
 sync L          start block L's gradient all-reduce    sync-scatter L   ... its reduce-scatter
 wait-sync L     wait for that collective               update L      AdamW of block L
 norm            the step's global facts (gradient norm, overflow, loss): every rank meets
+offload mbI L / wait-offload mbI L   write layer L's activations to the tier / wait for it
+fetch mbI L / wait-fetch mbI L       read them back before L's backward / wait for it
+fetch-state L ... offload-state L    block L's optimizer state from / to the tier around its
+fetch-master L ... drop-master L     update; its master read for a view cast, then dropped
 L<i> = layers.<i>; embed, head as they are"""
 
 _RECV, _SEND, _NORM, _COMPUTE, _LIFE = "recv", "send", "norm", "compute", "lifecycle"
@@ -31,8 +35,8 @@ _PLAY = dispatch_table("grid.timeline", {
     sched.RecvForward: (_RECV, "fwd", 0), sched.RecvBackward: (_RECV, "bwd", 0),
     sched.SendForward: (_SEND, "fwd", +1), sched.SendBackward: (_SEND, "bwd", -1),
     sched.GradNorm: (_NORM,), sched.Forward: (_COMPUTE,), sched.Backward: (_COMPUTE,),
-}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update),
-    default=(_LIFE,))
+}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update,
+           *sched.TIER_ACTIONS), default=(_LIFE,))
 
 
 class _Player:
