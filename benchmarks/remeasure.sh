@@ -7,8 +7,8 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle hetero psync checkpoint data faults slurm timing (the
-# wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
+# PARTS (default all): bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing
+# (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
 # 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
 # figures) holds its exit_status and the table says so.
@@ -20,7 +20,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle hetero psync checkpoint data faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -83,6 +83,15 @@ for part in $PARTS; do
     # simulated, not timed: the paper's four models on a mixed cluster of 1024 (~10 min)
     if [ "$SMOKE" = 1 ]; then P=(--jobs jobs/llama2-7b.yaml --policies ratrain); else P=(); fi
     rec hetero-plan -- "$PY" benchmarks/hetero_plan.py "${P[@]}" ;;
+  tier)  # ~6 min, then ~15 simulated: jobs/bench-tier.yaml on 2 ranks: the DDR peak with every
+    # layer offloaded; offload against recomputation at three tier bandwidths, beside the
+    # simulator and the planner's choice; the paper's four models with the nvme tier (planner)
+    rec tier-peaks -- "${MPI[@]}" -n 2 "$PY" benchmarks/tier.py peaks
+    T=(--bandwidths "$(s 1e11,5e9 1e11,2e10,5e9)" --rounds "$(s 1 2)")
+    [ "$SMOKE" = 1 ] && T+=(--skip 1 --set run.steps=3)
+    rec tier-bench -- "${MPI[@]}" -n 2 "$PY" benchmarks/tier.py measure "${T[@]}"
+    if [ "$SMOKE" = 1 ]; then M=(jobs/llama2-7b.yaml); else M=(); fi
+    rec tier-models -- "$PY" benchmarks/tier.py models "${M[@]}" ;;
   psync)  # ~30 min: partial against full synchronization (jobs/psync.yaml) on 2 emulated nodes
     # (root): steps/s interleaved beside the simulator, then both trained on the default corpus
     # and judged by ratrain.compare (the curves: docs/psync-curves.png)
@@ -137,7 +146,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle hetero psync checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

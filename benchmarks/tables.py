@@ -112,6 +112,31 @@ TABLES = {
           ("final_rel_dev", "at the end", ".4f"),
           ("speedup", "time to full's final loss, full / partial", ".2f"),
           ("passed", "within the recipe's bounds", "")]),
+        ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
+         "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
+         "peak, less the double buffer (a layer written, one read)",
+         [("stage0.drop_MiB", "stage 0 drop MiB", ".3f"),
+          ("stage0.offloaded_MiB", "offloaded", ".3f"),
+          ("stage0.layer_cache_MiB", "a layer's", ".3f"),
+          ("stage1.drop_MiB", "stage 1 drop", ".3f"), ("stage1.offloaded_MiB", "offloaded", ".3f"),
+          ("target_met", "met", "")]),
+        ("tier-bench", "jobs/bench-tier.yaml (pp 2, an emulated tier): the layers that must leave "
+         "the DDR offloaded or recomputed, at three tier bandwidths, measured beside the "
+         "simulator",
+         [("1e+11/offload.step_s", "1e11 B/s offload s", ".3f"),
+          ("1e+11/recompute.step_s", "recompute s", ".3f"),
+          ("2e+10/offload.step_s", "2e10 offload", ".3f"),
+          ("2e+10/recompute.step_s", "recompute", ".3f"),
+          ("5e+09/offload.step_s", "5e9 offload", ".3f"),
+          ("5e+09/recompute.step_s", "recompute", ".3f"),
+          ("planner_agrees", "the planner's choice is the faster measured", ""),
+          ("sim_over_measured_min", "simulated / measured from", ".3f"),
+          ("sim_over_measured_max", "to", ".3f"), ("losses_equal", "losses equal", "")]),
+        ("tier-models", "the paper's four models with the nvme tier (simulated): the best plan "
+         "with the tier over today's best",
+         [("llama2-7b.ratio", "7B", ".3f"), ("baichuan2-13b.ratio", "13B", ".3f"),
+          ("qwen2.5-32b.ratio", "32B", ".3f"), ("llama2-70b.ratio", "70B", ".3f"),
+          ("llama2-70b.tier_pp", "70B stages", "d"), ("llama2-70b.today_pp", "today's", "d")]),
     ],
     "docs/FAULTS.md": [
         ("faults-stop", "kill -STOP of a rank: the job ends naming it",

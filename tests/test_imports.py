@@ -3,22 +3,11 @@ ratrain import inside a function says in a comment why it is not at the top (a r
 not a `noqa`), and every package's "May import:" line (in its `__init__` docstring) names each
 ratrain package or module it really imports.
 
-Layers (a package may import only packages of a lower layer, and its own modules; the root
-package `ratrain` is a layer-0 module like any other, with no exemption):
-
-    0  ratrain (the version), ratrain.fileio, ratrain.fastpath (the compiled fast paths' switch)
-    1  config
-    2  shim, job                          (job: the life of a job: run control, abort, watchdog,
-                                           control plane, exit codes, metrics, TensorBoard; MPI
-                                           directly, no comm)
-    3  comm, exec, data
-    4  lifecycle, checkpoint, hf          (checkpoint and hf know the model's parameters)
-    5  plan, api                          (api: load a model, logits, eval, generate)
-    6  train, bench, export, compare, eval, generate, configdoc, __main__ (the commands)
-
-Keys of modules not in this tree (`fastpath`, `job`, on branches not merged yet) do no harm: a
-key only places what exists. The checker reads every module's source with `ast` (nothing is
-imported), so it also runs on planted trees (`test_checker_catches_...`).
+The layers are read from their one list, the table in docs/INTERNALS.md ("The layers"): a
+package may import only packages of a lower layer, and its own modules; the root package
+`ratrain` is a layer-0 module like any other, with no exemption. The checker reads every
+module's source with `ast` (nothing is imported), so it also runs on planted trees
+(`test_checker_catches_...`).
 """
 
 from __future__ import annotations
@@ -31,16 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "ratrain"
 
-LAYERS = {
-    "ratrain": 0, "ratrain.fileio": 0, "ratrain.fastpath": 0, "ratrain.device": 0,
-    "ratrain.config": 1,
-    "ratrain.shim": 2, "ratrain.job": 2,
-    "ratrain.comm": 3, "ratrain.exec": 3, "ratrain.data": 3,
-    "ratrain.lifecycle": 4, "ratrain.checkpoint": 4, "ratrain.hf": 4,
-    "ratrain.plan": 5, "ratrain.api": 5,
-    "ratrain.train": 6, "ratrain.bench": 6, "ratrain.export": 6, "ratrain.compare": 6,
-    "ratrain.eval": 6, "ratrain.generate": 6, "ratrain.configdoc": 6, "ratrain.__main__": 6,
-}
+def read_layers(doc: Path) -> dict[str, int]:
+    """{module: layer} from the layer table of docs/INTERNALS.md: rows `| N | `a` `b` | ... |`."""
+    layers = {}
+    for n, names in re.findall(r"^\| (\d) \| ((?:`[\w.]+` ?)+)\|", doc.read_text(), re.M):
+        for name in re.findall(r"`([\w.]+)`", names):
+            layers["ratrain" if name == "ratrain" else f"ratrain.{name}"] = int(n)
+    return layers
+
+
+LAYERS = read_layers(ROOT.parent / "docs" / "INTERNALS.md")
 
 
 def _module_name(root: Path, path: Path) -> str:

@@ -115,6 +115,32 @@ def test_sharded_optimizer_state_is_refused_in_one_line():
     check_config(load_config("tiny", ["sync.mode=partial"]))  # dp 1: nothing is sharded
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_partial_sync_composes_with_the_tier(policy):
+    """Each phase's lists carry both the averages and the tier's transfers, validated together;
+    masters in the tier while they are averaged are refused in one line naming the keys."""
+    every = [b for s in BLOCKS for b in s]
+    offloaded = [tuple(b for b in s if b.startswith("layers.")) for s in BLOCKS]
+    pol = Policy(policy)
+    pol = Policy(policy, components=replace(pol.components, shard=False))
+    p = PipelinePlan.build(pol, BLOCKS, 3, "fp32", 2, offloaded=offloaded,
+                           offload_state="moments",
+                           partial=PartialSync.round_robin(every, 3))
+    for step in range(3):
+        kinds = {type(e) for a in p.step_list(0, step > 0, step)
+                 for _, e in sched.expand(a, BLOCKS[0])}  # with the hooks on compute
+        assert sched.Offload in kinds and sched.WaitFetch in kinds
+        assert (sched.AverageParams in kinds) == bool(p.partial.blocks_at(step) & set(BLOCKS[0]))
+    with pytest.raises(ValueError) as e:
+        PipelinePlan.build(pol, BLOCKS, 3, "fp16", 2, offload_state="masters",
+                           partial=PartialSync.round_robin(every, 3))
+    msg = str(e.value)
+    assert "\n" not in msg and "sync.mode=partial" in msg and "offload.optimizer=moments" in msg
+    with pytest.raises(ValueError, match="offload.optimizer=masters"):
+        check_config(load_config("tiny", ["sync.mode=partial", "offload.optimizer=masters",
+                                          "precision=fp16"]))
+
+
 @pytest.mark.parametrize("sets,words", [
     (["sync.mode=some"], "sync.mode='some' is not one of: full, partial"),
     (["sync.period=0"], "sync.period=0 must be >= 1"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ratrain.comm.algos import reference as allreduce_reference
-from ratrain.config import SyncConfig
+from ratrain.config import OffloadConfig, SyncConfig
 from ratrain.lifecycle.partial import Averager
 from ratrain.lifecycle.rank import build_rank
 from tests._executor_util import global_batch, params_digest, tiny_config, train
@@ -83,6 +83,22 @@ def test_runtime_is_bitwise_the_reference(policy, mpi_group):
     assert [r.lr for r in res] == [r.lr for r in mine]
     others = comm.allgather(params_digest(ex.final_params))
     assert others[0] != others[1]  # the replicas differ between averages
+
+
+@pytest.mark.mpi(min_size=2)
+def test_offload_under_partial_sync_is_bitwise_the_run_without(mpi_group, tmp_path_factory):
+    """The tier's transfers and the averages in one plan: activations and moments in the tier
+    change when bytes move, never what partial sync computes."""
+    comm = mpi_group(2)
+    path = comm.bcast(str(tmp_path_factory.mktemp("tier")) if comm.Get_rank() == 0 else None)
+    cfg = partial_config(policy="ratrain", steps=3)
+    tiered = replace(cfg, offload=OffloadConfig(activations="all", optimizer="moments",
+                                                path=path))
+    out = []
+    for c in (cfg, tiered):
+        res, _, ex = train(c, comm)
+        out.append(([(r.loss, r.grad_norm) for r in res], params_digest(ex.final_params)))
+    assert out[0] == out[1]
 
 
 @pytest.mark.mpi(min_size=4)

@@ -6,7 +6,7 @@ times one round. Each line of a ```bash block (backslash continuations joined) r
 `bash -c` in the copy's root, in order, with the test's Python first on PATH (so `python`,
 `mpirun` and `ratrain` are this environment's; a `ratrain` wrapper around `python -m ratrain`
 stands in when the console script is not installed) and PYTHONPATH at the copy; ```python
-blocks run with that Python. Lines that cannot run here are skipped for the reason listed in
+blocks run with that Python, and ```yaml blocks must load as config sections. Lines that cannot run here are skipped for the reason listed in
 `SKIP` (installs, a cluster, files of the reader's own); everything else must exit 0.
 """
 
@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from ratrain.config import config_from_dict
 from tests._prereq import strict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +56,10 @@ def shorten(cmd: str) -> str:
 def blocks(text: str):
     """(language, [command, ...]) of every fenced block, in order."""
     for lang, body in re.findall(r"```(\w+)\n(.*?)```", text, re.S):
-        if lang == "python":
+        if lang in ("python", "yaml"):  # a program; a job file's sections
             yield lang, [body]
+            continue
+        if lang != "bash":
             continue
         cmds, cur = [], ""
         for line in body.splitlines():
@@ -86,9 +90,11 @@ def skip_reason(cmd: str) -> str | None:
 def _copy(dst: Path) -> Path:
     top = {".git", ".venv", "runs", "data", "hf", "build", ".pytest_cache", ".ruff_cache"}
 
-    def ignore(folder, names):  # the run outputs at the top; caches anywhere
+    def ignore(folder, names):  # the run outputs at the top; caches anywhere but numba's
         here = set(names) & top if Path(folder) == ROOT else set()
-        return here | {n for n in names if n == "__pycache__" or n.endswith(".egg-info")}
+        if Path(folder).name == "__pycache__":  # numba's compiled kernels (the source stamps
+            return {n for n in names if not n.endswith((".nbi", ".nbc"))}  # are copied too)
+        return here | {n for n in names if n.endswith(".egg-info")}
 
     shutil.copytree(ROOT, dst, symlinks=True, ignore=ignore)
     job = dst / "jobs" / "tiny.yaml"
@@ -137,6 +143,10 @@ def test_every_readme_command_runs(tmp_path):
             why = skip_reason(cmd) if lang == "bash" else None
             if why:
                 skipped.append((cmd, why))
+                continue
+            if lang == "yaml":  # sections of a job: valid config (keys, types, values)
+                config_from_dict(yaml.safe_load(cmd), "README.md")
+                ran.append(cmd)
                 continue
             argv = ["bash", "-c", shorten(cmd)] if lang == "bash" else [sys.executable, "-c", cmd]
             p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True,

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from ratrain.config.data import DataConfig
+from ratrain.config.offload import OffloadConfig, check_offload
 from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
@@ -52,6 +53,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -59,6 +61,7 @@ class Config:
             if hasattr(sub, "check"):
                 sub.check()
         _choice(self, "", "precision", PRECISIONS)
+        check_offload(self)
         m, p = self.model, self.parallel
         if p.pp > m.layers:
             raise ConfigError(
@@ -242,7 +245,7 @@ def _apply_override(data: dict, ov: str) -> None:
 __all__ = [
     "PRECISIONS", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
     "InitConfig", "act_itemsize", "is_half",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
+    "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
     "SWITCHES", "ScheduleConfig", "StrictLoader", "SyncConfig", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",
     "shipped_jobs", "with_overrides",

@@ -101,6 +101,13 @@ class PlatformConfig:
     classes: rank classes of a heterogeneous cluster (see platform.classes[] below): each
         names its ranks or hosts and the values in which they differ; every rank must belong
         to exactly one class; empty = every rank is the profile
+    tier: the memory tier below the DDR that offloaded state goes to (offload.*): a tier the
+        profile states (mt3000: host, nvme); "" = none stated (offload then runs unthrottled
+        and uncapped, unless tier_bytes / tier_bandwidth / tier_latency state one)
+    tier_bytes: the tier's capacity in bytes per node, shared evenly by its ranks
+    tier_bandwidth: the tier's bandwidth in bytes/s per node, shared by its ranks (throttled
+        under emulate, as the interface is)
+    tier_latency: the tier's latency in s per transfer
     """
     profile: str = "host"
     # Each of these overrides the profile's value when set (None keeps the profile's).
@@ -115,6 +122,10 @@ class PlatformConfig:
     ranks_per_node: int | None = None  # ranks sharing a node and its network interface
     ddr_bandwidth: float | None = None  # bytes/s; overrides the profile's fact
     classes: tuple[RankClass, ...] = ()
+    tier: str = ""  # a tier of the profile (mt3000: host | nvme); "" = none
+    tier_bytes: int | None = None  # bytes per node; overrides the tier's
+    tier_bandwidth: float | None = None  # bytes/s per node; overrides the tier's
+    tier_latency: float | None = None  # s per transfer; overrides the tier's
 
     def check(self) -> None:
         names = [c.name for c in self.classes]
@@ -130,7 +141,8 @@ class PlatformConfig:
                     raise ConfigError(f"platform.classes: rank {r} is in both {self.classes[j].name} "
                                       f"and {c.name}: give each rank one class")
         for key in ("ddr_bytes", "link_bandwidth", "link_latency", "compute_flops",
-                    "intra_bandwidth", "intra_latency", "ddr_bandwidth"):
+                    "intra_bandwidth", "intra_latency", "ddr_bandwidth", "tier_bytes",
+                    "tier_bandwidth", "tier_latency"):
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"platform.{key}={v} must be >= 0")

@@ -6,6 +6,7 @@ The interface is docs/INTERNALS.md's "Block kernels":
     layer_forward(x, p, ctx, recompute) -> (y, cache) layer_backward(dy, cache, p, g, ctx) -> dx
     head_forward(x, targets, p, ctx) -> (loss, cache) head_backward(dscale, cache, p, g, ctx) -> dx
     cache_nbytes(cache) -> int ; cache_arrays(cache) -> list of arrays (for ledger.track)
+    layer_cache_nbytes(model, batch, precision, recompute) -> int  (the same, from shapes)
 
 `p` maps local names to the block's working weight view (ctx.dtype: float16, bfloat16 or
 float32, Hugging Face layout (out, in), y = x @ W.T); `g` maps local names to fp32 gradient
@@ -40,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+from ratrain.config import act_itemsize
 from ratrain.device import stacked_rows
 from ratrain.exec import kernels
 from ratrain.exec.attention import AttentionCache
@@ -73,6 +75,22 @@ def cache_arrays(cache: BlockCache) -> list:
 
 def cache_nbytes(cache: BlockCache) -> int:
     return int(sum(a.nbytes for a in cache_arrays(cache)))
+
+
+def layer_cache_nbytes(model, batch: int, precision: str, recompute: str = "none") -> int:
+    """Bytes a decoder layer's cache holds for a micro-batch of `batch` sequences, from shapes,
+    as `layer_forward` keeps it (tested against `cache_nbytes`): the input, q, k, v, h, gate|up
+    and the RMSNorm statistics; `none` adds o and its logsumexp; `full` keeps the input only.
+    What offloading a layer moves to the memory tier and back (`plan.cost.offload_bytes`)."""
+    n, e = batch * model.seq_len, act_itemsize(precision)
+    hd, kvd = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    x = n * model.hidden * e
+    if recompute == "full":
+        return x
+    kept = 2 * x + n * (hd + 2 * kvd + 2 * model.ffn_hidden) * e + 2 * 4 * n  # x, h; q k v, gu; rstd
+    if recompute == "none":
+        kept += n * hd * e + 4 * n * model.heads  # o, lse
+    return kept
 
 
 def _as(ctx, a, dtype):

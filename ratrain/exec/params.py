@@ -79,6 +79,13 @@ def segment_bounds(n: int, q: int, p: int) -> tuple[int, int]:
     return q * n // p, (q + 1) * n // p
 
 
+def held_elements(blocks: Iterable[BlockSpec], shard: tuple[int, int] | None = None) -> int:
+    """Elements of each of master, m, v that a `StageState` of `blocks` holds (`shard`: (q, p),
+    its segments only)."""
+    q, p = shard or (0, 1)
+    return sum(hi - lo for lo, hi in (segment_bounds(b.size, q, p) for b in blocks))
+
+
 class StageState:
     """Flat fp32 masters, AdamW moments, working views and gradients for one stage's blocks.
 
@@ -93,6 +100,10 @@ class StageState:
             it must hold every parameter of the stage (extra names are ignored).
         shard: (q, p): hold only segment q of p of each block's master and moments (see the
             module); None or p = 1: whole blocks.
+        external: {buffer: flat fp32 array of `held_size`} for the state buffers that live
+            outside the DDR (in the memory tier: `lifecycle.offloader`), used instead of an
+            allocation from the ledger; a block's segment is then served from a DDR copy while
+            one is placed (`place`, `unplace`).
     """
 
     def __init__(
@@ -105,6 +116,7 @@ class StageState:
         initial: Mapping[str, np.ndarray] | None = None,
         shard: tuple[int, int] | None = None,
         kernels: Kernels | None = None,
+        external: Mapping[str, object] | None = None,
     ):
         if precision not in ("fp32", "fp16", "bf16"):
             raise ValueError(f"precision={precision!r} is not one of: fp32, fp16, bf16")
@@ -138,8 +150,18 @@ class StageState:
         self.size = off  # parameters on this stage
         self._set_shard(*(shard or (0, 1)))
 
+        self.external = dict(external or {})
         for buf, tag in BUFFER_TAGS.items():  # (N/p,) each, zeroed
-            setattr(self, f"{buf}_buf", ledger.alloc(tag, (self.held_size,), np.float32, xp))
+            if buf in self.external:  # in the tier (memory-mapped): not the DDR's
+                ext = self.external[buf]
+                if ext.shape != (self.held_size,) or ext.dtype != np.float32:
+                    raise ValueError(f"external {buf}: {ext.shape} {ext.dtype}, expected "
+                                     f"({self.held_size},) float32")
+                ext[...] = 0
+                setattr(self, f"{buf}_buf", ext)
+            else:
+                setattr(self, f"{buf}_buf", ledger.alloc(tag, (self.held_size,), np.float32, xp))
+        self._placed: dict[tuple[str, str], object] = {}  # (buffer, block) -> DDR copy
         self._views: dict[str, object] = {}  # separate views (16-bit or sharded): block -> flat
         self._grads: dict[str, object] = {}  # block -> flat fp32 gradient
         self._shrunk: set[str] = set()  # blocks whose gradient holds only the own segment
@@ -184,6 +206,9 @@ class StageState:
         if self.sharded:
             raise RuntimeError(f"the state is already sharded ({self.shard_index} of "
                                f"{self.num_shards})")
+        if self.external:
+            raise RuntimeError("a state whose buffers live in the tier is built sharded; it "
+                               "cannot be cut afterwards")
         if self._views or self._grads:
             raise RuntimeError("drop every view and free every gradient before sharding")
         if p == 1:
@@ -285,12 +310,27 @@ class StageState:
 
     def flat(self, buf: str, block: str):
         """The block's slice of `master`, `m` or `v` (a view, fp32); sharded: the own segment
-        only (`segment(block)` says which part of the block)."""
+        only (`segment(block)` says which part of the block); a buffer in the tier: its DDR copy
+        while one is placed."""
         if buf not in STATE_BUFFERS:
             raise ValueError(f"buffer {buf!r} is not one of: {', '.join(STATE_BUFFERS)}")
         self.block(block)
+        placed = self._placed.get((buf, block)) if self._placed else None
+        if placed is not None:
+            return placed
         a, b = self._held_range[block]
         return self.buffer(buf)[a:b]
+
+    def place(self, buf: str, block: str, arr) -> None:
+        """Serve `arr` (a DDR copy of the block's segment of a buffer in the tier) as
+        `flat(buf, block)` until `unplace`."""
+        if buf not in self.external:
+            raise RuntimeError(f"buffer {buf!r} is not in the tier: nothing to place")
+        self._placed[(buf, block)] = arr
+
+    def unplace(self, buf: str, block: str):
+        """Stop serving the placed copy; returns it (write it back, then free it)."""
+        return self._placed.pop((buf, block))
 
     def master_flat(self, block: str):
         return self.flat("master", block)
@@ -505,6 +545,7 @@ __all__ = [
     "GRAD_BYTES_PER_PARAM",
     "STATE_BYTES_PER_PARAM",
     "StageState",
+    "held_elements",
     "segment_bounds",
     "shard_size",
     "view_bytes_per_param",

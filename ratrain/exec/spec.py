@@ -163,6 +163,13 @@ def stage_layers(m: ModelConfig, pp: int, layers_per_stage=None) -> list[range]:
     if layers_per_stage is not None:
         bounds = np.cumsum([0, *layers_per_stage])
         return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return list(_balanced_layers(m, pp))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_layers(m: ModelConfig, pp: int) -> tuple[range, ...]:
+    """`stage_layers` without an override (O(pp x layers^2): the planner asks for every stage
+    of hundreds of layouts, so it is kept)."""
     L = m.layers
     layer = block_flops_per_token(m, "layer")
     extra = [0.0] * pp
@@ -186,7 +193,7 @@ def stage_layers(m: ModelConfig, pp: int, layers_per_stage=None) -> list[range]:
         ranges.append(range(j, i))
         i = j
     ranges.append(range(0, i))
-    return ranges[::-1]
+    return tuple(ranges[::-1])
 
 
 def stage_blocks(m: ModelConfig, pp: int, stage: int, layers_per_stage=None) -> list[BlockSpec]:

@@ -7,7 +7,9 @@ policies that place gradient syncs, updates, views and recomputation per block a
 buffer, validated once, that the executor, the planner, the benches and the grid all take
 (`pipeline.PipelinePlan`); the validator (`validate`) and the grid printer (`grid`); the memory model of one
 rank, played over its action lists (`memory`), and the activation sizes measured from the
-kernels (`measure`); the executor that runs a rank's lists (`executor`) with its stage compute
+kernels (`measure`); offload to the memory tier as lifecycle actions, where they go, what they
+hold and which layers to offload (`offload`), and the executor's side of them (`offloader`); the
+executor that runs a rank's lists (`executor`) with its stage compute
 (`compute`), its pipeline messages (`mailbox`), the step's global facts (`facts`) and whole
 blocks for checkpoints (`fullstate`); timelines out (`trace`); the one way to build a rank
 (`rank`); `python -m ratrain.lifecycle.bench` (grids, memory and timing of the policies).

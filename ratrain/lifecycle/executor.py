@@ -80,6 +80,8 @@ from ratrain.lifecycle import schedule as sched
 from ratrain.lifecycle.compute import StageCompute
 from ratrain.lifecycle.facts import FactsLayout
 from ratrain.lifecycle.mailbox import Mailbox
+from ratrain.lifecycle.offload import OFFLOAD, kernel_recompute
+from ratrain.lifecycle.offloader import Offloader
 from ratrain.lifecycle.partial import Averager, replica_norms
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
@@ -113,6 +115,13 @@ class _Pending:
     skipped: bool
 
 
+def _no_tier() -> dict:
+    """The tier's actions on a rank without a tier: a plan that has them is a bug."""
+    def refuse(a):
+        raise RuntimeError(f"{a}: this rank has no memory tier (offload.* is off)")
+    return dict.fromkeys(sched.TIER_ACTIONS, refuse)
+
+
 def _done(value=None) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -126,7 +135,7 @@ class Executor:
 
     def __init__(self, cfg, plan: PipelinePlan, topo, state, ctx, engine=None, ledger=None, *,
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
-                 total_steps: int | None = None, pacer=None):
+                 total_steps: int | None = None, pacer=None, tier=None):
         self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
         self._place(plan, topo, engine, ledger if ledger is not None else state.ledger)
         self.total_steps = total_steps if total_steps is not None else cfg.run.steps
@@ -134,6 +143,10 @@ class Executor:
         self.blocks, self.sharded = list(self.info.blocks), self.info.sharded
         self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
+        # the memory tier's transfers (`lifecycle.offloader`; `tier`: its store), or None
+        self.offloader = (Offloader(tier, state, self.compute, self.ledger, ctx.xp,
+                                    self._comm_event, plan.offload_state)
+                          if tier is not None else None)
         # global block order, for the norm partials; every replica's micro-batches
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
         self.shares = plan.shares
@@ -196,6 +209,7 @@ class Executor:
             sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
             sched.AverageParams: lambda a: self.averager.start(a),
             sched.WaitAverage: lambda a: self.averager.wait(a),
+            **(self.offloader.handlers() if self.offloader is not None else _no_tier()),
         })
 
     def _check_state(self) -> None:
@@ -214,15 +228,29 @@ class Executor:
                 + (f"segment {self.replica} of {self.dp}" if self.sharded else "whole blocks"))
 
     def _plain_recompute(self) -> dict[str, str]:
-        """Per layer, `schedule.recompute` as it stands (`auto`: none until chosen)."""
+        """Per layer, `schedule.recompute` as it stands (`auto`: none until chosen;
+        `offload.activations: all`: every layer offloaded)."""
         mode = self.cfg.schedule.recompute
+        if self.cfg.offload.activations == "all":
+            mode = OFFLOAD
         return {b: ("none" if mode == "auto" else mode)
                 for b in self.blocks if self.compute.role[b] == "layer"}
 
     def set_recompute(self, choice: dict[str, str], predicted_peak: int | None) -> None:
-        """What each layer recomputes, and the peak bytes the memory model predicts with it
-        (`lifecycle.measure.fit_rank_recompute`; None: not measured)."""
-        self.compute.recompute, self.predicted_peak = choice, predicted_peak
+        """What each layer recomputes (`offload`: keeps everything, in the tier), and the peak
+        bytes the memory model predicts with it (`lifecycle.measure.fit_rank_recompute`; None:
+        not measured). Offloaded layers put the tier's transfers in this stage's lists."""
+        self.recovery = dict(choice)
+        self.compute.recompute = {b: kernel_recompute(c) for b, c in choice.items()}
+        self.predicted_peak = predicted_peak
+        off = tuple(b for b, c in choice.items() if c == OFFLOAD)
+        if off != self.plan.offloaded[self.stage]:
+            if off and self.offloader is None:
+                raise ValueError(f"rank {self.rank}: layers {list(off)} are to be offloaded but "
+                                 "the rank has no memory tier (offload.activations is off)")
+            self.plan = self.plan.with_offload(
+                [off if s == self.stage else o for s, o in enumerate(self.plan.offloaded)])
+            self.info = self.plan.stages[self.stage]
 
     # -- public API -------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ import numpy as np
 from ratrain.exec import layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import RECOMPUTE
-from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
+from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak, simulate_peaks
+from ratrain.lifecycle.offload import OFFLOAD, choose_recovery
 
 
 def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
@@ -62,7 +63,7 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
         full_act={b: modes["none"] for b, modes in act.items()},
         message_bytes=int(np.prod(shape)) * np.dtype(ctx.dtype).itemsize,
         static=ex.ledger.current - held_grads, extra=extra, recompute=recompute,
-        shards=ex.info.shards)
+        shards=ex.info.shards, offload_state=ex.info.offload_state)
 
 
 def fit_rank_recompute(executor) -> tuple[dict[str, str], int]:
@@ -73,14 +74,46 @@ def fit_rank_recompute(executor) -> tuple[dict[str, str], int]:
     Collective like `measure_stage_sizes`: `lifecycle.rank.build_rank` calls it on every rank
     at the same point, after the executor is made and before its first step."""
     ex = executor
-    choice = dict(ex.compute.recompute)  # schedule.recompute as it stands (auto: none)
+    choice = dict(ex.recovery)  # schedule.recompute as it stands (auto: none)
     sizes = measure_stage_sizes(ex, choice)
+    if ex.offloader is not None:  # keep / recompute / offload, and the tier's bytes
+        return _fit_with_tier(ex, sizes, choice)
     lists = ex.plan.stage_steps(ex.stage, 2)
     if ex.cfg.schedule.recompute == "auto":
         chosen, peak = choose_recompute(ex.ledger.cap, sizes, lists, ex.blocks,
                                         ex.plan.per_layer_recovery)
         return {b: chosen.get(b, "none") for b in choice}, peak
     return choice, simulate_peak(lists, ex.blocks, sizes)
+
+
+def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
+    """`fit_rank_recompute` on a rank with a memory tier: under `recompute: auto` each layer
+    kept, recomputed or offloaded (`lifecycle.offload.choose_recovery`, by
+    `offload.activations`), else the choice as it stands; the activations' file sized for the
+    tier bytes the memory model plays."""
+    off = ex.offloader
+    base = ex.plan.with_offload([()] * ex.pp, validate=False) if any(ex.plan.offloaded) else ex.plan
+
+    def lists_for(offloaded):
+        return base.offloaded_steps(ex.stage, offloaded, 2)
+
+    def walk(lists, s):
+        return simulate_peaks(lists, ex.blocks, s)
+
+    mode, layers = ex.cfg.offload.activations, list(choice)
+    if ex.cfg.schedule.recompute == "auto":
+        layer = next((b for b in ex.blocks if b in choice), None)
+        top = (off.rates.offloadable(ex.cfg.model, ex.blocks, ex.micro_batch,
+                                     sizes.act[layer]["none"]) if layer is not None else 0)
+        choice, peak, tier = choose_recovery(
+            ex.ledger.cap, sizes, lists_for, ex.blocks, ex.plan.per_layer_recovery, mode, top,
+            off.store.ledger.cap, walk)
+        choice = {b: choice.get(b, "none") for b in layers}
+    else:
+        peak, tier = walk(lists_for(tuple(b for b, c in choice.items() if c == OFFLOAD)),
+                          sizes.with_recompute(choice))
+    off.prepare_activations(tier - off.state_bytes)
+    return choice, peak
 
 
 __all__ = ["fit_rank_recompute", "measure_stage_sizes"]

@@ -29,7 +29,15 @@ from ratrain.exec.params import (
     view_bytes_per_param,
 )
 from ratrain.exec.spec import RECOMPUTE, block_params, block_role
+from ratrain.exec.layers import layer_cache_nbytes
 from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.offload import (
+    OFFLOAD,
+    STATE_TIER_BYTES,
+    MemoryTier,
+    held_params,
+    kernel_recompute,
+)
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 
@@ -46,10 +54,15 @@ class StageSizes:
     extra: int = 0  # anything else resident (scratch reserve, comm buffers)
     recompute: dict[str, str] = field(default_factory=dict)  # block -> choice ("none" if absent)
     shards: int = 1  # dp segments of the optimizer state (1: whole blocks on every replica)
+    offload_state: str = "off"  # offload.optimizer: the state that lives in the tier
 
     def kept(self, block: str) -> int:
-        modes = self.act[block]
-        return modes.get(self.recompute.get(block, "none"), modes.get("none", 0))
+        """Bytes `block` keeps per micro-batch (an offloaded layer: what it moves to the tier,
+        when the sizes say, else what `none` keeps)."""
+        modes, choice = self.act[block], self.recompute.get(block, "none")
+        if choice in modes:
+            return modes[choice]
+        return modes.get(kernel_recompute(choice), modes.get("none", 0))
 
     def with_recompute(self, recompute: dict[str, str]) -> StageSizes:
         return replace(self, recompute=dict(recompute))
@@ -85,17 +98,21 @@ def layer_activation_bytes(model, micro_batch: int, precision: str, recompute: s
 
 
 def stage_sizes(model, micro_batch: int, precision: str, blocks,
-                recompute: dict[str, str] | None = None, shards: int = 1) -> StageSizes:
+                recompute: dict[str, str] | None = None, shards: int = 1,
+                offload_state: str = "off") -> StageSizes:
     """`StageSizes` of one stage on the platform, from shapes.
 
     Layers keep `layer_activation_bytes` per micro-batch (and hold their full activations
-    while a recomputation runs); the head keeps its input and fp32 statistics; the embedding
-    keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
+    while a recomputation runs; an offloaded layer holds its cache as the kernels keep it,
+    `exec.layers.layer_cache_nbytes`, while it is written or read); the head keeps its input
+    and fp32 statistics; the embedding keeps the token ids. Kernel workspaces are not counted (the platform's fp16 GEMMs need no
     fp32 weight copies, unlike the CPU emulation, whose executor measures its own).
     """
     tokens = micro_batch * model.seq_len
     x = tokens * model.hidden * act_itemsize(precision)
     layer = {r: layer_activation_bytes(model, micro_batch, precision, r) for r in RECOMPUTE}
+    # an offloaded layer's cache, as the kernels keep it: the bytes the tier moves
+    layer[OFFLOAD] = layer_cache_nbytes(model, micro_batch, precision, "none")
     params, act, full = {}, {}, {}
     for b in blocks:
         role = block_role(b)
@@ -107,7 +124,8 @@ def stage_sizes(model, micro_batch: int, precision: str, blocks,
         else:
             act[b] = {"none": 8 * tokens}  # int64 token ids
     return StageSizes(precision=precision, params=params, act=act, full_act=full,
-                      message_bytes=x, recompute=dict(recompute or {}), shards=shards)
+                      message_bytes=x, recompute=dict(recompute or {}), shards=shards,
+                      offload_state=offload_state)
 
 
 class _Walk:
@@ -118,13 +136,16 @@ class _Walk:
         shards = sizes.shards
         self.separate = is_half(sizes.precision) or shards > 1  # views are buffers of their own
         self.vb = view_bytes_per_param(sizes.precision, shards)
+        resident = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[sizes.offload_state]
         static = sizes.static if sizes.static is not None else (
-            STATE_BYTES_PER_PARAM * sum(shard_size(sizes.params[b], shards) for b in blocks))
+            resident * sum(shard_size(sizes.params[b], shards) for b in blocks))
         self.cur = self.peak = static + sizes.extra
         self.views: set[str] = set()
         self.grads: dict[str, int] = {}  # block -> bytes held
         self.msgs = 0  # received activations held until their micro-batch's backward
+        self.tier = MemoryTier(self, held_params(sizes, blocks))  # offload's transfers
         self.table = dispatch_table("memory.simulate_peak", {
+            **self.tier.handlers(),
             sched.Forward: self._forward, sched.Backward: self._backward, sched.MaterializeView: self._view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.WaitGrad: self._wait,
             sched.FreeGrad: self._free, sched.Update: self._update, sched.RecvForward: self._recv_forward,
@@ -194,12 +215,17 @@ class _Walk:
 
 def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
     """Peak bytes of a rank running `lists` (successive steps) in order, from nothing held."""
+    return simulate_peaks(lists, blocks, sizes)[0]
+
+
+def simulate_peaks(lists, blocks, sizes: StageSizes) -> tuple[int, int]:
+    """(peak DDR bytes, peak bytes in the tier) of a rank running `lists` in order."""
     walk = _Walk(blocks, sizes)
     for actions in lists:
         for a in actions:
             for blk, e in expand(a, blocks):
                 walk.event(blk, e)
-    return int(walk.peak)
+    return int(walk.peak), int(walk.tier.peak)
 
 
 def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True
@@ -220,4 +246,4 @@ def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_laye
 
 
 __all__ = ["StageSizes", "act_itemsize", "choose_recompute", "layer_activation_bytes",
-           "simulate_peak", "stage_sizes"]
+           "simulate_peak", "simulate_peaks", "stage_sizes"]

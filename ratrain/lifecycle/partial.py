@@ -93,8 +93,13 @@ class PartialSync:
         return frozenset(b for b, p in self.phase.items() if p == step % self.period)
 
 
-def check_partial(policy, dp: int) -> None:
+def check_partial(policy, dp: int, offload_state: str = "off") -> None:
     """Refuse what partial synchronization cannot run with, in one line naming the keys."""
+    if offload_state == "masters":
+        raise ValueError(
+            "sync.mode=partial with offload.optimizer=masters cannot work: a block's average "
+            "runs on its fp32 master between its last backward and its update, while the master "
+            "lives in the tier; set offload.optimizer=moments (or off), or sync.mode=full")
     if policy.shards(dp) > 1:
         raise ValueError(
             f"sync.mode=partial with schedule.shard_optimizer (policy {policy.name} shards the "
@@ -106,7 +111,7 @@ def check_partial(policy, dp: int) -> None:
 def check_config(cfg) -> None:
     """`check_partial` for a config's policy and layout (start-up, before any work)."""
     if cfg.sync.partial:
-        check_partial(policy_of(cfg.schedule), cfg.parallel.dp)
+        check_partial(policy_of(cfg.schedule), cfg.parallel.dp, cfg.offload.optimizer)
 
 
 # -- the step lists ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import block_params, block_role, stage_blocks
+from ratrain.lifecycle import offload
 from ratrain.lifecycle.grid import grid
 from ratrain.lifecycle.partial import PartialSync, check_partial, phase_lists
 from ratrain.lifecycle.policies import PRESETS, Policy, StageInfo, policy_of
@@ -72,10 +73,13 @@ class PipelinePlan:
     @classmethod
     def build(cls, policy: Policy, blocks, m: int, precision: str = "fp32", dp: int = 1,
               block_bytes=None, validate: bool = True, shares=None,
-              replica: int = 0, partial: PartialSync | None = None) -> PipelinePlan:
+              replica: int = 0, offloaded=None, offload_state: str = "off",
+              partial: PartialSync | None = None) -> PipelinePlan:
         """The plan of stages with block names `blocks[s]` and fp32 gradient bytes
         `block_bytes[s]` (None: zero bytes) for replica `replica` of `shares` (None: `m`
-        micro-batches each); `partial`: partial synchronization's assignment (None: full);
+        micro-batches each); `offloaded[s]`: stage s's layers whose activations go to the tier,
+        `offload_state`: the optimizer state that lives there (`lifecycle.offload`); `partial`:
+        partial synchronization's assignment (None: full);
         `validate`: check every stage's lists first."""
         shares = tuple(shares) if shares is not None else (m,) * dp
         if len(shares) != dp or not 0 <= replica < dp or shares[replica] != m:
@@ -83,19 +87,32 @@ class PipelinePlan:
                              f"of the replicas are {list(shares)}: give each replica its share")
         pp, shards = len(blocks), policy.shards(dp)
         if partial is not None:
-            check_partial(policy, dp)
+            check_partial(policy, dp, offload_state)
         stages = tuple(
             StageInfo(pp, s, m, tuple(names),
                       tuple(block_bytes[s]) if block_bytes is not None else (0,) * len(names),
-                      precision, shards)
+                      precision, shards,
+                      tuple(offloaded[s]) if offloaded is not None else (), offload_state)
             for s, names in enumerate(blocks))
         carries = policy.carries
+
+        def tier(actions, i):  # the tier's transfers in place (nothing without offload)
+            return offload.place(actions, i.blocks, i.offload, i.offload_state)
+
+        if offload_state == "masters" and not stages[0].separate_views:
+            raise ValueError("offload.optimizer=masters: in fp32 with whole optimizer state the "
+                             "working view is the master itself, which every forward reads; "
+                             "use precision fp16, a policy that shards the optimizer state "
+                             "(ratrain at dp > 1), or offload.optimizer=moments")
         plan = cls(policy, dp, stages,
-                   tuple(policy.build_step(i) for i in stages),
-                   tuple(policy.build_step(i, True) if carries(i) else policy.build_step(i)
-                         for i in stages),
-                   tuple(policy.build_flush(i) for i in stages), shares, replica, partial,
-                   tuple(phase_lists(policy, i, partial) for i in stages) if partial else ())
+                   tuple(tier(policy.build_step(i), i) for i in stages),
+                   tuple(tier(policy.build_step(i, True) if carries(i) else policy.build_step(i),
+                              i) for i in stages),
+                   tuple(tier(policy.build_flush(i), i) for i in stages), shares, replica,
+                   partial,
+                   tuple(tuple(tuple(tier(lst, i) for lst in phase)
+                               for phase in phase_lists(policy, i, partial))
+                         for i in stages) if partial else ())
         if validate:
             plan.validate()
         return plan
@@ -103,17 +120,21 @@ class PipelinePlan:
     @classmethod
     def of_model(cls, model, policy: Policy, pp: int, dp: int, m: int, precision: str = "fp32",
                  layers_per_stage=None, validate: bool = True, shares=None,
-                 replica: int = 0, sync=None) -> PipelinePlan:
+                 replica: int = 0, offload_all: bool = False,
+                 offload_state: str = "off", sync=None) -> PipelinePlan:
         """The plan of `model` cut into `pp` stages (`layers_per_stage`: None, even), its
-        blocks sized from their parameter counts; `sync`: a config's `sync` section (None:
+        blocks sized from their parameter counts; `offload_all`: every layer's activations go
+        to the tier (`offload.activations: all`); `sync`: a config's `sync` section (None:
         full)."""
         blocks = stage_block_names(model, pp, layers_per_stage)
         sizes = [tuple(GRAD_BYTES_PER_PARAM * block_params(model, block_role(b)) for b in names)
                  for names in blocks]
+        offloaded = ([tuple(b for b in names if block_role(b) == "layer") for names in blocks]
+                     if offload_all else None)
         partial = (PartialSync.of_sync(sync, [b for s in blocks for b in s])
                    if sync is not None else None)
         return cls.build(policy, blocks, m, precision, dp, sizes, validate, shares, replica,
-                         partial)
+                         offloaded, offload_state, partial)
 
     @classmethod
     def from_config(cls, cfg, policy=None, *, pp: int | None = None, dp: int | None = None,
@@ -128,7 +149,30 @@ class PipelinePlan:
             cfg.model, resolve_policy(cfg.schedule, policy), par.pp if pp is None else pp,
             par.dp if dp is None else dp, par.micro_batches_of(replica) if m is None else m,
             cfg.precision, par.stage_layers() if layers_per_stage is _CONFIG else layers_per_stage,
-            validate, par.shares if own else None, replica if own else 0, cfg.sync)
+            validate, par.shares if own else None, replica if own else 0,
+            cfg.offload.activations == "all", cfg.offload.optimizer, cfg.sync)
+
+    def with_offload(self, offloaded, offload_state: str | None = None,
+                     validate: bool = True) -> PipelinePlan:
+        """This plan with the tier's transfers for `offloaded[s]` (stage s's layers whose
+        activations go to the tier; the recovery choice) and `offload_state` (default this
+        plan's)."""
+        st = self.stages
+        return PipelinePlan.build(
+            self.policy, self.blocks, self.num_micro_batches, self.precision, self.dp,
+            [i.block_bytes for i in st], validate, self.shares, self.replica,
+            [tuple(o) for o in offloaded], st[0].offload_state if offload_state is None
+            else offload_state, self.partial)
+
+    @property
+    def offload_state(self) -> str:
+        """The optimizer state that lives in the tier (`offload.optimizer`)."""
+        return self.stages[0].offload_state
+
+    @property
+    def offloaded(self) -> tuple[tuple[str, ...], ...]:
+        """Every stage's layers whose activations go to the tier."""
+        return tuple(i.offload for i in self.stages)
 
     # -- what the plan holds ---------------------------------------------------------------
 
@@ -187,6 +231,15 @@ class PipelinePlan:
         with nothing carried), then, with `flush`, the flush that ends a run."""
         out = [self.step_list(stage, k > 0, k) for k in range(n)]
         return out + [self.flush_list(stage, n - 1)] if flush else out
+
+    def offloaded_steps(self, stage: int, offloaded, n: int) -> list[tuple[Action, ...]]:
+        """Stage `stage`'s lists for `n` steps with the activation transfers of its `offloaded`
+        layers in place, the rest of the plan untouched (what a recovery choice would run; the
+        plan's stage must offload none yet)."""
+        if self.stages[stage].offload:
+            raise ValueError(f"stage {stage} offloads {list(self.stages[stage].offload)} already")
+        blocks = self.stages[stage].blocks
+        return [offload.place(lst, blocks, offloaded) for lst in self.stage_steps(stage, n)]
 
     def steps(self, n: int) -> list[list[tuple[Action, ...]]]:
         """`n` consecutive steps of every stage: `out[k][stage]` (no flush)."""

@@ -38,10 +38,11 @@ from ratrain.comm.topology import NodeLinks, Topology, coords, teardown
 from ratrain.device import Device, local_rank, open_device
 from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import ExecContext, sgemm_rate
-from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState
+from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState, held_elements
 from ratrain.exec.spec import block_params, stage_blocks
 from ratrain.lifecycle.executor import Executor
 from ratrain.lifecycle.measure import fit_rank_recompute
+from ratrain.lifecycle.offloader import open_tier
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
@@ -65,6 +66,7 @@ class Rank:
     executor: Executor
     slots: object | None = None  # comm.shm.SharedSlots of the node's interface (emulation)
     device: Device | None = None  # where it computes (`run.device`)
+    tier_slots: object | None = None  # ... of the node's memory tier (emulation, offload.*)
 
     def peak_flops(self, classes=None) -> float:
         """The job's peak compute rate in flop/s, for MFU: every rank's platform rate
@@ -80,8 +82,16 @@ class Rank:
         return max(rate() for _ in range(3)) * world
 
     def close(self) -> None:
+        if self.executor.offloader is not None:
+            self.executor.offloader.close()
+        _free(self.tier_slots)
         teardown(self.engine, self.slots, self.topo)
         self.ctx.close()
+
+
+def _free(slots) -> None:
+    if slots is not None:
+        slots.free()
 
 
 def shard_state(state, plan, replica: int) -> None:
@@ -132,20 +142,23 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
     topo = Topology(comm, p.pp, p.dp, p.placement,
                     profile.ranks_per_node if profile.emulate else None,
                     shm_bytes=GRAD_BYTES_PER_PARAM * largest)
-    slots = engine = None
+    slots = engine = tier_slots = None
     try:
         ledger.reserve("comm.shm", topo.shm_bytes)
         tiers = None
         if profile.emulate and profile.link_bandwidth:
             slots = SharedSlots(topo.node_comm)
             tiers = Tiers.from_profile(profile, shared=slots)
+        if profile.emulate and cfg.offload.enabled and profile.tier and profile.tier.bandwidth:
+            tier_slots = SharedSlots(topo.node_comm)  # the node's tier, shared like its interface
         engine = CommEngine(topo, watchdog_s=watchdog_s,
                             link=NodeLinks(tiers, topo) if tiers is not None else None,
                             ledger=ledger, config=cfg.comm)
     except BaseException:
+        _free(tier_slots)
         teardown(engine, slots, topo)
         raise
-    return topo, engine, slots
+    return topo, engine, slots, tier_slots
 
 
 def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 300.0, load=None,
@@ -170,29 +183,36 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
     if cap is PROFILE_CAP:  # the platform's DDR cap, else the card's memory (None on the host)
         cap = profile.ddr_bytes or device.memory_bytes
     ledger = Ledger(cap, rank_id)
-    topo = engine = slots = None
+    topo = engine = slots = tier_slots = tier = None
     stage = replica = 0
     if world > 1:
-        topo, engine, slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
+        topo, engine, slots, tier_slots = _open_comm(cfg, comm, profile, ledger, watchdog_s)
         stage, replica = topo.stage, topo.replica
     try:
         shards = plan.shards
         kernels = kernels_for(cfg, xp)  # which implementation runs each op: chosen once
-        state = StageState(stage_blocks(cfg.model, p.pp, stage, p.stage_layers()),
-                           cfg.precision, ledger, xp, cfg.init.seed,
-                           shard=(replica, shards) if shards > 1 else None, kernels=kernels)
+        blocks = stage_blocks(cfg.model, p.pp, stage, p.stage_layers())
+        shard = (replica, shards) if shards > 1 else None
+        # the memory tier (offload.*): its files, and the optimizer state that lives there
+        tier, external = open_tier(cfg, profile, rank_id, held_elements(blocks, shard), tier_slots)
+        state = StageState(blocks, cfg.precision, ledger, xp, cfg.init.seed, shard=shard,
+                           kernels=kernels, external=external)
         if load is not None:
             load(state)
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
                           threads=local_threads(cfg, comm), kernels=kernels)
         pacer = Pacer(profile) if profile.emulate else None
-        executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer)
+        executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer, tier=tier)
         # measured and chosen here, at the same point on every rank (collective when sharded)
         executor.set_recompute(*fit_rank_recompute(executor))
     except BaseException:
+        if tier is not None:
+            tier.store.close()
+        _free(tier_slots)
         teardown(engine, slots, topo)
         raise
-    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots, device)
+    return Rank(cfg, profile, topo, ledger, state, ctx, engine, executor, slots, device,
+                tier_slots)
 
 
 __all__ = ["PROFILE_CAP", "Rank", "build_rank", "local_threads", "shard_state"]

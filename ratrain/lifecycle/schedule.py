@@ -11,7 +11,8 @@ action belongs to one group:
 - lifecycle, per block: `MaterializeView`, `WaitView`, `DropView`, `AllocGrad`, `FreeGrad`,
   `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts; under partial
   synchronization (`sync.mode: partial`, `lifecycle.partial`) `AverageParams` / `WaitAverage`
-  in place of the gradient syncs.
+  in place of the gradient syncs; the memory tier's transfers `Offload`, `WaitOffload`,
+  `Fetch`, `WaitFetch` (`TIER_ACTIONS`, placed by `lifecycle.offload`).
 
 A lifecycle action may ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
 SyncGrad(("layers.3",))),))`): it runs just before (`pre`) or just after (`post`) that block's part
@@ -253,11 +254,77 @@ class WaitAverage(_OfBlocks):
     word: ClassVar[str] = "wait-avg"
 
 
+# -- the memory tier below the DDR (placed by `lifecycle.offload`) ------------------------------
+
+TIER_WHAT = ("act", "state", "master")
+
+
+@dataclass(frozen=True)
+class _Tier(Action):
+    """A transfer between the DDR and the tier (`offload.*`): `what` is `act`, a layer's saved
+    activations of micro-batch `mb`; `state`, the block's optimizer state (its moments, and its
+    fp32 master when masters are offloaded), around its update; `master`, the block's master
+    fetched read-only for a view cast (dropped, not written back)."""
+
+    block: str
+    mb: int = -1  # act: the micro-batch; -1 otherwise
+    what: str = "act"
+    group: ClassVar[str] = "lifecycle"
+
+    def __post_init__(self):
+        if self.what not in TIER_WHAT or (self.what == "act") != (self.mb >= 0):
+            raise ValueError(f"{type(self).__name__}: what={self.what!r} mb={self.mb}: "
+                             f"what is one of {TIER_WHAT}, with a micro-batch for act only")
+
+    def verb(self) -> str:
+        return self.word + ("" if self.what == "act" else f"-{self.what}")
+
+    def name(self) -> str:
+        mb = f" mb{self.mb}" if self.what == "act" else ""
+        return f"{self.verb()}{mb} {block_label(self.block)}"
+
+
+@dataclass(frozen=True)
+class Offload(_Tier):
+    """Start writing to the tier (in the tier's thread): a layer's activations after its forward
+    (the DDR copy is released at `WaitOffload`), a block's optimizer state after its update;
+    `master` drops the read-only copy at once (nothing is written)."""
+
+    word: ClassVar[str] = "offload"
+
+    def verb(self) -> str:
+        return "drop-master" if self.what == "master" else super().verb()
+
+
+@dataclass(frozen=True)
+class WaitOffload(_Tier):
+    """Wait for that write; the DDR copy is released."""
+
+    word: ClassVar[str] = "wait-offload"
+
+
+@dataclass(frozen=True)
+class Fetch(_Tier):
+    """Start reading back from the tier into a new DDR buffer (accounted from here): a layer's
+    activations before its backward, a block's optimizer state (or master) before its use."""
+
+    word: ClassVar[str] = "fetch"
+
+
+@dataclass(frozen=True)
+class WaitFetch(_Tier):
+    """Wait for that read, before the first use of what it brings."""
+
+    word: ClassVar[str] = "wait-fetch"
+
+
+TIER_ACTIONS: tuple[type[Action], ...] = (Offload, WaitOffload, Fetch, WaitFetch)
+
 ACTIONS: tuple[type[Action], ...] = (
     Forward, Backward, RecvForward, SendForward, RecvBackward, SendBackward, MaterializeView,
     WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm, Update,
     AverageParams, WaitAverage,
-)
+) + TIER_ACTIONS
 
 
 def event_name(action: Action, block: str | None = None) -> str:
@@ -417,18 +484,24 @@ __all__ = [
     "AllocGrad",
     "Backward",
     "DropView",
+    "Fetch",
     "Forward",
     "FreeGrad",
     "GradNorm",
     "MaterializeView",
+    "Offload",
     "RecvBackward",
     "RecvForward",
     "SendBackward",
     "SendForward",
     "SyncGrad",
+    "TIER_ACTIONS",
+    "TIER_WHAT",
     "Update",
     "WaitAverage",
+    "WaitFetch",
     "WaitGrad",
+    "WaitOffload",
     "WaitView",
     "add_hooks",
     "block_label",

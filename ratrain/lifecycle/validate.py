@@ -21,7 +21,8 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
   view is never the master (it goes stale at the update, as in fp16). Under partial
   synchronization (`partial=True`, `lifecycle.partial`) there is no gradient sync; a block's
   average starts after its last backward, is waited for before its update, and no forward or
-  backward reads a master while it is being averaged.
+  backward reads a master while it is being averaged. Transfers to and from the memory tier
+  are checked by `lifecycle.offload.TierCheck`.
 
 `validate_policy(policy, info_per_stage)` runs all three over a few steps.
 """
@@ -29,11 +30,13 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
 from __future__ import annotations
 
 from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.offload import TierCheck
 from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 LIFECYCLE = (sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad,
-             sched.GradNorm, sched.Update, sched.AverageParams, sched.WaitAverage)
+             sched.GradNorm, sched.Update, sched.AverageParams, sched.WaitAverage,
+             *sched.TIER_ACTIONS)
 
 
 class ScheduleError(ValueError):
@@ -177,14 +180,16 @@ class _Block:
 class _Lifecycle:
     """The lifecycle state machine of one rank's blocks (see the module)."""
 
-    def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool,
-                 partial: bool = False):
+    def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool, offloaded=(),
+                 offload_state: str = "off", partial: bool = False):
         self.st = {b: _Block() for b in blocks}
         self.m, self.stage, self.sharded, self.partial = m, stage, sharded, partial
         self.view_is_master = not fp16 and not sharded
         self.norm_step = None
         self.k = 0
+        self.tier = TierCheck(self.fail, offloaded, offload_state)  # offload's transfers
         self.table = dispatch_table("validate.check_lifecycle", {
+            **self.tier.handlers(),
             sched.Forward: self._use_view, sched.Backward: self._backward,
             sched.MaterializeView: self._materialize, sched.WaitView: self._wait_view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.SyncGrad: self._sync,
@@ -210,6 +215,7 @@ class _Lifecycle:
                 self.fail(e, f"global norm before the sync wait of {late}")
             self.norm_step = self.k
             return
+        self.tier.use(blk, e)
         names = [blk] if blk is not None else (
             list(e.blocks) if hasattr(e, "blocks") else [e.block] if hasattr(e, "block") else [])
         for b in names:
@@ -303,6 +309,10 @@ class _Lifecycle:
         x.grad = None
 
     def end_step(self, is_step: bool) -> None:
+        unsettled = self.tier.unsettled()
+        if unsettled:
+            raise ScheduleError(f"stage {self.stage}, step {self.k}: the tier is not settled at "
+                                f"the end of the list: {', '.join(unsettled)}")
         if not is_step:
             return
         for b, x in self.st.items():
@@ -325,12 +335,14 @@ class _Lifecycle:
 
 
 def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
-                    sharded: bool = False, partial: bool = False) -> None:
+                    sharded: bool = False, offloaded=(), offload_state: str = "off",
+                    partial: bool = False) -> None:
     """`steps`: this rank's successive step lists; a trailing list without compute is the flush.
     In fp32 (`fp16=False`) and unsharded a materialised view is the master itself, so it never
-    goes stale. `sharded`: masters and moments are cut over the dp replicas; `partial`: partial
+    goes stale. `sharded`: masters and moments are cut over the dp replicas; `offloaded`,
+    `offload_state`: what goes to the tier (`lifecycle.offload.TierCheck`); `partial`: partial
     synchronization (see the module)."""
-    life = _Lifecycle(blocks, m, stage, fp16, sharded, partial)
+    life = _Lifecycle(blocks, m, stage, fp16, sharded, offloaded, offload_state, partial)
     for k, actions in enumerate(steps):
         life.k = k
         for x in life.st.values():
@@ -358,7 +370,8 @@ def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True,
     simulate([[a for lst in r for a in lst] for r in per_rank])
     if lifecycle:
         for info, r in zip(infos, per_rank):
-            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, partial)
+            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, info.offload,
+                            info.offload_state, partial)
 
 
 __all__ = [

@@ -3,7 +3,7 @@
     python -m ratrain.plan --config jobs/llama2-7b.yaml [--clusters 1024] [--policy all] [--top 5]
         [--global-batch SEQS] [--cap-gib 20] [--set platform.compute_flops=8e12 ...]
         [--calibrate RUN_DIR] [--match-tokens-per-s 112790] [--scaling 64,128,256,512,1024]
-        [--memory-table] [--ranks-per-node K] [--placement pp|dp|both] [--mixed F]
+        [--memory-table] [--ranks-per-node K] [--placement pp|dp|both] [--mixed F] [--tier NAME]
         [--sync-periods 2,4,8]
 
 Prints the platform rates with their sources, per policy the fastest layouts that fit the DDR
@@ -26,6 +26,12 @@ with `--mixed` beside a uniform cluster of the same total compute.
 platform.link_bandwidth=1.25e8`), full synchronization against partial synchronization
 (`sync.mode: partial`) at each period H: step, tokens/s, the bytes a step all-reduces across the
 replicas, the exposed communication and the speed-up over full (`plan.sync`), then stops.
+
+A config that states a memory tier below the DDR (`platform.tier`, or `--tier NAME`: a tier of
+the profile, mt3000's `host` or `nvme`) gets, after today's plan, the best plans with the tier
+(`plan.tierplan`: each layer kept, recomputed or offloaded, the optimizer state kept or in the
+tier), each with its bytes in the tier, its traffic per step and whether the simulator finds
+it hidden, and the best beside today's best with the simulator's breakdown of both.
 
 `--match-tokens-per-s X` fits the compute rate so that the config's own layout under `ratrain`
 predicts X tokens/s at `--clusters` (a calibration, e.g. to a published figure); everything else
@@ -54,7 +60,8 @@ from ratrain.plan.search import (
 )
 from ratrain.plan.simulate import config_classes
 from ratrain.plan.sync import sync_table
-from ratrain.shim.platform import class_profile
+from ratrain.plan.tierplan import report, tier_search
+from ratrain.shim.platform import class_profile, resolve_platform
 
 GIB = 2**30
 
@@ -89,6 +96,9 @@ def _parse(argv):
     ap.add_argument("--sync-periods", default=None, metavar="H,H,...",
                     help="full against partial synchronization at these periods, for the "
                     "config's own layout and link (then stop)")
+    ap.add_argument("--tier", default=None, metavar="NAME",
+                    help="also plan with this memory tier of the profile (platform.tier: "
+                    "mt3000's host or nvme)")
     ap.add_argument("--mixed", type=float, default=None, metavar="F",
                     help="plan a mixed cluster: the first half of the ranks at the profile's "
                     "compute rate, the second half at F times it, beside a uniform cluster of "
@@ -126,7 +136,8 @@ def _gib(n) -> str:
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set + ([f"platform.tier={args.tier}"]
+                                                   if args.tier else []))
         cost = CostModel.from_config(cfg)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -175,6 +186,10 @@ def main(argv=None) -> int:
         _print_scaling(cfg, plans, policies, args.scale, cost, cap)
     if args.memory_table:
         _print_memory(cfg, cap, clusters)
+    if resolve_platform(cfg.platform).tier is not None:  # beside today's plan: with the tier
+        tiered = tier_search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs,
+                             placements=args.placements)
+        print("\n".join(report(cfg, tiered, plans, cost, clusters, args.top)))
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
     return 0
 

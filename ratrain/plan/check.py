@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ratrain.config import Config, ConfigError
+from ratrain.lifecycle.offload import OFFLOAD, TierRates
 from ratrain.lifecycle.pipeline import PipelinePlan
-from ratrain.plan.memory import fit_recompute, stage_peaks
+from ratrain.plan.memory import fit_recompute, fit_recovery, stage_peaks, stage_tier_peaks
 from ratrain.plan.steps import recompute_for
 from ratrain.comm.topology import coords
 from ratrain.shim.platform import class_of, rank_profile, resolve_platform
@@ -42,6 +43,9 @@ class RunPlan:
     full: tuple[int, ...] | None  # recompute auto: layers fully recomputed per stage
     cap_key: str = "platform.ddr_bytes"  # where the cap comes from (a class's own)
     placement: str = "pp"
+    offloaded: tuple[int, ...] | None = None  # offload.*: layers offloaded per stage
+    tier_peaks: tuple[int, ...] | None = None  # ... and bytes in the tier per stage (a rank)
+    tier_cap: int | None = None  # a rank's share of the tier (platform.tier_bytes)
 
     def over(self, stage: int) -> bool:
         return self.cap is not None and self.peaks[stage] > self.cap
@@ -87,6 +91,9 @@ class RunPlan:
         lines = [f"memory plan (predicted peak per rank, {cap}):"]
         for s, peak in enumerate(self.peaks):
             rec = "" if self.full is None else f", {self.full[s]} fully recomputed"
+            if self.tier_peaks is not None:
+                rec += (f", {self.offloaded[s]} offloaded, {_gib(self.tier_peaks[s])} in the "
+                        "tier" + ("" if self.tier_cap is None else f" of {_gib(self.tier_cap)}"))
             verdict = "OVER THE CAP" if self.over(s) else "fits"
             lines.append(f"  stage {s} ({self.layers[s]} layers{rec}) x {self.dp} replicas: "
                          f"{_gib(peak)}  {verdict}")
@@ -122,15 +129,39 @@ def run_plan(cfg: Config, rank: int | None = None) -> RunPlan:
             cap_key = f"platform.classes[{i}].ddr_bytes of class {cls.name}"
     plan = PipelinePlan.from_config(cfg, replica=replica)
     blocks = plan.blocks
+    layers = tuple(sum(1 for b in names if b.startswith("layers.")) for names in blocks)
+    cap = int(cap) if cap is not None else None
+    if cfg.offload.enabled:
+        return _tier_plan(cfg, plan, cap, layers, cap_key, rank)
     full = None
     if s.recompute == "auto":
         full, peaks, _ = fit_recompute(plan, m, p.micro_batch, cap)
         full = tuple(full)
     else:
         peaks = stage_peaks(plan, m, p.micro_batch, recompute_for(blocks, s.recompute))
-    layers = tuple(sum(1 for b in names if b.startswith("layers.")) for names in blocks)
-    return RunPlan(p.pp, p.dp, int(cap) if cap is not None else None, tuple(peaks), layers, full,
-                   cap_key, p.placement)
+    return RunPlan(p.pp, p.dp, cap, tuple(peaks), layers, full, cap_key, p.placement)
+
+
+def _tier_plan(cfg: Config, plan, cap, layers, cap_key, rank) -> RunPlan:
+    """`run_plan` of a run with a memory tier (`offload.*`): each stage's recovery as the
+    executor chooses it (keep / recompute / offload), its DDR peak and its bytes in the tier."""
+    m, p, s = cfg.model, cfg.parallel, cfg.schedule
+    prof = resolve_platform(cfg.platform) if rank is None else rank_profile(cfg.platform, rank)
+    tier_cap = prof.tier.rank_share(prof.ranks_per_node) if prof.tier is not None else None
+    if s.recompute == "auto":
+        plan, choices, peaks, tiers, _ = fit_recovery(
+            plan, m, p.micro_batch, cap, cfg.offload.activations, TierRates.of_profile(prof),
+            tier_cap)
+    else:
+        mode = OFFLOAD if cfg.offload.activations == "all" else s.recompute
+        choices = recompute_for(plan.blocks, "none" if mode == OFFLOAD else mode)
+        choices = [{b: mode for b in c} for c in choices]
+        peaks = stage_peaks(plan, m, p.micro_batch, choices)
+        tiers = stage_tier_peaks(plan, m, p.micro_batch, choices)
+    count = [tuple(sum(1 for c in ch.values() if c == kind) for ch in choices)
+             for kind in ("full", OFFLOAD)]
+    return RunPlan(p.pp, p.dp, cap, tuple(peaks), layers, count[0], cap_key, p.placement,
+                   count[1], tuple(tiers), tier_cap)
 
 
 __all__ = ["RunPlan", "available_memory", "run_plan"]

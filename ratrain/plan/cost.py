@@ -45,6 +45,7 @@ from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
 from ratrain.lifecycle.partial import AVERAGE_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
 from ratrain.exec.spec import block_flops, block_params, block_role
+from ratrain.exec.layers import layer_cache_nbytes
 from ratrain.shim.platform import resolve_platform
 
 # The DDR bandwidth when the profile has no `ddr_bandwidth` fact (mt3000 has; this is its value).
@@ -63,12 +64,16 @@ class Rates:
     intra_bandwidth: float = math.inf  # bytes/s between two ranks of one node
     intra_latency: float = 0.0  # s per message inside a node
     ranks_per_node: int = 1  # ranks (clusters) per node, sharing its interface
+    tier_bandwidth: float = math.inf  # bytes/s of a node's memory tier (offload), shared
+    tier_latency: float = 0.0  # s per transfer to or from it
+    tier_bytes: float | None = None  # its capacity per node (None: not capped)
 
     def __post_init__(self):
-        for k in ("compute_flops", "link_bandwidth", "mem_bandwidth", "intra_bandwidth"):
+        for k in ("compute_flops", "link_bandwidth", "mem_bandwidth", "intra_bandwidth",
+                  "tier_bandwidth"):
             if not getattr(self, k) or getattr(self, k) <= 0:
                 raise ValueError(f"Rates.{k}={getattr(self, k)!r} must be > 0")
-        for k in ("link_latency", "intra_latency"):
+        for k in ("link_latency", "intra_latency", "tier_latency"):
             if getattr(self, k) < 0:
                 raise ValueError(f"Rates.{k}={getattr(self, k)!r} must be >= 0")
         if self.ranks_per_node != int(self.ranks_per_node) or self.ranks_per_node < 1:
@@ -106,7 +111,10 @@ class Rates:
             mb, mb_source = fact.value, f"profile {profile.name}: {fact.source}"
         else:
             mb, mb_source = DEFAULT_MEM_BANDWIDTH, "assumed: one DDR4-3200 channel, 25.6e9 B/s"
-        intra = profile.intra_bandwidth
+        intra, tier = profile.intra_bandwidth, profile.tier
+        tier_sources = (tuple((f"tier_{k}", f"tier {tier.name}: {tier.source(k)}")
+                              for k in ("bandwidth", "latency", "bytes"))
+                        if tier is not None else ())
         return cls(
             compute_flops=float(profile.compute_flops),
             link_bandwidth=float(profile.link_bandwidth),
@@ -120,10 +128,14 @@ class Rates:
                 ("intra_bandwidth", profile.source("intra_bandwidth")),
                 ("intra_latency", profile.source("intra_latency")),
                 ("ranks_per_node", profile.source("ranks_per_node")),
-            ),
+            ) + tier_sources,
             intra_bandwidth=float(intra) if intra else math.inf,
             intra_latency=float(profile.intra_latency or 0.0),
             ranks_per_node=int(profile.ranks_per_node or 1),
+            tier_bandwidth=float(tier.bandwidth) if tier is not None and tier.bandwidth
+            else math.inf,
+            tier_latency=float(tier.latency or 0.0) if tier is not None else 0.0,
+            tier_bytes=float(tier.bytes) if tier is not None and tier.bytes else None,
         )
 
     @classmethod
@@ -268,6 +280,16 @@ class CostModel:
     def grad_bytes(self, role: str) -> int:
         """fp32 gradient bytes of one block (what its all-reduce moves)."""
         return 4 * self.block_params(role)
+
+    def offload_bytes(self, role: str) -> int:
+        """Bytes a layer's saved activations of one micro-batch move to and from the memory
+        tier: its cache as the kernels keep it without recomputation
+        (`exec.layers.layer_cache_nbytes`; the memory model's estimate of what a layer keeps,
+        `lifecycle.memory.layer_activation_bytes`, counts a few more, conservatively); 0 for
+        the other blocks."""
+        if role != "layer":
+            return 0
+        return layer_cache_nbytes(self.model, self.micro_batch, self.precision, "none")
 
     # -- compute --------------------------------------------------------------------------------
 

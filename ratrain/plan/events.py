@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from ratrain.exec.spec import block_role
 from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.offload import kernel_recompute
 from ratrain.lifecycle.schedule import dispatch_table, expand
+from ratrain.plan.tiersim import TierItems, TierSim
 
 NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + loss
 
@@ -26,7 +28,7 @@ NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + l
 
 @dataclass
 class _Item:
-    op: str  # busy | send | recv | sync | wait | await | gather | waitview | norm | end
+    op: str  # busy | send | recv | sync | wait | await | gather | waitview | norm | tier | tierwait | end
     dur: float = 0.0
     parts: dict | None = None  # busy: {"compute"|"recompute"|"update"|"view": seconds}
     key: tuple = ()  # send / recv: the message's channel key
@@ -35,16 +37,18 @@ class _Item:
     step: int = 0
     label: str = ""
     coll: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state) | average
+    nbytes: float = 0.0  # tier: bytes moved (`plan.tiersim`)
 
 
 class _Flatten:
     """One rank's actions of one step as timed items (see `_items`)."""
 
-    def __init__(self, stage, blocks, recompute, cost, step, shards, rank):
+    def __init__(self, stage, blocks, recompute, cost, step, shards, rank, offload_state="off"):
         self.stage, self.rank, self.blocks, self.recompute = stage, rank, blocks, recompute
         self.cost, self.step, self.shards = cost, step, shards
         self.out: list[_Item] = []
         self.table = dispatch_table("simulate", {
+            **TierItems(self, _Item, offload_state).handlers(),
             sched.Forward: self._compute, sched.Backward: self._compute,
             sched.SendForward: self._send, sched.SendBackward: self._send,
             sched.RecvForward: self._recv, sched.RecvBackward: self._recv,
@@ -82,7 +86,7 @@ class _Flatten:
             if isinstance(ev, sched.Forward):
                 self.busy("compute", cost.forward_time(role), a.name())
             else:
-                t = cost.backward_time(role, self.recompute.get(blk, "none"))
+                t = cost.backward_time(role, kernel_recompute(self.recompute.get(blk, "none")))
                 self.busy("compute", t, a.name(), t - cost.backward_time(role))
 
     def _send(self, a):
@@ -112,13 +116,14 @@ class _Flatten:
 
 
 def items(actions, stage: int, blocks, recompute, cost, step: int, shards: int = 1,
-          rank: int | None = None) -> list[_Item]:
+          rank: int | None = None, offload_state: str = "off") -> list[_Item]:
     """Timed items of one rank's step: busy spans (compute, updates, view casts; consecutive
-    ones merged), messages, engine submissions, waits, the norm barrier, and an end mark.
+    ones merged), messages, engine submissions, waits, the norm barrier, the tier's transfers
+    and waits (`offload_state`: the optimizer state in the tier), and an end mark.
     `rank`: the simulator's index of the rank (`group * pp + stage`; default `stage`), which
     names its messages' peers."""
     flat = _Flatten(stage, blocks, recompute, cost, step, shards,
-                    stage if rank is None else rank)
+                    stage if rank is None else rank, offload_state)
     for a in actions:
         flat.table[type(a)](a)
     flat.out.append(_Item("end", step=step))
@@ -197,6 +202,9 @@ class RankState:
         self.gathered: dict[str, int] = {}  # block -> view all-gathers finished
         self.views_used: dict[str, int] = {}  # block -> WaitViews passed
         self.norm_done: dict[int, float] = {}
+        self.tier_s: dict[int, float] = {}  # step -> seconds of its tier transfers
+        self.tier_bytes: dict[int, float] = {}  # step -> bytes they moved
+        self.tier_exposed: dict[int, float] = {}  # step -> main thread blocked on the tier
 
 
 class Sim:
@@ -222,6 +230,7 @@ class Sim:
         self.chunk = [cost.staging_chunk(rk.blocks, *self.layout.runs[rk.stage])
                       for rk in ranks]
         self.members = [[r for r, x in enumerate(ranks) if x.stage == s] for s in range(self.pp)]
+        self.tier = TierSim(self, _Link)  # each node's memory tier (offload)
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -374,7 +383,8 @@ class Sim:
         rk = self.ranks[r]
         steps = {"busy": self._busy, "send": self._send, "recv": self._recv,
                  "sync": self._submit, "gather": self._submit, "waitview": self._waitview,
-                 "wait": self._wait, "await": self._await, "norm": self._norm, "end": self._end}
+                 "wait": self._wait, "await": self._await, "norm": self._norm, "end": self._end,
+                 "tier": self.tier.start, "tierwait": self.tier.wait}
         while rk.pc < len(rk.items):
             it = rk.items[rk.pc]
             if not steps[it.op](t, r, rk, it):

@@ -11,7 +11,14 @@ lists, `stage_sizes` sizes a stage from shapes); this module applies it to every
 from __future__ import annotations
 
 from ratrain.config import ModelConfig
-from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak, stage_sizes
+from ratrain.lifecycle.memory import (
+    StageSizes,
+    choose_recompute,
+    simulate_peak,
+    simulate_peaks,
+    stage_sizes,
+)
+from ratrain.lifecycle.offload import OFFLOAD, choose_recovery
 
 
 def peak_memory(step_lists, stage: int, blocks, sizes: StageSizes) -> int:
@@ -26,8 +33,55 @@ def stage_peaks(plan, model: ModelConfig, micro_batch: int, recompute,
     step_lists = plan.steps(steps)
     return tuple(
         peak_memory(step_lists, s, names, stage_sizes(model, micro_batch, plan.precision, names,
-                                                      recompute[s], plan.shards))
+                                                      recompute[s], plan.shards,
+                                                      plan.offload_state))
         for s, names in enumerate(plan.blocks))
+
+
+def stage_tier_peaks(plan, model: ModelConfig, micro_batch: int, recompute,
+                     steps: int = 2) -> tuple[int, ...]:
+    """Every stage's peak bytes in the memory tier (its offloaded state, and activations
+    parked or in flight) over `steps` steps of `plan` with `recompute[stage]`."""
+    step_lists = plan.steps(steps)
+    return tuple(
+        simulate_peaks([lists[s] for lists in step_lists], names,
+                       stage_sizes(model, micro_batch, plan.precision, names, recompute[s],
+                                   plan.shards, plan.offload_state))[1]
+        for s, names in enumerate(plan.blocks))
+
+
+def fit_recovery(plan, model: ModelConfig, micro_batch: int, cap: int | None, mode: str,
+                 rates, tier_cap: int | None = None, steps: int = 2):
+    """`fit_recompute` with the memory tier: per stage, each layer kept, recomputed fully or
+    offloaded (`lifecycle.offload.choose_recovery` by `offload.activations` `mode`, auto
+    weighing `rates`, a `TierRates`; `tier_cap`: a rank's share of the tier). Returns (the plan
+    with the offloaded layers' transfers, per-stage choices, DDR peaks, tier peaks, fits)."""
+    choices, peaks, tiers, fits = [], [], [], True
+    for s, names in enumerate(plan.blocks):
+        sizes = stage_sizes(model, micro_batch, plan.precision, names, shards=plan.shards,
+                            offload_state=plan.offload_state)
+        layer = next((b for b in names if b.startswith("layers.")), None)
+        top = rates.offloadable(model, names, micro_batch,
+                                sizes.act[layer]["none"]) if layer else 0
+
+        made: dict = {}
+
+        def lists_for(off, s=s, made=made):  # one set of layers is asked for several times
+            if off not in made:
+                made[off] = plan.offloaded_steps(s, off, steps)
+            return made[off]
+
+        def walk(lists, sz, names=names):
+            return simulate_peaks(lists, names, sz)
+
+        choice, peak, tier = choose_recovery(cap, sizes, lists_for, names,
+                                             plan.per_layer_recovery, mode, top, tier_cap, walk)
+        choices.append(choice)
+        peaks.append(peak)
+        tiers.append(tier)
+        fits = fits and (cap is None or peak <= cap) and (tier_cap is None or tier <= tier_cap)
+    off = [tuple(b for b, c in ch.items() if c == OFFLOAD) for ch in choices]
+    return plan.with_offload(off, validate=False), choices, peaks, tiers, fits
 
 
 def fit_recompute(plan, model: ModelConfig, micro_batch: int, cap: int | None, steps: int = 2):
@@ -45,4 +99,4 @@ def fit_recompute(plan, model: ModelConfig, micro_batch: int, cap: int | None, s
     return counts, peaks, fits
 
 
-__all__ = ["fit_recompute", "peak_memory", "stage_peaks"]
+__all__ = ["fit_recompute", "fit_recovery", "peak_memory", "stage_peaks", "stage_tier_peaks"]

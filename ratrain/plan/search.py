@@ -45,6 +45,9 @@ class Layout:
     recompute: str = "none"  # none | selective | full | auto
     recompute_layers: tuple[int, ...] | None = None  # auto: fully recomputed layers per stage
     placement: str = "pp"  # parallel.placement: pp | dp (which axis stays inside a node)
+    offload: str = "off"  # offload.activations (the memory tier: `plan.tierplan`)
+    offload_layers: tuple[int, ...] | None = None  # ... offloaded layers per stage
+    offload_state: str = "off"  # offload.optimizer
 
     @property
     def clusters(self) -> int:
@@ -55,6 +58,9 @@ class Layout:
         return global_batch(self.micro_batch, self.num_micro_batches, self.dp)
 
     def describe(self, layers: int) -> str:
+        if self.offload_layers is not None:
+            full = sum(self.recompute_layers or ())
+            return f"{full} full, {sum(self.offload_layers)} offload /{layers}"
         if self.recompute == "auto" and self.recompute_layers is not None:
             return f"auto: {sum(self.recompute_layers)}/{layers} full"
         if self.recompute in ("selective", "full"):
@@ -71,6 +77,7 @@ class Plan:
     result: SimResult | None
     peaks: tuple[int, ...]  # per stage
     cap: int | None
+    tier_peaks: tuple[int, ...] = ()  # per stage: bytes in the memory tier (`plan.tierplan`)
 
     @property
     def peak_bytes(self) -> int:

@@ -45,7 +45,7 @@ The items each action becomes and the event loop that plays them are in `plan.ev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ratrain.comm.topology import grid
 from ratrain.config import Config
@@ -53,7 +53,7 @@ from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import events
 from ratrain.plan.cost import CostModel, Rates
 from ratrain.plan.memory import stage_peaks
-from ratrain.plan.steps import recompute_for
+from ratrain.plan.steps import recompute_for, recovery_for
 from ratrain.shim.platform import class_map, class_profile
 
 SEND_MODES = ("eager", "rendezvous")
@@ -78,6 +78,9 @@ class RankStats:
     peak_bytes: int = 0
     comm_total_s: float = 0.0  # engine busy time (hidden or not)
     group: int = 0  # the replicas it stands for (`simulate_grid`'s groups)
+    tier_s: float = 0.0  # its transfers to and from the memory tier (hidden or not)
+    tier_exposed_s: float = 0.0  # main thread blocked waiting for them
+    tier_bytes: float = 0.0  # bytes they moved
 
     @property
     def busy_s(self) -> float:
@@ -111,6 +114,16 @@ class SimResult:
     @property
     def recompute_s(self) -> float:
         return max(r.recompute_s for r in self.ranks)
+
+    @property
+    def tier_s(self) -> float:
+        """The largest time any rank's tier transfers took (hidden or not)."""
+        return max(r.tier_s for r in self.ranks)
+
+    @property
+    def tier_exposed_s(self) -> float:
+        """The largest time any rank waited for the tier."""
+        return max(r.tier_exposed_s for r in self.ranks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +193,8 @@ def simulate_grid(
             items: list = []
             for k, step in enumerate(lists):
                 items += events.items(step[s], s, blocks[s], recompute[s], grp.costs[s], k,
-                                      shards, rank=g * pp + s)
+                                      shards, rank=g * pp + s,
+                                      offload_state=grp.plan.offload_state)
             ranks.append(events.RankState(s, items, blocks[s], group=g))
             costs.append(grp.costs[s])
     sim = events.Sim(ranks, costs[0], dp, send_mode, timeline, costs,
@@ -210,8 +224,11 @@ def simulate_grid(
             comm_total_s=rk.engine_s / len(lists_of[0]),
             peak_bytes=peaks[rk.group][rk.stage] if peaks is not None else 0,
             group=rk.group,
+            tier_s=rk.tier_s.get(last, 0.0),
+            tier_exposed_s=rk.tier_exposed.get(last, 0.0),
+            tier_bytes=rk.tier_bytes.get(last, 0.0),
         )
-        st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s)
+        st.bubble_s = max(0.0, step_s - st.busy_s - st.comm_exposed_s - st.tier_exposed_s)
         stats.append(st)
     return SimResult(step_s, tokens_per_step, stats, sim.timeline or [])
 
@@ -275,16 +292,26 @@ def simulate_config(
     with_memory: bool = True,
     classes=_CLASSES,
     validate: bool = True,
+    offload_layers: list[int] | None = None,
 ) -> SimResult:
     """Simulate `cfg`'s layout (its layers per stage and replica shares) under `policy`
     (default: the config's) with its recompute setting (`auto` = none unless
-    `recompute_layers` gives per-stage counts of fully recomputed layers), on ranks of
-    `classes` (every world rank's class name; default `config_classes`). Replicas alike are
-    played once (`grid_groups`): a uniform cluster with equal shares is one lockstep replica."""
+    `recompute_layers` gives per-stage counts of fully recomputed layers; `offload_layers`:
+    per-stage counts of layers offloaded to the memory tier, the first ones of each stage, as
+    the executor's `offload.*` chose them), on ranks of `classes` (every world rank's class
+    name; default `config_classes`). Replicas alike are played once (`grid_groups`): a uniform
+    cluster with equal shares is one lockstep replica."""
     m, p = cfg.model, cfg.parallel
     groups = grid_groups(cfg, config_classes(cfg) if classes is _CLASSES else classes,
                          cost, policy, validate)
-    recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute, recompute_layers)
+    if offload_layers is not None:  # keep / recompute / offload, as the executor chose
+        recompute = recovery_for(groups[0].plan.blocks, recompute_layers or [0] * p.pp,
+                                 offload_layers)
+        off = [tuple(b for b, c in ch.items() if c == "offload") for ch in recompute]
+        groups = [replace(g, plan=g.plan.with_offload(off, validate=validate)) for g in groups]
+    else:
+        recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute,
+                                  recompute_layers)
     mem = (m, p.micro_batch) if with_memory else None
     tokens = p.global_batch * m.seq_len
     return simulate_grid(groups, recompute, tokens, send_mode, mem, steps=steps)

@@ -9,6 +9,8 @@ measured against) is a `Policy` with no lifecycle, played like any other.
 
 from __future__ import annotations
 
+from ratrain.lifecycle.offload import recovery_choice
+
 
 def recompute_for(blocks, recompute: str, full_layers: list[int] | None = None):
     """Per stage, layer -> recompute choice. `recompute`: none | selective | full, or (`auto`,
@@ -27,4 +29,12 @@ def recompute_for(blocks, recompute: str, full_layers: list[int] | None = None):
     return out
 
 
-__all__ = ["recompute_for"]
+def recovery_for(blocks, full_layers, offload_layers):
+    """Per stage, layer -> recovery choice of `schedule.recompute: auto` with the memory tier:
+    the first `offload_layers[s]` layers of stage s offloaded, the next `full_layers[s]`
+    recomputed fully (`lifecycle.offload.recovery_choice`), the rest kept."""
+    return [recovery_choice([b for b in names if b.startswith("layers.")], f + o, o)
+            for names, f, o in zip(blocks, full_layers, offload_layers)]
+
+
+__all__ = ["recompute_for", "recovery_for"]

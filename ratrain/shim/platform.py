@@ -13,6 +13,9 @@ overrides single values:
     prof.ddr_bytes, prof.source("ddr_bytes")   # 21474836480, 'RATrain paper: ...'
 
 `time_scale` and `emulate` always come from the config (a profile describes hardware, not a run).
+A profile may also state the memory tiers below the DDR (`tiers:`, `shim.tier`); the config picks
+one (`platform.tier`, with `tier_bytes`, `tier_bandwidth`, `tier_latency` overriding its figures)
+and `Profile.tier` holds it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from importlib import resources
 from typing import Any
 
 import yaml
+
+from ratrain.shim.tier import TIER_FIGURES, TierSpec, parse_tiers
 
 VALUE_KEYS = ("ddr_bytes", "compute_flops", "link_bandwidth", "link_latency", "intra_bandwidth",
               "intra_latency", "ranks_per_node")
@@ -55,6 +60,8 @@ class Profile:
     values: dict[str, Sourced]
     facts: dict[str, Sourced] = field(default_factory=dict)
     description: str = ""
+    tiers: dict[str, TierSpec] = field(default_factory=dict)  # the tiers the profile states
+    tier: TierSpec | None = None  # the one the config picks (`platform.tier`), or None
 
     def __getattr__(self, key: str):
         values = self.__dict__.get("values", {})
@@ -77,13 +84,15 @@ class Profile:
             if k not in values:
                 raise ProfileError(f"unknown platform value {k!r}; known: {', '.join(values)}")
             values[k] = Sourced(v, src)
-        return Profile(self.name, values, self.facts, self.description)
+        return replace(self, values=values)
 
     def describe(self) -> str:
         """One line per value: `name = value  (source)`, for logs and the README."""
         lines = [f"platform {self.name}: {self.description}".rstrip(": ")]
         for k, v in {**self.values, **self.facts}.items():
             lines.append(f"  {k} = {v.value}  ({v.source})")
+        if self.tier is not None:
+            lines += ["  " + line for line in self.tier.describe()]
         return "\n".join(lines)
 
 
@@ -129,7 +138,31 @@ def resolve_platform(platform_cfg) -> Profile:
         if getattr(platform_cfg, k, None) is not None:
             prof = replace(prof, facts={**prof.facts, k: Sourced(getattr(platform_cfg, k),
                                                                  f"config: platform.{k}")})
-    return prof
+    return replace(prof, tier=pick_tier(prof, platform_cfg))
+
+
+def pick_tier(prof: Profile, platform_cfg) -> TierSpec | None:
+    """The tier `platform.tier` names among the profile's (with `platform.tier_*` figures
+    overriding its own); a tier of the config's figures alone when it names none but sets one;
+    None when neither."""
+    name = getattr(platform_cfg, "tier", "") or ""
+    over = {k: getattr(platform_cfg, f"tier_{k}", None) for k in TIER_FIGURES}
+    if name:
+        if name not in prof.tiers:
+            raise ProfileError(f"platform.tier={name!r} is not a tier of profile {prof.name!r}; "
+                               f"its tiers are {', '.join(prof.tiers) or 'none'}: name one, or "
+                               "leave platform.tier empty and set platform.tier_bytes / "
+                               "tier_bandwidth / tier_latency")
+        spec = prof.tiers[name]
+    elif any(v is not None for v in over.values()):
+        spec = TierSpec("config", sources={k: "config: not stated (not modelled)"
+                                           for k in TIER_FIGURES})
+    else:
+        return None
+    for k, v in over.items():
+        if v is not None:
+            spec = spec.with_figure(k, float(v), f"config: platform.tier_{k}")
+    return spec
 
 
 # -- rank classes (`platform.classes`): a heterogeneous cluster ---------------------------------
@@ -264,7 +297,12 @@ def _parse(data: Any, where: str) -> Profile:
         k: Sourced(v["value"], str(v.get("source", "")))
         for k, v in (data.get("facts") or {}).items()
     }
-    return Profile(str(data.get("name", where)), values, facts, str(data.get("description", "")))
+    try:
+        tiers = parse_tiers(data.get("tiers"), where)
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
+    return Profile(str(data.get("name", where)), values, facts, str(data.get("description", "")),
+                   tiers)
 
 
 __all__ = [
@@ -281,6 +319,7 @@ __all__ = [
     "host_matches",
     "load_profile",
     "node_name",
+    "pick_tier",
     "rank_profile",
     "resolve_platform",
 ]

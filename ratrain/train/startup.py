@@ -14,14 +14,16 @@ anything mpi4py-like.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
 from ratrain.job import tblog
 from ratrain.checkpoint import checkpoint_root, load_checkpoint, read_manifest, resolve_resume
-from ratrain.checkpoint.space import room_problem
+from ratrain.checkpoint.space import free_bytes, human_bytes, room_problem
 from ratrain.comm.algos import check_choice
 from ratrain.config import Config, ConfigError, load_config
+from ratrain.config.offload import tier_dir
 from ratrain.data import check_data, data_resume_problem, open_datasets, record_tokenizer
 from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
@@ -32,6 +34,7 @@ from ratrain.plan.check import available_memory, run_plan
 from ratrain.plan.hetero import resolve, with_measured_rates
 from ratrain.shim import allocator
 from ratrain.shim.platform import class_map, node_name
+from ratrain.comm.topology import coords
 from ratrain.job.runctl import check_writable, lock_dirs
 
 
@@ -92,6 +95,44 @@ def check_memory(cfg: Config, rank: int, device: Device | None = None) -> None:
     plan.check(rank, tolerance=0.9, available=available_memory() if on_host else None,
                local_ranks=local_ranks() or 1)
     check_device_memory(cfg, rank, device, plan)
+
+
+def check_tier(cfg: Config, rank: int, plan=None) -> None:
+    """The memory tier (`offload.*`): its directory (`offload.path`, which must exist; the
+    default under run.dir is made) writable, this rank's predicted bytes in the tier within its
+    share of `platform.tier_bytes`, and the storage's free space enough for the node's ranks
+    there (`plan`: `run_plan(cfg, rank)` when made already)."""
+    from ratrain.comm.progress import local_ranks  # loads MPI (loaded already under a launcher)
+
+    if not cfg.offload.enabled:
+        return
+    if cfg.offload.optimizer != "off" and cfg.run.device != "cpu":
+        raise ConfigError(f"offload.optimizer={cfg.offload.optimizer} keeps the optimizer state "
+                          f"in host memory-mapped files, which run.device={cfg.run.device} does "
+                          "not read in place: set offload.optimizer=off there (activations may "
+                          "still go to the tier)")
+    path = tier_dir(cfg)
+    key = "offload.path" if cfg.offload.path else "run.dir"
+    if cfg.offload.path and not os.path.isdir(path):
+        why = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise OSError(f"the memory tier at offload.path={path} {why}: make the directory, or "
+                      "set offload.path to one (\"\" = <run.dir>/tier)")
+    check_writable(path, key)
+    plan = plan or run_plan(cfg, rank)
+    stage, _ = coords(rank, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.placement)
+    need = plan.tier_peaks[stage] if plan.tier_peaks is not None else 0
+    if plan.tier_cap is not None and need > plan.tier_cap:
+        raise OSError(f"rank {rank} (stage {stage}) is predicted to hold {human_bytes(need)} in "
+                      f"the memory tier, over its share {human_bytes(plan.tier_cap)} of "
+                      f"platform.tier_bytes (tier at {key}={path}): offload fewer layers "
+                      "(offload.activations=auto), keep the optimizer state (offload.optimizer="
+                      "off), or raise platform.tier_bytes")
+    ranks = local_ranks() or 1
+    free = free_bytes(path)
+    if need * ranks > free:
+        raise OSError(f"the memory tier at {key}={path} has {human_bytes(free)} free, the "
+                      f"{ranks} rank(s) of this node need about {human_bytes(need * ranks)} "
+                      f"there: free space, set offload.path to a larger disk, or offload less")
 
 
 def check_device_memory(cfg: Config, rank: int, device: Device | None, plan=None) -> None:
@@ -177,6 +218,7 @@ def startup(args, comm) -> Setup:
     if getattr(args, "dry_run", False):  # the plan is the dry run's own report
         return Setup(cfg, data_paths, None, classes=classes, device=device)
     agree(comm, check_memory, cfg, comm.Get_rank(), device)
+    agree(comm, check_tier, cfg, comm.Get_rank())
     done = agree(comm, finished_message, cfg, resume)
     if resume and not done:
         agree(comm, check_data_position, cfg, data_paths, resume)
@@ -200,5 +242,5 @@ def _no_room(root: str, cfg: Config) -> None:
 
 
 __all__ = ["Setup", "StartupError", "agree", "check_data_position", "check_device_memory",
-           "check_memory",
+           "check_memory", "check_tier",
            "finished_message", "rank_classes", "rank_device", "resolve_config", "startup"]

@@ -30,6 +30,7 @@ from ratrain.checkpoint import (
 )
 from ratrain.checkpoint.space import checkpoint_bytes
 from ratrain.comm.topology import coords
+from ratrain.config.offload import tier_dir
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
 from ratrain.data import eval_batches, open_datasets, open_eval_sets
@@ -53,6 +54,8 @@ from ratrain.job.runctl import (
     write_status,
 )
 from ratrain.job.tblog import TensorBoard
+from ratrain.shim.tier import TierFull
+from ratrain.shim.tierstore import TierError
 from ratrain.train.startup import Setup
 
 
@@ -157,7 +160,7 @@ class Trainer:
         self.step_reached = self.start_step
         try:
             return self._run()
-        except WriteFailed as e:
+        except (WriteFailed, TierError, TierFull) as e:  # a file of the run, or the tier's
             return self._write_failed(str(e))
 
     def _run(self) -> int:
@@ -420,6 +423,10 @@ class Trainer:
             f"{self.this_rank.ctx.kernels.describe()}, "
             f"steps {self.start_step + 1}..{cfg.run.steps}, run dir {cfg.run.dir}, "
             f"{self._memory_note()}"
+            + (f", offload activations {cfg.offload.activations} optimizer "
+               f"{cfg.offload.optimizer} to {tier_dir(cfg)} (tier "
+               f"{self.profile.tier.name if self.profile.tier else 'not stated'})"
+               if cfg.offload.enabled else "")
             + (f", model from {cfg.init.from_hf}" if cfg.init.from_hf else "")
             + (f", tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""),
             flush=True,
