@@ -50,7 +50,7 @@ def worker(args) -> None:
     from mpi4py import MPI  # the benchmark's ranks
 
     from ratrain.config import load_config
-    from ratrain.lifecycle.bench import _job_run
+    from ratrain.lifecycle.bench import job_rounds
     from ratrain.plan.hetero import best_plans, predict, uniform_like
     from ratrain.train.startup import rank_classes
 
@@ -78,11 +78,7 @@ def worker(args) -> None:
             add("uniform", plans_of(uni, ucl)["symmetric"], ucl)
         else:
             add("symmetric", best["symmetric"], cl)
-    runs: dict[str, list[dict]] = {name: [] for name in cfgs}
-    names = list(cfgs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(_job_run(cfgs[name], comm, args.steps, args.skip))
+    runs = job_rounds(cfgs, comm, args.rounds, args.skip, args.steps)
     if comm.Get_rank() != 0:
         return
     for name, rs in runs.items():

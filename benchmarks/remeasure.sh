@@ -7,7 +7,7 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle hetero tier checkpoint data faults slurm timing
+# PARTS (default all): bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing
 # (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
 # 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
@@ -20,7 +20,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle hetero tier checkpoint data faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -92,6 +92,21 @@ for part in $PARTS; do
     rec tier-bench -- "${MPI[@]}" -n 2 "$PY" benchmarks/tier.py measure "${T[@]}"
     if [ "$SMOKE" = 1 ]; then M=(jobs/llama2-7b.yaml); else M=(); fi
     rec tier-models -- "$PY" benchmarks/tier.py models "${M[@]}" ;;
+  psync)  # ~30 min: partial against full synchronization (jobs/psync.yaml) on 2 emulated nodes
+    # (root): steps/s interleaved beside the simulator, then both trained on the default corpus
+    # and judged by ratrain.compare (the curves: docs/psync-curves.png)
+    if scripts/cluster.sh up --nodes 2 --slots 2 --rate 1gbit --name ps; then
+      PS=("$PY" benchmarks/psync.py)
+      L=(--launcher "scripts/cluster.sh run --name ps --")
+      MPIRUN=$MPIRUN rec psync-speed -- "${PS[@]}" speed --config jobs/psync.yaml --periods 4 \
+        --rounds "$(s 1 3)" --steps "$(s 6 10)" --skip 2 "${L[@]}"
+      Q=(); [ "$SMOKE" = 1 ] && Q=(--set run.steps=8 --set data.eval_interval=4)
+      MPIRUN=$MPIRUN rec psync-quality -- "${PS[@]}" quality --config jobs/psync.yaml --period 4 \
+        --out "$WORK/psync" --png "$(s "$WORK/psync-curves.png" docs/psync-curves.png)" "${Q[@]}" "${L[@]}"
+      scripts/cluster.sh down --name ps
+    else
+      failed+=(psync-speed psync-quality)
+    fi ;;
   checkpoint)  # ~1 min: a save against plain h5py, interleaved
     rec checkpoint-save --ratio "save_over_h5py=save.median_s:h5py.median_s" -- \
       "$PY" benchmarks/bench_checkpoint.py --reps "$(s 1 5)" --dir "$WORK" ;;
@@ -131,7 +146,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle hetero tier checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

@@ -98,6 +98,20 @@ TABLES = {
           ("20KB.prepare_over_loop", "20 KB documents", ".3f"),
           ("2KB.prepare_mb_per_s", "MB/s at 2 KB", ".2f"),
           ("20KB.prepare_mb_per_s", "MB/s at 20 KB", ".2f")]),
+        ("psync-speed", "jobs/psync.yaml (dp 4, 2 emulated nodes, a slow link): partial sync "
+         "at H = 4 against full, steps/s interleaved, beside the simulator",
+         [("partial-4_over_full", "partial / full steps/s", ".3f"),
+          ("full.exposed_wait_s", "full's exposed sync wait s", ".2f"),
+          ("full.step_s", "full step s", ".2f"),
+          ("full.measured_over_predicted", "full measured / simulated", ".3f"),
+          ("partial-4.measured_over_predicted", "partial measured / simulated", ".3f"),
+          ("partial-4.host_busy", "host busy", ".2f")]),
+        ("psync-quality", "jobs/psync.yaml trained on the default corpus, partial sync (H = 4) "
+         "judged against full by ratrain.compare (eval loss)",
+         [("max_rel_dev", "largest deviation after 20%", ".4f"),
+          ("final_rel_dev", "at the end", ".4f"),
+          ("speedup", "time to full's final loss, full / partial", ".2f"),
+          ("passed", "within the recipe's bounds", "")]),
         ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
          "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
          "peak, less the double buffer (a layer written, one read)",

@@ -1,6 +1,7 @@
 """Compare the loss curves of two runs.
 
     python -m ratrain.compare RUN_A RUN_B [--tol T] [--prefix] [--png FILE] [--key loss]
+        [--after F] [--final-tol T] [--worse-only] [--time-to-final] [--min-speedup S]
 
 RUN_A / RUN_B are run directories (holding `metrics.jsonl`) or metrics files, read by
 `metrics.read_curve`. The relative deviation of a step is |a - b| / max(|b|, tiny). Prints
@@ -9,6 +10,19 @@ RUN_A / RUN_B are run directories (holding `metrics.jsonl`) or metrics files, re
 or when either holds a NaN (two runs that both diverged are not equal). `--prefix` compares the
 steps up to the shorter run's last (a run stopped on purpose against a longer one). Bad input
 (a missing or damaged file): exit 2.
+
+A run that is not meant to be equal (partial synchronization against full, `sync.mode`) is
+judged by its eval curve: `--after F` counts only the steps after the first fraction F of RUN_B's
+(training settles first), `--final-tol T` holds the last shared step to T (`final_rel_dev=`),
+`--worse-only` judges only the steps where RUN_A is worse (higher: a loss) than RUN_B (a
+partial run that is ahead is not a loss of quality; `best_rel_dev=` says by how much it was
+ahead at most), and `--time-to-final` prints how long each run took (wall clock, its records' `elapsed_s`) to
+reach RUN_B's final value (`time_to_final_a=`, `time_to_final_b=`, `speedup=` b over a; lower
+is better, as for a loss; a run that never reaches it takes inf), with `--min-speedup S`
+failing below S. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
+
+    python -m ratrain.compare runs/partial runs/full --key eval_loss --tol 0.02 --after 0.2 \
+        --final-tol 0.01 --worse-only --time-to-final --min-speedup 1.3 --prefix --png curves.png
 """
 
 from __future__ import annotations
@@ -22,14 +36,17 @@ from ratrain.fileio import atomic_path
 from ratrain.job.metrics import read_curve
 
 
-def read_metrics(path: str, key: str = "loss") -> dict[int, float]:
+def read_metrics(path: str, key: str = "loss", field: str | None = None) -> dict[int, float]:
     """step -> value of `key` from a run directory (its metrics.jsonl, or eval.jsonl for an
     `eval_*` key) or a metrics file, read by `metrics.read_curve` (a torn last line is left
-    out, any other damaged line is an error)."""
+    out, any other damaged line is an error); `field`: that field of the same records instead
+    (`elapsed_s`)."""
     if not os.path.exists(path):
         raise SystemExit(f"error: {path} does not exist (give a run directory or a metrics.jsonl)")
     try:
-        out = {int(r["step"]): float(r[key]) for r in read_curve(path, key)}
+        out = {int(r["step"]): float(r[field or key]) for r in read_curve(path, key)}
+    except KeyError as e:
+        raise SystemExit(f"error: {path}: a {key!r} record without {e.args[0]!r}") from None
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if not out:
@@ -37,9 +54,11 @@ def read_metrics(path: str, key: str = "loss") -> dict[int, float]:
     return out
 
 
-def compare(a: dict[int, float], b: dict[int, float]) -> tuple[float, list[int], list[float]]:
+def compare(a: dict[int, float], b: dict[int, float],
+            worse_only: bool = False) -> tuple[float, list[int], list[float]]:
     """(max relative deviation, the steps both hold, each one's deviation); NaN against
-    anything, NaN included, deviates by inf."""
+    anything, NaN included, deviates by inf. `worse_only`: a step where `a` is lower than `b`
+    deviates by 0."""
     steps = sorted(set(a) & set(b))
     devs = []
     for s in steps:
@@ -47,8 +66,14 @@ def compare(a: dict[int, float], b: dict[int, float]) -> tuple[float, list[int],
         if math.isnan(x) or math.isnan(y):
             devs.append(math.inf)
         else:
-            devs.append(abs(x - y) / max(abs(y), 1e-30))
+            devs.append(max(x - y, 0.0 if worse_only else y - x) / max(abs(y), 1e-30))
     return (max(devs) if devs else 0.0), steps, devs
+
+
+def time_to(curve: dict[int, float], times: dict[int, float], target: float) -> float:
+    """Wall-clock seconds (`times` of the same steps) at the first step whose value reaches
+    `target` (<=: a loss); inf when none does."""
+    return next((times[s] for s in sorted(curve) if curve[s] <= target), math.inf)
 
 
 def problems(a: dict[int, float], b: dict[int, float], names, prefix: bool = False) -> list[str]:
@@ -72,8 +97,9 @@ def _steps(steps: list[int]) -> str:
                                               else "")
 
 
-def plot(png: str, a, b, steps, devs, names, key) -> None:
-    """Draw both curves and their relative difference into the PNG file `png`."""
+def plot(png: str, a, b, steps, devs, names, key, times=None) -> None:
+    """Draw both curves and their relative difference into the PNG file `png`; `times`: each
+    run's {step: elapsed_s}, for a third panel against the wall clock."""
     try:
         import matplotlib  # optional dependency: only --png needs it
 
@@ -81,14 +107,25 @@ def plot(png: str, a, b, steps, devs, names, key) -> None:
         import matplotlib.pyplot as plt  # after use("Agg"), which must come first
     except ImportError:
         raise SystemExit("error: --png needs matplotlib: pip install matplotlib") from None
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, axes = plt.subplots(3 if times else 2, 1, figsize=(8, 9 if times else 6))
+    ax1, ax2 = axes[0], axes[1]
     ax1.plot(sorted(a), [a[s] for s in sorted(a)], label=names[0])
     ax1.plot(sorted(b), [b[s] for s in sorted(b)], "--", label=names[1])
     ax1.set_ylabel(key)
+    ax1.set_xlabel("step")
     ax1.legend()
     ax2.semilogy(steps, [max(d, 1e-18) for d in devs])
     ax2.set_ylabel("relative difference")
     ax2.set_xlabel("step")
+    if times:
+        for curve, t, style, name in ((a, times[0], "-", names[0]), (b, times[1], "--", names[1])):
+            ax3 = axes[2]
+            ax3.plot([t[s] for s in sorted(curve)], [curve[s] for s in sorted(curve)], style,
+                     label=name)
+        ax3.axhline(b[max(b)], color="grey", linewidth=0.5)
+        ax3.set_ylabel(key)
+        ax3.set_xlabel("wall clock (s)")
+        ax3.legend()
     fig.tight_layout()
     with atomic_path(png, durable=False) as tmp:  # a plot: no fsync
         fig.savefig(tmp, dpi=100, format="png")
@@ -109,17 +146,55 @@ def main(argv=None) -> int:
                     "early on purpose)")
     ap.add_argument("--key", default="loss",
                     help="metric to compare (default: loss; eval_loss: the evals)")
+    ap.add_argument("--after", type=float, default=0.0, metavar="F",
+                    help="count only the steps after the first fraction F of RUN_B's (0 <= F < 1)")
+    ap.add_argument("--final-tol", type=float, default=None, metavar="T",
+                    help="fail (exit 1) when the last shared step deviates by more than T")
+    ap.add_argument("--worse-only", action="store_true",
+                    help="judge only the steps where RUN_A is worse (higher) than RUN_B")
+    ap.add_argument("--time-to-final", action="store_true",
+                    help="print each run's wall clock to RUN_B's final value and their speed-up")
+    ap.add_argument("--min-speedup", type=float, default=None, metavar="S",
+                    help="with --time-to-final: fail (exit 1) when the speed-up is below S")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.after < 1.0:
+        ap.error(f"--after {args.after}: give a fraction in [0, 1)")
+    if args.min_speedup is not None and not args.time_to_final:
+        ap.error("--min-speedup needs --time-to-final")
     a = read_metrics(args.run_a, args.key)
     b = read_metrics(args.run_b, args.key)
-    worst, steps, devs = compare(a, b)
+    worst, steps, devs = compare(a, b, args.worse_only)
     if not steps:
         print(f"error: {args.run_a} and {args.run_b} share no steps", file=sys.stderr)
         return 2
-    print(f"max_rel_dev={worst:.6e} steps={len(steps)}")
-    if args.png:
-        plot(args.png, a, b, steps, devs, (args.run_a, args.run_b), args.key)
+    if args.after:  # the judged steps: after the first fraction of RUN_B's
+        late = [(s, d) for s, d in zip(steps, devs) if s > args.after * max(b)]
+        worst = max((d for _, d in late), default=0.0)
+        print(f"max_rel_dev={worst:.6e} steps={len(late)}")
+    else:
+        print(f"max_rel_dev={worst:.6e} steps={len(steps)}")
+    if args.worse_only:  # how far ahead RUN_A was at most (not judged)
+        late = [s for s in steps if s > args.after * max(b)]
+        best = max((b[s] - a[s]) / max(abs(b[s]), 1e-30) for s in late) if late else 0.0
+        print(f"best_rel_dev={max(best, 0.0):.6e}")
     bad = problems(a, b, (args.run_a, args.run_b), args.prefix)
+    if args.final_tol is not None:
+        print(f"final_rel_dev={devs[-1]:.6e} step={steps[-1]}")
+        if not devs[-1] <= args.final_tol:
+            bad.append(f"final step over tolerance: {devs[-1]:.3e} > {args.final_tol:.3e}")
+    times = None
+    if args.time_to_final:
+        times = (read_metrics(args.run_a, args.key, "elapsed_s"),
+                 read_metrics(args.run_b, args.key, "elapsed_s"))
+        target = b[max(b)]
+        ta, tb = time_to(a, times[0], target), time_to(b, times[1], target)
+        speedup = tb / ta if ta > 0 else math.inf
+        print(f"time_to_final_a={ta:.6g} time_to_final_b={tb:.6g} speedup={speedup:.4g}")
+        if args.min_speedup is not None and not speedup >= args.min_speedup:
+            bad.append(f"speed-up to {args.run_b}'s final {args.key} {target:.6g}: "
+                       f"{speedup:.3f} < {args.min_speedup}")
+    if args.png:
+        plot(args.png, a, b, steps, devs, (args.run_a, args.run_b), args.key, times)
     if args.tol is not None and not worst <= args.tol:
         bad.append(f"over tolerance: {worst:.3e} > {args.tol:.3e}")
     for line in bad:

@@ -155,7 +155,7 @@ def test_a_checkpoint_unreadable_after_verification_is_one_line(run1, tmp_path):
     d = fuzz_dir(run, str(tmp_path / "changed"))
     code = ("import sys; from ratrain.checkpoint import CheckpointError; "
             "import ratrain.train.trainer as T\n"
-            "def boom(state, path): raise CheckpointError(path + '/shard-s000.h5: truncated')\n"
+            "def boom(state, path, *a, **k): raise CheckpointError(path + '/shard-s000.h5: truncated')\n"
             "T.load_stage = boom\nfrom ratrain.train import main\n"
             f"sys.exit(main(['--config', {job!r}, '--set', 'run.dir={d}', "
             "'--set', 'checkpoint.resume=auto']))")

@@ -73,3 +73,36 @@ def test_a_damaged_line_is_an_error_and_a_torn_last_line_is_left_out(tmp_path, c
     f.write_text('{"step": 1, "lo\n' + f.read_text())  # damage in the middle
     with pytest.raises(SystemExit, match=r"metrics.jsonl:1 is not a JSON object"):
         main([a, b, "--tol", "0"])
+
+
+def eval_dir(tmp_path, name, points):
+    """A run directory whose eval.jsonl holds (step, eval_loss, elapsed_s) points."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "eval.jsonl").write_text("".join(
+        json.dumps({"step": s, "eval_loss": v, "elapsed_s": t}) + "\n" for s, v, t in points))
+    return str(d)
+
+
+def test_partial_sync_recipe_judges_the_eval_curve_and_the_time_to_loss(tmp_path, capsys):
+    full = eval_dir(tmp_path, "full", [(10, 3.0, 20), (20, 2.5, 40), (30, 2.2, 60),
+                                       (40, 2.0, 80), (50, 1.9, 100)])
+    # early eval off by 10% (not judged after --after 0.2), then within 2%, ends below full
+    part = eval_dir(tmp_path, "part", [(10, 3.3, 10), (20, 2.53, 20), (30, 2.21, 30),
+                                       (40, 2.02, 40), (50, 1.89, 50)])
+    recipe = [part, full, "--key", "eval_loss", "--tol", "0.02", "--after", "0.2",
+              "--final-tol", "0.01", "--time-to-final", "--min-speedup", "1.3"]
+    assert main(recipe) == 0
+    out = capsys.readouterr().out
+    assert "steps=4" in out and "final_rel_dev=5.26" in out
+    assert "time_to_final_a=50 time_to_final_b=100 speedup=2" in out
+    assert main(recipe[:4] + ["--tol", "0.02"]) == 1  # every eval counted: 10% at step 10
+    slow = eval_dir(tmp_path, "slow", [(10, 3.0, 30), (20, 2.5, 60), (30, 2.2, 90),
+                                       (40, 2.0, 120), (50, 1.9, 150)])
+    assert main([slow, *recipe[1:]]) == 1  # the same curve, slower: speed-up 0.67
+    assert "0.667 < 1.3" in capsys.readouterr().err
+    never = eval_dir(tmp_path, "never", [(10, 3.0, 1), (20, 2.5, 2), (30, 2.2, 3), (40, 2.0, 4),
+                                         (50, 1.91, 5)])  # within 1% but never reaches 1.9
+    assert main([never, full, "--key", "eval_loss", "--time-to-final"]) == 0
+    assert "time_to_final_a=inf" in capsys.readouterr().out
+    assert main([never, *recipe[1:]]) == 1

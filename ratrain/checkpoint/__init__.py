@@ -8,8 +8,8 @@ checkpoint's files must agree on: the manifest's seal, its fields and each shard
 (`audit`), verification, the one place that decides whether a checkpoint is usable, and the
 choice of the checkpoint to resume from (`verify`), loading into any
 layout (`load`), finding a committed checkpoint and loading it into a stage block by block, the
-one way the trainer, eval, generate and export take weights (`stage`), and the `show` CLI
-(`show`, `__main__`).
+one way the trainer, eval, generate and export take weights (`stage`), each replica's own
+state under partial synchronization (`replicas`), and the `show` CLI (`show`, `__main__`).
 
 May import: `ratrain` (its version), `ratrain.config`, `ratrain.device` (device arrays to the
 host), `ratrain.fileio` (every file is written
@@ -24,6 +24,8 @@ Layout of one checkpoint (`<checkpoint.dir>/ckpt-000100/`, default dir `<run.dir
     shard-s001.h5     ...one file per pipeline stage
     manifest.json     written last, by rank 0, after every shard is on disk: the commit mark,
                       sealed with the SHA-256 of its own content
+    shard-s000-r001.h5   under partial sync (dp > 1): replica 1 of stage 0's own state, one
+                      per replica and stage; the stage shards then hold the replicas' mean
 
     path = save_checkpoint(root, step, cfg, state.state_dict(), scalars, stage=s, replica=r, comm=c)
     path = resolve_resume(cfg.checkpoint, cfg.run.dir, cfg.model, comm=c)   # or None: fresh
@@ -34,6 +36,7 @@ Layout of one checkpoint (`<checkpoint.dir>/ckpt-000100/`, default dir `<run.dir
 from ratrain.checkpoint.commit import save_checkpoint
 from ratrain.checkpoint.load import load_checkpoint
 from ratrain.checkpoint.stage import checkpoint_config, committed_path, load_stage, newest_committed
+from ratrain.checkpoint.replicas import holds_replicas, resume_replica
 from ratrain.checkpoint.names import (
     BUFFER_GROUPS,
     FORMAT,
@@ -59,6 +62,8 @@ from ratrain.checkpoint.verify import (
 )
 
 __all__ = [
+    "holds_replicas",
+    "resume_replica",
     "checkpoint_config",
     "committed_path",
     "load_stage",

@@ -30,6 +30,7 @@ import yaml
 from ratrain.checkpoint.model import stage_bounds
 from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, SEAL, SHARD_RE, checkpoint_step
 from ratrain.checkpoint.names import shard_name
+from ratrain.checkpoint.replicas import REPLICA_RE, replica_problems
 from ratrain.config import Config, config_from_dict
 
 if TYPE_CHECKING:  # annotations only: functions import h5py where they read or write
@@ -71,17 +72,21 @@ def _int(v, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def _entry_problem(i: int, e) -> str | None:
+def _entry_problem(i: int, e, key: str = "files") -> str | None:
+    """A file entry's fields: `files` (model shards), or `replicas` (each replica's own state,
+    partial sync: `ratrain.checkpoint.replicas`)."""
+    name_re, form = (SHARD_RE, "shard-sNNN.h5") if key == "files" else (REPLICA_RE,
+                                                                       "shard-sNNN-rRRR.h5")
     if not isinstance(e, dict):
-        return f"the file list is malformed: files[{i}] is not an object"
-    for key in ("file", "stage", "bytes", "sha256", "params"):
-        if key not in e:
-            return f"the file list is malformed: files[{i}] has no {key!r}"
-    if not isinstance(e["file"], str) or not SHARD_RE.match(e["file"]):
+        return f"the file list is malformed: {key}[{i}] is not an object"
+    for k in ("file", "stage", "bytes", "sha256", "params") + (("replica",) * (key != "files")):
+        if k not in e:
+            return f"the file list is malformed: {key}[{i}] has no {k!r}"
+    if not isinstance(e["file"], str) or not name_re.match(e["file"]):
         return (f"lists the file {e['file']!r}, which is not a shard name inside the checkpoint "
-                "(shard-sNNN.h5): refused")
-    if not _int(e["stage"]) or not _int(e["bytes"]):
-        return f"{e['file']}: its stage or byte count is not a whole number >= 0"
+                f"({form}): refused")
+    if not _int(e["stage"]) or not _int(e["bytes"]) or not _int(e.get("replica", 0)):
+        return f"{e['file']}: its stage, replica or byte count is not a whole number >= 0"
     if not isinstance(e["sha256"], str) or not _SHA_RE.match(e["sha256"]):
         return f"{e['file']}: its sha256 is not 64 hex digits"
     params = e["params"]
@@ -105,6 +110,11 @@ def schema_problem(m: dict) -> str | None:
         return "the file list is empty or malformed"
     for i, e in enumerate(m["files"]):
         if why := _entry_problem(i, e):
+            return why
+    if not isinstance(m.get("replicas", []), list):
+        return "its replica list is malformed"
+    for i, e in enumerate(m.get("replicas", [])):
+        if why := _entry_problem(i, e, "replicas"):
             return why
     topo = m["topology"]
     if not isinstance(topo, dict) or not all(_int(topo.get(k), 1) for k in ("pp", "dp")):
@@ -146,6 +156,7 @@ def agreement_problems(path: str, m: dict) -> tuple[list[str], Config | None]:
         cfg = config_from_dict(m["config"])
     except Exception as e:  # noqa: BLE001 - a damaged config is a verdict, not a crash
         return [*out, f"its config does not load ({' '.join(str(e).split())})"], None
+    out += replica_problems(m, cfg)
     if (cfg.parallel.pp, cfg.parallel.dp) != (pp, dp):
         out.append(f"its topology pp={pp} x dp={dp} disagrees with its config's parallel "
                    f"pp={cfg.parallel.pp} x dp={cfg.parallel.dp}")

@@ -36,6 +36,7 @@ from ratrain.checkpoint.model import coverage_problems, stage_bounds
 from ratrain.checkpoint.names import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError
 from ratrain.checkpoint.names import CheckpointSpaceError, checkpoint_name, is_committed
 from ratrain.checkpoint.names import list_checkpoints
+from ratrain.checkpoint.replicas import holds_replicas, replica_problems
 from ratrain.checkpoint.shard import StateStream, state_json, write_shard
 from ratrain.checkpoint.space import expected_bytes, is_space_error, make_room, space_message
 from ratrain.config import Config
@@ -132,6 +133,9 @@ def _manifest(step: int, cfg: Config, gathered: list[dict], entries: list[dict])
         },
         "files": entries,
         "config": cfg.to_dict(),
+        **({"replicas": sorted((g["replica_entry"] for g in gathered),
+                               key=lambda e: (e["stage"], e["replica"]))}
+           if holds_replicas(cfg) else {}),
     }
 
 
@@ -139,7 +143,7 @@ def _commit(root, path, step, cfg: Config, gathered, keep, log) -> str:
     """Rank 0: check the reports, write the manifest (the commit), then apply `keep`."""
     entries = _shard_entries(path, gathered, cfg.parallel.pp)
     manifest = _manifest(step, cfg, gathered, entries)
-    problems = coverage_problems(manifest, path)
+    problems = coverage_problems(manifest, path) + replica_problems(manifest, cfg)
     if problems:
         raise CheckpointError(f"checkpoint {path} not committed: " + "; ".join(problems))
     fsync_dir(path)  # every shard's rename is durable before the manifest names it
@@ -149,24 +153,31 @@ def _commit(root, path, step, cfg: Config, gathered, keep, log) -> str:
     return path
 
 
-def _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer) -> dict:
-    """This rank's part of a save (its shard on replica 0) and its report for rank 0."""
-    entry, error, space = None, None, False
-    if replica == 0:
-        try:
+def _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer, own) -> dict:
+    """This rank's part of a save (its shard on replica 0; `own`: this replica's own state,
+    partial sync) and its report for rank 0."""
+    entry = own_entry = error = None
+    space = False
+    try:
+        if replica == 0:
             entry = write_shard(path, step, stage, cfg, tensors, state, writer=writer)
-        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
-            text = " ".join(str(e).split())  # h5py's messages span lines
-            error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
-            space = is_space_error(e)
-    if isinstance(tensors, StateStream):
-        tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
+        if isinstance(tensors, StateStream):
+            tensors.drain()  # the rest of the stream (all of it on a non-writing replica)
+        if own is not None:
+            own_entry = write_shard(path, step, stage, cfg, own, state, writer=writer,
+                                    replica=replica)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
+        text = " ".join(str(e).split())  # h5py's messages span lines
+        error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
+        space = is_space_error(e)
+        if isinstance(tensors, StateStream):
+            tensors.drain()  # every replica still takes part in the stream's collectives
     try:
         digest = hashlib.sha256(state_json(state).encode()).hexdigest()
     except TypeError as e:
         digest, error = "", error or f"rank {rank}: {e}"
     return {"rank": rank, "stage": stage, "replica": replica, "entry": entry, "error": error,
-            "state": digest, "space": space}
+            "state": digest, "space": space, "replica_entry": own_entry}
 
 
 def save_checkpoint(
@@ -182,6 +193,7 @@ def save_checkpoint(
     keep: int | None = None,
     writer: str = "fast",
     log: Callable[[str], None] | None = None,
+    own: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> str:
     """Save and commit checkpoint `<root>/ckpt-<step>`; collective over `comm` (every rank calls).
 
@@ -199,6 +211,9 @@ def save_checkpoint(
         comm: mpi4py-like communicator over all ranks (None: one process).
         keep: committed checkpoints to keep (default `cfg.checkpoint.keep`).
         writer: "fast" (streamed, hashed while written) or "plain" (the reference).
+        own: under partial sync at dp > 1 (`replicas.holds_replicas`), this replica's own
+            {"master"|"m"|"v": {name: array}}, written by every rank beside the model shards
+            (`tensors`: then the replicas' mean) and listed in the manifest's `replicas`.
     Returns the committed checkpoint's path, on every rank; raises CheckpointError (the same on
     every rank) if any rank failed, and then nothing is committed.
     """
@@ -214,7 +229,10 @@ def save_checkpoint(
         if isinstance(tensors, StateStream):
             tensors.drain()  # every replica still takes part in the stream's gathers
         raise
-    mine = _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer)
+    if (own is not None) != holds_replicas(cfg):
+        raise ValueError(f"save_checkpoint: own states are for partial sync at dp > 1 (sync.mode="
+                         f"{cfg.sync.mode}, parallel.dp={cfg.parallel.dp}), given: {own is not None}")
+    mine = _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer, own)
     gathered = comm.gather(mine, root=0)
 
     def commit():

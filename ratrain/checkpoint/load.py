@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from ratrain.checkpoint.names import BUFFER_GROUPS, CheckpointError
+from ratrain.checkpoint.replicas import replica_entries
 from ratrain.checkpoint.verify import read_manifest
 from ratrain.config import config_from_dict
 
@@ -38,9 +39,9 @@ def _read_into(ds: h5py.Dataset, dst) -> None:
         dst.set(np.ascontiguousarray(ds[()], dtype=dst.dtype))
 
 
-def _by_file(path: str, manifest: dict, names: Iterable[str] | None) -> dict[str, list[str]]:
-    """{shard file: the asked-for names it holds} (None: every parameter)."""
-    where = {n: e["file"] for e in manifest["files"] for n in e["params"]}
+def _by_file(path: str, entries: list[dict], names: Iterable[str] | None) -> dict[str, list[str]]:
+    """{shard file of `entries`: the asked-for names it holds} (None: every parameter)."""
+    where = {n: e["file"] for e in entries for n in e["params"]}
     names = list(where) if names is None else list(names)
     missing = [n for n in names if n not in where]
     if missing:
@@ -72,6 +73,7 @@ def load_checkpoint(
     *,
     out: Mapping[str, Mapping[str, Any]] | None = None,
     buffers: Iterable[str] = ("master", "m", "v"),
+    replica: int | None = None,
 ) -> dict:
     """Read a committed checkpoint's state for exactly the parameters `names` (None: all).
 
@@ -79,7 +81,9 @@ def load_checkpoint(
     checkpoint. With `out` ({"master"|"m"|"v": {name: array}}, e.g. `StageState.state_dict()`)
     the values are read straight into those arrays (no extra memory; materialise fp16 views
     afterwards); otherwise new arrays are returned. fp32 in, fp32 out: bitwise exact.
-    `buffers` picks which of master, m, v to read.
+    `buffers` picks which of master, m, v to read; `replica`: that replica's own state
+    (a partial-sync checkpoint's `replicas`, `checkpoint.replicas.resume_replica`), not the
+    model shards.
 
     Returns {"path", "step", "state" (the dict given to save), "config" (a Config),
     "topology", "master", "m", "v" ({name: array})}. Verification is `resolve_resume`'s job
@@ -89,9 +93,12 @@ def load_checkpoint(
 
     manifest = read_manifest(path)
     buffers = list(buffers)
-    entries = {e["file"]: e for e in manifest["files"]}
+    listed = manifest["files"] if replica is None else replica_entries(manifest, replica)
+    if not listed:
+        raise CheckpointError(f"{path}: holds no state of replica {replica}")
+    entries = {e["file"]: e for e in listed}
     result: dict[str, Any] = {b: {} for b in buffers}
-    for fname, fnames in _by_file(path, manifest, names).items():
+    for fname, fnames in _by_file(path, listed, names).items():
         held = entries[fname].get("kinds", list(BUFFER_GROUPS))  # the manifest's word for buffers
         for b in buffers:
             if b not in held:

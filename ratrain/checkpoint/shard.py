@@ -36,6 +36,7 @@ import numpy as np
 
 import ratrain
 from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, FORMAT_VERSION, CheckpointError, shard_name
+from ratrain.checkpoint.replicas import replica_shard_name
 from ratrain.config import Config
 from ratrain.device import to_host
 from ratrain.fileio import atomic_path
@@ -339,19 +340,21 @@ def _write_shard_plain(tmp: str, step, stage, cfg, stream: StateStream, state) -
 WRITERS = {"fast": _write_shard_fast, "plain": _write_shard_plain}
 
 
-def write_shard(path, step, stage, cfg, tensors, state=None, *, writer: str = "fast") -> dict:
+def write_shard(path, step, stage, cfg, tensors, state=None, *, writer: str = "fast",
+                replica: int | None = None) -> dict:
     """Write stage `stage`'s shard into checkpoint directory `path` (temp, fsync, rename,
-    fsync the directory).
+    fsync the directory); `replica`: that replica's own state (`checkpoint.replicas`).
 
     Returns its manifest entry: {"file", "stage", "bytes", "sha256", "kinds", "params"}
-    ("kinds": the buffers it holds; the manifest's key since format version 1).
+    ("kinds": the buffers it holds; the manifest's key since format version 1), and
+    "replica" for a replica's own state.
     """
     stream = as_stream(tensors)
-    fname = shard_name(stage)
+    fname = shard_name(stage) if replica is None else replica_shard_name(stage, replica)
     write = WRITERS[writer]
     with atomic_path(os.path.join(path, fname)) as tmp:
         size, sha = write(tmp, step, stage, cfg, stream, state_json(state))
-    return {
+    entry = {
         "file": fname,
         "stage": int(stage),
         "bytes": int(size),
@@ -359,3 +362,4 @@ def write_shard(path, step, stage, cfg, tensors, state=None, *, writer: str = "f
         "kinds": list(stream.buffers),
         "params": {n: list(shape) for n, shape in stream.shapes.items()},
     }
+    return entry if replica is None else {**entry, "replica": int(replica)}

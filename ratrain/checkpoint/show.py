@@ -13,6 +13,7 @@ import os
 import sys
 
 
+from ratrain.checkpoint.replicas import replica_entries
 from ratrain.checkpoint.names import CheckpointError, is_committed, list_checkpoints
 from ratrain.checkpoint.space import human_bytes
 from ratrain.checkpoint.verify import read_manifest, verify_checkpoint
@@ -87,9 +88,11 @@ def _show_state(path: str, man: dict, out) -> None:
 
 
 def _show_files(path: str, man: dict, problems: list[str], verify: bool, out) -> None:
-    print("files", file=out)
+    print("files" + ("  (the model: the replicas' mean; then each replica's own state)"
+                     if replica_entries(man) else ""), file=out)
     total = 0
-    for e in man["files"]:
+    entries = man["files"] + replica_entries(man)
+    for e in entries:
         total += e["bytes"]
         f = os.path.join(path, e["file"])
         bad = [p for p in problems if p.startswith(f + ":")]
@@ -99,7 +102,7 @@ def _show_files(path: str, man: dict, problems: list[str], verify: bool, out) ->
             f"{human_bytes(e['bytes']):>10}  sha256 {e['sha256'][:16]}  {status}",
             file=out,
         )
-    print(f"total       {human_bytes(total)} in {len(man['files'])} file(s)", file=out)
+    print(f"total       {human_bytes(total)} in {len(entries)} file(s)", file=out)
 
 
 def show(path: str, verify: bool = False, out=None) -> int:

@@ -19,6 +19,7 @@ import os
 
 from ratrain.checkpoint.model import expected_params
 from ratrain.checkpoint.names import CheckpointSpaceError, is_committed, list_checkpoints
+from ratrain.checkpoint.replicas import holds_replicas
 from ratrain.config import Config
 
 MARGIN = 1.05  # room asked for beyond the expected size (HDF5 metadata, a changed config)
@@ -55,13 +56,15 @@ def checkpoint_bytes(path: str) -> int:
 
 def expected_bytes(root: str, cfg: Config) -> int:
     """What the next checkpoint will take: the newest committed one's size, or (none yet) the
-    model's fp32 master, m and v plus HDF5's metadata (measured: under 1 KiB per dataset)."""
+    model's fp32 master, m and v plus HDF5's metadata (measured: under 1 KiB per dataset),
+    once more for each replica's own state under partial sync (`checkpoint.replicas`)."""
     done = [p for _, p in list_checkpoints(root) if is_committed(p)]
     if done:
         return checkpoint_bytes(done[-1])
     shapes = expected_params(cfg.model).values()
     n = sum(int(_prod(s)) for s in shapes)
-    return 12 * n + 1024 * 3 * len(shapes) + 16 * 1024 * cfg.parallel.pp
+    copies = 1 + (cfg.parallel.dp if holds_replicas(cfg) else 0)
+    return copies * (12 * n + 1024 * 3 * len(shapes) + 16 * 1024 * cfg.parallel.pp)
 
 
 def _prod(shape) -> int:

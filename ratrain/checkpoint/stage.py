@@ -47,15 +47,16 @@ def checkpoint_config(path: str):
     return path, ck["config"], ck["step"]
 
 
-def load_stage(state, path: str, buffers=tuple(BUFFER_GROUPS)) -> dict:
-    """Put `buffers` of checkpoint `path` into `state` (see the module); returns the last
+def load_stage(state, path: str, buffers=tuple(BUFFER_GROUPS), replica: int | None = None) -> dict:
+    """Put `buffers` of checkpoint `path` into `state` (see the module); `replica`: that
+    replica's own state of a partial-sync checkpoint (`checkpoint.replicas`); returns the last
     `load_checkpoint` result (its step, scalars and config)."""
     buffers = tuple(buffers)
     if not state.sharded and buffers == tuple(BUFFER_GROUPS):
-        return load_checkpoint(path, state.names, out=state.state_dict())
+        return load_checkpoint(path, state.names, out=state.state_dict(), replica=replica)
     ck = None
     for b in state.blocks:
-        ck = load_checkpoint(path, [p.name for p in b.params], buffers=buffers)
+        ck = load_checkpoint(path, [p.name for p in b.params], buffers=buffers, replica=replica)
         for buf in buffers:
             state.load_named(ck[buf], buf, blocks=[b.name])
     return ck

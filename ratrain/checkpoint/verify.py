@@ -32,6 +32,7 @@ from ratrain.checkpoint.names import BUFFER_GROUPS, FORMAT, FORMAT_VERSION, MANI
 from ratrain.checkpoint.names import CheckpointError
 from ratrain.checkpoint.names import checkpoint_root, is_committed, linked_checkpoints
 from ratrain.checkpoint.names import list_checkpoints
+from ratrain.checkpoint.replicas import REPLICA_RE, replica_entries
 from ratrain.checkpoint.shard import sha256_file
 from ratrain.config import CheckpointConfig, Config, ModelConfig
 
@@ -129,9 +130,15 @@ def _shard_verdict(path, entry, manifest, cfg, checksums, buffers) -> tuple[list
 
 def _strays(path: str, manifest: dict) -> list[str]:
     """Shard files in the directory that the manifest does not list (from another checkpoint?)."""
-    listed = {e["file"] for e in manifest["files"]}
+    listed = {e["file"] for e in _shards(manifest)}
     return [f"{os.path.join(path, n)}: a shard the manifest does not list (another checkpoint's?)"
-            for n in sorted(os.listdir(path)) if SHARD_RE.match(n) and n not in listed]
+            for n in sorted(os.listdir(path))
+            if (SHARD_RE.match(n) or REPLICA_RE.match(n)) and n not in listed]
+
+
+def _shards(manifest: dict) -> list[dict]:
+    """Every file entry: the model shards, then each replica's own (`checkpoint.replicas`)."""
+    return manifest["files"] + replica_entries(manifest)
 
 
 def model_mismatch(saved: Mapping[str, Any], current: ModelConfig) -> list[str]:
@@ -177,7 +184,7 @@ def verify_checkpoint(path: str, *, comm=None, checksums: bool = True,
         return problems
     rank, size = comm.Get_rank(), comm.Get_size()
     mine: list[tuple[list[str], str]] = []
-    for i, entry in enumerate(manifest["files"]):
+    for i, entry in enumerate(_shards(manifest)):
         if i % size == rank:
             try:
                 mine.append(_shard_verdict(path, entry, manifest, cfg, checksums, buffers))

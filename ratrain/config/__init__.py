@@ -27,8 +27,8 @@ from ratrain.config.offload import OffloadConfig, check_offload
 from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
-from ratrain.config.sections import PRECISIONS, RunConfig, ScheduleConfig, _choice, global_batch
-from ratrain.config.sections import act_itemsize, is_half
+from ratrain.config.sections import PRECISIONS, RunConfig, ScheduleConfig, SyncConfig, _choice
+from ratrain.config.sections import act_itemsize, global_batch, is_half
 from ratrain.config.switches import SWITCHES, env_overrides
 from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
 
@@ -52,6 +52,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
@@ -245,7 +246,7 @@ __all__ = [
     "PRECISIONS", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
     "InitConfig", "act_itemsize", "is_half",
     "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
-    "SWITCHES", "ScheduleConfig", "StrictLoader", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
+    "SWITCHES", "ScheduleConfig", "StrictLoader", "SyncConfig", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",
     "shipped_jobs", "with_overrides",
 ]

@@ -486,6 +486,41 @@ class CommConfig:
             raise ConfigError("comm.allreduce='' is empty: give auto or an algorithm's name")
 
 
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the data-parallel replicas stay together (schedule.sync says when a gradient sync
+    starts; this section says what is synchronised).
+
+    mode: full (every step sums every gradient across the replicas: exact, the default) |
+        partial (DreamDDP's layer-wise partial synchronization for slow links: no gradient
+        sync; each replica steps on its own gradients, and each step averages the parameters
+        of 1/period of the blocks across the replicas, overlapped with the backward, so every
+        block is averaged once every `period` steps; AdamW's moments stay local; not
+        equivalent to full: judge it with `ratrain.compare`)
+    period: partial: H, the steps over which every block is averaged once (H = 1: every block
+        every step)
+    assign: partial: which blocks a step averages: round-robin (block i of the model, embed
+        first, in step i mod period)
+    """
+    mode: str = "full"
+    period: int = 4
+    assign: str = "round-robin"
+
+    MODES = ("full", "partial")
+    ASSIGNS = ("round-robin",)
+
+    def check(self) -> None:
+        _choice(self, "sync", "mode", self.MODES)
+        _choice(self, "sync", "assign", self.ASSIGNS)
+        if self.period < 1:
+            raise ConfigError(f"sync.period={self.period} must be >= 1 (the steps over which "
+                              "every block is averaged once)")
+
+    @property
+    def partial(self) -> bool:
+        return self.mode == "partial"
+
+
 def _positive(obj, section: str, key: str) -> None:
     v = getattr(obj, key)
     if not v > 0:
@@ -517,4 +552,4 @@ def _choice(obj, section: str, key: str, choices) -> None:
 
 __all__ = ["HALF_PRECISIONS", "PRECISIONS", "CheckpointConfig", "CommConfig",
            "InitConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
-           "ScheduleConfig", "act_itemsize", "global_batch", "is_half"]
+           "ScheduleConfig", "SyncConfig", "act_itemsize", "global_batch", "is_half"]

@@ -2,7 +2,8 @@
 
 Owns: the action vocabulary, its names and the pure 1F1B / GPipe builders (`schedule`); the
 policies that place gradient syncs, updates, views and recomputation per block and stage
-(`policies`); a pipeline decided once as data, made from the config with no MPI and no
+(`policies`); partial synchronization's parameter averages in place of the gradient syncs
+(`partial`); a pipeline decided once as data, made from the config with no MPI and no
 buffer, validated once, that the executor, the planner, the benches and the grid all take
 (`pipeline.PipelinePlan`); the validator (`validate`) and the grid printer (`grid`); the memory model of one
 rank, played over its action lists (`memory`), and the activation sizes measured from the

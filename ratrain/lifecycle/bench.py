@@ -149,7 +149,7 @@ HOST_BUSY_MAX = 1.0  # real / paced compute above this: the host did not keep th
 # the parts of a step, by the first word of the action names (`lifecycle.schedule`)
 BREAKDOWN = {"F": "fwd", "B": "bwd", "recv-fwd": "recv", "recv-bwd": "recv",
              "wait-sync": "wait_sync", "norm": "norm", "update": "update", "view": "view",
-             "gather-view": "view", "wait-view": "wait_view"}
+             "gather-view": "view", "wait-view": "wait_view", "wait-avg": "wait_avg"}
 
 
 def _breakdown(events, t_from: float, steps: int) -> dict:
@@ -225,6 +225,19 @@ def _job_run(cfg, comm, steps: int, skip: int) -> dict:
     }
 
 
+def job_rounds(cfgs: dict, comm, rounds: int, skip: int, steps: int | None = None) -> dict:
+    """`_job_run` of every config of `cfgs` (name -> config) in `rounds` rounds, each round's
+    order rotated by one (interleaved, so that a drift of the host weighs on all alike);
+    `steps`: each run's (None: its config's run.steps). name -> the rounds' results."""
+    names = list(cfgs)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            cfg = cfgs[name]
+            runs[name].append(_job_run(cfg, comm, steps or cfg.run.steps, skip))
+    return runs
+
+
 def variant_sets(spec: str) -> list[str]:
     """`--set` overrides of one `--policies` entry: a preset's name, optionally with component
     switches, `baseline-1f1b+sync=layer+update=next-step` (the `schedule` section's keys)."""
@@ -253,15 +266,10 @@ def cmd_job(args) -> None:
     cfgs = {pol: load_config(args.config, [*sets, *variant_sets(pol)]) for pol in policies}
     for cfg in cfgs.values():  # every variant checked before any work
         cfg.check_world(comm.Get_size())
-    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
-    for r in range(args.rounds):
-        order = policies[r % len(policies):] + policies[:r % len(policies)]
-        for pol in order:
-            cfg = cfgs[pol]
-            runs[pol].append(_job_run(cfg, comm, cfg.run.steps, args.skip))
+    runs = job_rounds(cfgs, comm, args.rounds, args.skip)
     if comm.Get_rank() != 0:
         return
-    p = cfg.parallel
+    p = cfgs[policies[-1]].parallel
     out = {}
     for pol, rs in runs.items():
         r = dict(rs[-1])

@@ -33,6 +33,12 @@ segment, and the next step's view is cast from the own master segment and ring a
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
 (`WaitView`). Whole blocks for checkpoints: `lifecycle.fullstate`.
 
+Partial synchronization (`sync.mode: partial`, `lifecycle.partial`): no gradient sync; the
+plan's lists of each step (by its phase) average some blocks' masters (`AverageParams` /
+`WaitAverage`, run by a `partial.Averager`); each replica's backward is seeded with its own
+micro-batches and its norm is its own (`GradNorm`); `iter_full_state(mean=True)` gives the
+replicas' mean model (checkpoints).
+
 Loss scaling: `head_backward` is seeded with loss_scale / (micro-batches of the global batch:
 num_micro_batches * dp, or the sum of `parallel.replica_shares` when replicas take unequal
 shares, each running its own plan of its own micro-batch count), gradients are summed over
@@ -76,6 +82,7 @@ from ratrain.lifecycle.facts import FactsLayout
 from ratrain.lifecycle.mailbox import Mailbox
 from ratrain.lifecycle.offload import OFFLOAD, kernel_recompute
 from ratrain.lifecycle.offloader import Offloader
+from ratrain.lifecycle.partial import Averager, replica_norms
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
 from ratrain.lifecycle.staged import StagedEngine
@@ -86,7 +93,8 @@ from ratrain.shim.allocator import resident_bytes
 class StepResult:
     step: int
     loss: float  # mean token loss over micro-batches and replicas (every rank knows it)
-    grad_norm: float  # global norm of the unscaled gradients (non-finite: overflow)
+    grad_norm: float  # global norm of the unscaled gradients (non-finite: overflow); partial
+    # synchronization: the mean of the replicas' own norms
     lr: float
     loss_scale: float  # the scale this step's backward used
     skipped: bool  # no update (non-finite gradients), the same on every rank
@@ -143,6 +151,7 @@ class Executor:
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
         self.shares = plan.shares
         self.facts = FactsLayout(len(self.global_index), self.dp, self.shares, self.world)
+        self.averager = self._averager() if plan.partial is not None else None
         self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim, ctx.kernels)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -173,6 +182,12 @@ class Executor:
                              f"{plan.shares[self.replica]} of {list(plan.shares)}: build it with "
                              f"PipelinePlan.from_config(cfg, replica={self.replica})")
 
+    def _averager(self) -> Averager:
+        """Partial synchronization's parameter averages (`lifecycle.partial`)."""
+        return Averager(self.state, self.dp, self.engine,
+                        self.topo.dp_comm if self.dp > 1 else None, self._pace_memory,
+                        self._comm_event)
+
     def _open_mailbox(self) -> Mailbox | None:
         """The pipeline's messages (none for one stage)."""
         if self.pp == 1:
@@ -192,6 +207,8 @@ class Executor:
             sched.DropView: lambda a: self.state.drop_view(a.block), sched.AllocGrad: self._alloc_grad,
             sched.FreeGrad: lambda a: self.state.free_grad(a.block), sched.SyncGrad: self._sync_grad,
             sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
+            sched.AverageParams: lambda a: self.averager.start(a),
+            sched.WaitAverage: lambda a: self.averager.wait(a),
             **(self.offloader.handlers() if self.offloader is not None else _no_tier()),
         })
 
@@ -258,7 +275,7 @@ class Executor:
         self.timeline.new_step()
         self.inputs, self.targets = self._to_device(inputs), self._to_device(targets)
         self.ledger.reset_peak()
-        actions = self.plan.step_list(self.stage, self._carry)
+        actions = self.plan.step_list(self.stage, self._carry, step)
         if self.mailbox is not None:
             self.mailbox.start(actions)  # the first receive of each direction, posted early
         # warm-up / steady / cool-down are all in the list; lifecycle actions sit between
@@ -275,7 +292,7 @@ class Executor:
         """Finish the last step's deferred lifecycle work (no-op when nothing is pending)."""
         if not self._carry:
             return
-        for a in self.plan.flush_list(self.stage):
+        for a in self.plan.flush_list(self.stage, self.step):
             self._run(a)
         self._carry = False
 
@@ -321,10 +338,11 @@ class Executor:
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
 
-    def iter_full_state(self, buffers=STATE_BUFFERS):
+    def iter_full_state(self, buffers=STATE_BUFFERS, mean: bool = False):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
-        stage's replicas when sharded (`lifecycle.fullstate.iter_full_state`)."""
-        return fullstate.iter_full_state(self, buffers)
+        stage's replicas when sharded, or with `mean` (the replicas' mean: partial
+        synchronization) (`lifecycle.fullstate.iter_full_state`)."""
+        return fullstate.iter_full_state(self, buffers, mean)
 
     def full_params(self) -> dict[str, np.ndarray]:
         """{global name: whole fp32 master (a copy)}; collective over the stage's replicas."""
@@ -389,7 +407,8 @@ class Executor:
 
     def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
-        dscale = self.scaler.scale / self.facts.nl  # the mean over the global batch
+        # the mean over the global batch (partial synchronization: over this replica's)
+        dscale = self.scaler.scale / (self.num_micro_batches if self.averager else self.facts.nl)
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
         if dx is not None:  # the input gradient, for the previous stage
             self.ledger.free(dx)
@@ -461,6 +480,8 @@ class Executor:
 
     def _grad_norm(self, a: sched.GradNorm) -> None:
         facts = self.facts
+        if self.averager is not None:  # partial: this replica's own gradients, whole
+            self.sq = self.averager.local_sq(self.blocks, self.ctx.kernels, self.ctx.xp)
         vec = facts.vector()
         # the step's one host sync: every sum of squares and loss in one download
         sq = host_floats(self.ctx.xp, [*self.sq.values(), *self.losses.values()])
@@ -473,8 +494,15 @@ class Executor:
         vec = self._allreduce_world(vec)
 
         loss_scale = self.scaler.scale
-        grad_norm = global_grad_norm(facts.sq_partials(vec), loss_scale, segments=self.dp)
-        skipped = self.scaler.update(not math.isfinite(grad_norm))
+        if self.averager is None:
+            grad_norm = reported = global_grad_norm(facts.sq_partials(vec), loss_scale,
+                                                    segments=self.dp)
+            finite = math.isfinite(grad_norm)
+        else:  # each replica clips by its own norm; any non-finite one skips every replica
+            norms = replica_norms(facts, vec, loss_scale)
+            grad_norm, reported = norms[self.replica], sum(norms) / len(norms)
+            finite = all(map(math.isfinite, norms))
+        skipped = self.scaler.update(not finite)
         lr = lr_at(self.step, self.cfg.optim, self.total_steps)
         if skipped:
             self._pending = _Pending(0, lr, 0.0, True)
@@ -483,7 +511,7 @@ class Executor:
             scale = grad_scale_for(grad_norm, self.cfg.optim.grad_clip, loss_scale)
             self._pending = _Pending(self._adam_t, lr, scale, False)
         self._result = StepResult(
-            step=self.step, loss=facts.mean_loss(vec), grad_norm=grad_norm, lr=lr,
+            step=self.step, loss=facts.mean_loss(vec), grad_norm=reported, lr=lr,
             loss_scale=loss_scale, skipped=skipped, peak_ddr_bytes=facts.peak(vec),
             local_peak_ddr_bytes=int(self.ledger.peak), step_time_s=0.0,
             peaks_ddr_bytes=facts.peaks(vec), resident_bytes=facts.resident(vec))

@@ -54,6 +54,11 @@ class FactsLayout:
         """The sums of squares in (global block, dp segment) order."""
         return vec[: self.nb].tolist()
 
+    def replica_sq(self, vec, replica: int) -> list[float]:
+        """Replica `replica`'s column of sums of squares, in global block order (partial
+        synchronization: each replica puts its whole blocks' there)."""
+        return vec[replica : self.nb : self.dp].tolist()
+
     def mean_loss(self, vec) -> float:
         return float(sum(vec[self.nb : self.nb + self.nl].tolist()) / self.nl)
 

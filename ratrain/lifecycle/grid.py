@@ -23,6 +23,7 @@ wait-view L     wait for block L's view all-gather     drop-view L   release blo
 alloc-grad L    allocate block L's gradient            free-grad L   release it
 sync L          start block L's gradient all-reduce    sync-scatter L   ... its reduce-scatter
 wait-sync L     wait for that collective               update L      AdamW of block L
+avg L           start block L's parameter average (sync.mode partial)   wait-avg L   its mean
 norm            the step's global facts (gradient norm, overflow, loss): every rank meets
 offload mbI L / wait-offload mbI L   write layer L's activations to the tier / wait for it
 fetch mbI L / wait-fetch mbI L       read them back before L's backward / wait for it
@@ -36,7 +37,7 @@ _PLAY = dispatch_table("grid.timeline", {
     sched.SendForward: (_SEND, "fwd", +1), sched.SendBackward: (_SEND, "bwd", -1),
     sched.GradNorm: (_NORM,), sched.Forward: (_COMPUTE,), sched.Backward: (_COMPUTE,),
 }, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update,
-           *sched.TIER_ACTIONS), default=(_LIFE,))
+           sched.AverageParams, sched.WaitAverage, *sched.TIER_ACTIONS), default=(_LIFE,))
 
 
 class _Player:

@@ -150,7 +150,8 @@ class _Walk:
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.WaitGrad: self._wait,
             sched.FreeGrad: self._free, sched.Update: self._update, sched.RecvForward: self._recv_forward,
             sched.SendForward: self._message, sched.RecvBackward: self._message, sched.SendBackward: self._message,
-        }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm))
+        }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm,
+                   sched.AverageParams, sched.WaitAverage))  # averages: in place
 
     def bump(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.cur + extra)

@@ -24,6 +24,7 @@ from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import block_params, block_role, stage_blocks
 from ratrain.lifecycle import offload
 from ratrain.lifecycle.grid import grid
+from ratrain.lifecycle.partial import PartialSync, check_partial, phase_lists
 from ratrain.lifecycle.policies import PRESETS, Policy, StageInfo, policy_of
 from ratrain.lifecycle.schedule import Action
 from ratrain.lifecycle.validate import validate_stages
@@ -64,21 +65,29 @@ class PipelinePlan:
     # this is: shares[replica] == num_micro_batches (checked when the plan is made)
     shares: tuple[int, ...] = ()
     replica: int = 0
+    # partial synchronization (`sync.mode: partial`, `lifecycle.partial`): the blocks each step
+    # averages, and per phase of its period per stage (first, carried, flush); None: full sync
+    partial: PartialSync | None = None
+    phases: tuple = ()
 
     @classmethod
     def build(cls, policy: Policy, blocks, m: int, precision: str = "fp32", dp: int = 1,
               block_bytes=None, validate: bool = True, shares=None,
-              replica: int = 0, offloaded=None, offload_state: str = "off") -> PipelinePlan:
+              replica: int = 0, offloaded=None, offload_state: str = "off",
+              partial: PartialSync | None = None) -> PipelinePlan:
         """The plan of stages with block names `blocks[s]` and fp32 gradient bytes
         `block_bytes[s]` (None: zero bytes) for replica `replica` of `shares` (None: `m`
         micro-batches each); `offloaded[s]`: stage s's layers whose activations go to the tier,
-        `offload_state`: the optimizer state that lives there (`lifecycle.offload`);
+        `offload_state`: the optimizer state that lives there (`lifecycle.offload`); `partial`:
+        partial synchronization's assignment (None: full);
         `validate`: check every stage's lists first."""
         shares = tuple(shares) if shares is not None else (m,) * dp
         if len(shares) != dp or not 0 <= replica < dp or shares[replica] != m:
             raise ValueError(f"replica {replica} of {dp} runs {m} micro-batches, but the shares "
                              f"of the replicas are {list(shares)}: give each replica its share")
         pp, shards = len(blocks), policy.shards(dp)
+        if partial is not None:
+            check_partial(policy, dp, offload_state)
         stages = tuple(
             StageInfo(pp, s, m, tuple(names),
                       tuple(block_bytes[s]) if block_bytes is not None else (0,) * len(names),
@@ -99,7 +108,11 @@ class PipelinePlan:
                    tuple(tier(policy.build_step(i), i) for i in stages),
                    tuple(tier(policy.build_step(i, True) if carries(i) else policy.build_step(i),
                               i) for i in stages),
-                   tuple(tier(policy.build_flush(i), i) for i in stages), shares, replica)
+                   tuple(tier(policy.build_flush(i), i) for i in stages), shares, replica,
+                   partial,
+                   tuple(tuple(tuple(tier(lst, i) for lst in phase)
+                               for phase in phase_lists(policy, i, partial))
+                         for i in stages) if partial else ())
         if validate:
             plan.validate()
         return plan
@@ -108,17 +121,20 @@ class PipelinePlan:
     def of_model(cls, model, policy: Policy, pp: int, dp: int, m: int, precision: str = "fp32",
                  layers_per_stage=None, validate: bool = True, shares=None,
                  replica: int = 0, offload_all: bool = False,
-                 offload_state: str = "off") -> PipelinePlan:
+                 offload_state: str = "off", sync=None) -> PipelinePlan:
         """The plan of `model` cut into `pp` stages (`layers_per_stage`: None, even), its
         blocks sized from their parameter counts; `offload_all`: every layer's activations go
-        to the tier (`offload.activations: all`)."""
+        to the tier (`offload.activations: all`); `sync`: a config's `sync` section (None:
+        full)."""
         blocks = stage_block_names(model, pp, layers_per_stage)
         sizes = [tuple(GRAD_BYTES_PER_PARAM * block_params(model, block_role(b)) for b in names)
                  for names in blocks]
         offloaded = ([tuple(b for b in names if block_role(b) == "layer") for names in blocks]
                      if offload_all else None)
+        partial = (PartialSync.of_sync(sync, [b for s in blocks for b in s])
+                   if sync is not None else None)
         return cls.build(policy, blocks, m, precision, dp, sizes, validate, shares, replica,
-                         offloaded, offload_state)
+                         offloaded, offload_state, partial)
 
     @classmethod
     def from_config(cls, cfg, policy=None, *, pp: int | None = None, dp: int | None = None,
@@ -134,7 +150,7 @@ class PipelinePlan:
             par.dp if dp is None else dp, par.micro_batches_of(replica) if m is None else m,
             cfg.precision, par.stage_layers() if layers_per_stage is _CONFIG else layers_per_stage,
             validate, par.shares if own else None, replica if own else 0,
-            cfg.offload.activations == "all", cfg.offload.optimizer)
+            cfg.offload.activations == "all", cfg.offload.optimizer, cfg.sync)
 
     def with_offload(self, offloaded, offload_state: str | None = None,
                      validate: bool = True) -> PipelinePlan:
@@ -146,7 +162,7 @@ class PipelinePlan:
             self.policy, self.blocks, self.num_micro_batches, self.precision, self.dp,
             [i.block_bytes for i in st], validate, self.shares, self.replica,
             [tuple(o) for o in offloaded], st[0].offload_state if offload_state is None
-            else offload_state)
+            else offload_state, self.partial)
 
     @property
     def offload_state(self) -> str:
@@ -192,18 +208,29 @@ class PipelinePlan:
         """Whether a step leaves lifecycle work for the next (see `Policy.build_flush`)."""
         return self.policy.carries(self.stages[0])
 
-    def step_list(self, stage: int, carry: bool = False) -> tuple[Action, ...]:
-        """Stage `stage`'s actions for one step (`carry`: after a step that was not flushed)."""
+    @property
+    def period(self) -> int:
+        """Steps after which the lists repeat (partial synchronization's period; 1: full)."""
+        return self.partial.period if self.partial is not None else 1
+
+    def step_list(self, stage: int, carry: bool = False, step: int = 0) -> tuple[Action, ...]:
+        """Stage `stage`'s actions for step `step` (0-based; only partial synchronization's
+        lists depend on it) (`carry`: after a step that was not flushed)."""
+        if self.partial is not None:
+            return self.phases[stage][step % self.period][1 if carry else 0]
         return (self.carried if carry else self.first)[stage]
 
-    def flush_list(self, stage: int) -> tuple[Action, ...]:
+    def flush_list(self, stage: int, step: int = 0) -> tuple[Action, ...]:
+        """What ends a run (or precedes a checkpoint, an evaluation) after step `step`."""
+        if self.partial is not None:
+            return self.phases[stage][step % self.period][2]
         return self.flushes[stage]
 
     def stage_steps(self, stage: int, n: int, flush: bool = False) -> list[tuple[Action, ...]]:
         """Stage `stage`'s lists for `n` consecutive steps as the executor runs them (the first
         with nothing carried), then, with `flush`, the flush that ends a run."""
-        out = [self.step_list(stage, k > 0) for k in range(n)]
-        return out + [self.flush_list(stage)] if flush else out
+        out = [self.step_list(stage, k > 0, k) for k in range(n)]
+        return out + [self.flush_list(stage, n - 1)] if flush else out
 
     def offloaded_steps(self, stage: int, offloaded, n: int) -> list[tuple[Action, ...]]:
         """Stage `stage`'s lists for `n` steps with the activation transfers of its `offloaded`
@@ -216,7 +243,7 @@ class PipelinePlan:
 
     def steps(self, n: int) -> list[list[tuple[Action, ...]]]:
         """`n` consecutive steps of every stage: `out[k][stage]` (no flush)."""
-        return [[self.step_list(s, k > 0) for s in range(self.pp)] for k in range(n)]
+        return [[self.step_list(s, k > 0, k) for s in range(self.pp)] for k in range(n)]
 
     def grid(self, step: int = 1, **kw) -> str:
         """The step x rank picture of step `step` (1: a step after a step, so carried work
@@ -227,9 +254,12 @@ class PipelinePlan:
 
     def validate(self, steps: int = 3) -> None:
         """Every stage's lists: the pipeline pairs and cannot deadlock; every block's lifecycle
-        is in order over `steps` steps and the flush (`lifecycle.validate`)."""
+        is in order over `steps` steps (a whole period and one more under partial
+        synchronization) and the flush (`lifecycle.validate`)."""
+        steps = max(steps, self.period + 1)
         validate_stages([self.stage_steps(s, steps, flush=True) for s in range(self.pp)],
-                        self.stages, steps, self.policy.components.lifecycle)
+                        self.stages, steps, self.policy.components.lifecycle,
+                        partial=self.partial is not None)
 
 
 __all__ = ["PipelinePlan", "resolve_policy", "stage_block_names"]

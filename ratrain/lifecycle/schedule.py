@@ -9,9 +9,10 @@ action belongs to one group:
 - p2p: `RecvForward`, `SendForward`, `RecvBackward`, `SendBackward` of micro-batch `mb`, absent
   at the pipeline's ends;
 - lifecycle, per block: `MaterializeView`, `WaitView`, `DropView`, `AllocGrad`, `FreeGrad`,
-  `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts; the memory tier's
-  transfers `Offload`, `WaitOffload`, `Fetch`, `WaitFetch` (`TIER_ACTIONS`, placed by
-  `lifecycle.offload`).
+  `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts; under partial
+  synchronization (`sync.mode: partial`, `lifecycle.partial`) `AverageParams` / `WaitAverage`
+  in place of the gradient syncs; the memory tier's transfers `Offload`, `WaitOffload`,
+  `Fetch`, `WaitFetch` (`TIER_ACTIONS`, placed by `lifecycle.offload`).
 
 A lifecycle action may ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
 SyncGrad(("layers.3",))),))`): it runs just before (`pre`) or just after (`post`) that block's part
@@ -233,6 +234,26 @@ class Update(_OfBlock):
     word: ClassVar[str] = "update"
 
 
+# -- partial synchronization (`sync.mode: partial`, lifecycle/partial.py places them) ----------
+
+
+@dataclass(frozen=True)
+class AverageParams(_OfBlocks):
+    """Start the data-parallel sum of these blocks' fp32 masters (one collective per block, in
+    place; DreamDDP's layer-wise parameter averaging): placed after the block's last backward,
+    so it runs under the rest of the backward; `WaitAverage` completes the mean."""
+
+    word: ClassVar[str] = "avg"
+
+
+@dataclass(frozen=True)
+class WaitAverage(_OfBlocks):
+    """Wait for these blocks' parameter sums and divide them by dp (every replica then holds the
+    same master), before the blocks' update."""
+
+    word: ClassVar[str] = "wait-avg"
+
+
 # -- the memory tier below the DDR (placed by `lifecycle.offload`) ------------------------------
 
 TIER_WHAT = ("act", "state", "master")
@@ -302,6 +323,7 @@ TIER_ACTIONS: tuple[type[Action], ...] = (Offload, WaitOffload, Fetch, WaitFetch
 ACTIONS: tuple[type[Action], ...] = (
     Forward, Backward, RecvForward, SendForward, RecvBackward, SendBackward, MaterializeView,
     WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm, Update,
+    AverageParams, WaitAverage,
 ) + TIER_ACTIONS
 
 
@@ -455,6 +477,7 @@ def expand(action: Action, blocks) -> list[tuple[str | None, Action]]:
 
 __all__ = [
     "ACTIONS",
+    "AverageParams",
     "BUILDERS",
     "GROUPS",
     "Action",
@@ -475,6 +498,7 @@ __all__ = [
     "TIER_ACTIONS",
     "TIER_WHAT",
     "Update",
+    "WaitAverage",
     "WaitFetch",
     "WaitGrad",
     "WaitOffload",

@@ -18,8 +18,11 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
   update; nothing left pending after the flush. With the optimizer state sharded over the dp
   replicas (`sharded=True`) every sync must be a reduce-scatter and every view made by an
   all-gather (and none otherwise); a gathered view is usable only after its `WaitView`, and the
-  view is never the master (it goes stale at the update, as in fp16). Transfers to and from
-  the memory tier are checked by `lifecycle.offload.TierCheck`.
+  view is never the master (it goes stale at the update, as in fp16). Under partial
+  synchronization (`partial=True`, `lifecycle.partial`) there is no gradient sync; a block's
+  average starts after its last backward, is waited for before its update, and no forward or
+  backward reads a master while it is being averaged. Transfers to and from the memory tier
+  are checked by `lifecycle.offload.TierCheck`.
 
 `validate_policy(policy, info_per_stage)` runs all three over a few steps.
 """
@@ -32,7 +35,8 @@ from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 LIFECYCLE = (sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad,
-             sched.GradNorm, sched.Update, *sched.TIER_ACTIONS)
+             sched.GradNorm, sched.Update, sched.AverageParams, sched.WaitAverage,
+             *sched.TIER_ACTIONS)
 
 
 class ScheduleError(ValueError):
@@ -170,15 +174,16 @@ class _Block:
         self.synced = None  # step last synced
         self.waited = None  # step last waited
         self.gathering = False  # a view all-gather in flight (sharded)
+        self.averaging = None  # step whose parameter average is in flight (partial sync)
 
 
 class _Lifecycle:
     """The lifecycle state machine of one rank's blocks (see the module)."""
 
     def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool, offloaded=(),
-                 offload_state: str = "off"):
+                 offload_state: str = "off", partial: bool = False):
         self.st = {b: _Block() for b in blocks}
-        self.m, self.stage, self.sharded = m, stage, sharded
+        self.m, self.stage, self.sharded, self.partial = m, stage, sharded, partial
         self.view_is_master = not fp16 and not sharded
         self.norm_step = None
         self.k = 0
@@ -189,6 +194,7 @@ class _Lifecycle:
             sched.MaterializeView: self._materialize, sched.WaitView: self._wait_view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.SyncGrad: self._sync,
             sched.WaitGrad: self._wait, sched.Update: self._update, sched.FreeGrad: self._free,
+            sched.AverageParams: self._average, sched.WaitAverage: self._wait_average,
         }, ignore=(sched.RecvForward, sched.SendForward, sched.RecvBackward, sched.SendBackward, sched.GradNorm))
 
     def fail(self, e, msg):
@@ -199,8 +205,12 @@ class _Lifecycle:
         if flag is not None and getattr(e, flag) != self.sharded:
             self.fail(e, f"{flag}={getattr(e, flag)} on a stage whose optimizer state is "
                          f"{'' if self.sharded else 'not '}sharded")
+        if self.partial and isinstance(e, (sched.SyncGrad, sched.WaitGrad)):
+            self.fail(e, "a gradient sync under partial synchronization")
+        if not self.partial and isinstance(e, (sched.AverageParams, sched.WaitAverage)):
+            self.fail(e, "a parameter average without partial synchronization")
         if isinstance(e, sched.GradNorm):
-            late = [b for b, x in self.st.items() if x.waited != self.k]
+            late = [b for b, x in self.st.items() if x.waited != self.k and not self.partial]
             if late:
                 self.fail(e, f"global norm before the sync wait of {late}")
             self.norm_step = self.k
@@ -214,6 +224,8 @@ class _Lifecycle:
             self.table[type(e)](e, b, self.st[b])
 
     def _use_view(self, e, b, x):
+        if x.averaging is not None and self.view_is_master:
+            self.fail(e, f"master of {b} read while its average is in flight")
         if x.view is None:
             self.fail(e, f"view of {b} not materialised")
         if x.gathering:
@@ -268,14 +280,28 @@ class _Lifecycle:
         j = x.pending
         if j is None:
             self.fail(e, f"no gradient of {b} awaits an update")
-        if x.waited != j or self.norm_step != j:
+        if (x.waited != j and not self.partial) or self.norm_step != j:
             self.fail(e, f"update of {b} before its sync wait and the step's norm")
+        if x.averaging is not None:
+            self.fail(e, f"update of {b} while its average is in flight")
         if x.grad != j:
             self.fail(e, f"update of {b} without its gradient")
         x.master += 1
         x.pending = None
         if self.view_is_master and x.view is not None:
             x.view = x.master
+
+    def _average(self, e, b, x):
+        if x.pending != self.k or x.bwd != self.m:
+            self.fail(e, f"average of {b} before its last backward")
+        if x.averaging is not None:
+            self.fail(e, f"{b} averaged while its previous average is in flight")
+        x.averaging = self.k
+
+    def _wait_average(self, e, b, x):
+        if x.averaging is None:
+            self.fail(e, f"wait for the average of {b} without one in flight")
+        x.averaging = None
 
     def _free(self, e, b, x):
         if x.grad is None or x.pending is not None:
@@ -290,7 +316,7 @@ class _Lifecycle:
         if not is_step:
             return
         for b, x in self.st.items():
-            if x.bwd != self.m or x.waited != self.k:
+            if x.bwd != self.m or (x.waited != self.k and not self.partial):
                 raise ScheduleError(f"stage {self.stage}, step {self.k}: {b} not "
                                     "backwarded/synced")
         if self.norm_step != self.k:
@@ -304,15 +330,19 @@ class _Lifecycle:
             if x.gathering:
                 raise ScheduleError(f"stage {self.stage}: {b} left with a view all-gather in "
                                     "flight")
+            if x.averaging is not None:
+                raise ScheduleError(f"stage {self.stage}: {b} left with its average in flight")
 
 
 def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
-                    sharded: bool = False, offloaded=(), offload_state: str = "off") -> None:
+                    sharded: bool = False, offloaded=(), offload_state: str = "off",
+                    partial: bool = False) -> None:
     """`steps`: this rank's successive step lists; a trailing list without compute is the flush.
     In fp32 (`fp16=False`) and unsharded a materialised view is the master itself, so it never
-    goes stale. `sharded`: masters and moments are cut over the dp replicas (see the module).
-    `offloaded`, `offload_state`: what goes to the tier (`lifecycle.offload.TierCheck`)."""
-    life = _Lifecycle(blocks, m, stage, fp16, sharded, offloaded, offload_state)
+    goes stale. `sharded`: masters and moments are cut over the dp replicas; `offloaded`,
+    `offload_state`: what goes to the tier (`lifecycle.offload.TierCheck`); `partial`: partial
+    synchronization (see the module)."""
+    life = _Lifecycle(blocks, m, stage, fp16, sharded, offloaded, offload_state, partial)
     for k, actions in enumerate(steps):
         life.k = k
         for x in life.st.values():
@@ -329,9 +359,11 @@ def validate_policy(policy: Policy, infos, steps: int = 3) -> None:
     validate_stages([policy.steps(info, steps) for info in infos], infos, steps)
 
 
-def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True) -> None:
+def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True,
+                    partial: bool = False) -> None:
     """All checks of `per_rank[stage]`: `steps` consecutive lists then the flush of each stage
-    (`infos[stage]`: StageInfo); `lifecycle=False`: the pipeline order alone (a bare order)."""
+    (`infos[stage]`: StageInfo); `lifecycle=False`: the pipeline order alone (a bare order);
+    `partial`: partial synchronization's lists."""
     m = infos[0].num_micro_batches
     for k in range(steps):
         check_pipeline([r[k] for r in per_rank], m)
@@ -339,7 +371,7 @@ def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True) -> None
     if lifecycle:
         for info, r in zip(infos, per_rank):
             check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, info.offload,
-                            info.offload_state)
+                            info.offload_state, partial)
 
 
 __all__ = [

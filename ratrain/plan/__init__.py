@@ -6,9 +6,9 @@ compute rate to a measured run (`calibrate`); what the planner plays for a layou
 action lists and recompute choices (`steps`); each stage's peak memory (`memory`, over the
 lifecycle's memory model); one run's memory plan against the cap, checked before it starts
 (`check`, for `train --dry-run`); the discrete-event simulator (`simulate`, its event loop in
-`events`); the search over layouts under the DDR cap and weak scaling (`search`); the same with a memory
-tier below the DDR, offload as a recovery choice (`tierplan`, the tier in the simulator:
-`tiersim`); the planner
+`events`); full against partial synchronization on a link (`sync`); the search over layouts
+under the DDR cap and weak scaling (`search`); the same with a memory tier below the DDR,
+offload as a recovery choice (`tierplan`, the tier in the simulator: `tiersim`); the planner
 for mixed clusters, layer splits and replica shares by each rank's class (`hetero`); the command
 `python -m ratrain.plan`.
 

@@ -4,6 +4,7 @@
         [--global-batch SEQS] [--cap-gib 20] [--set platform.compute_flops=8e12 ...]
         [--calibrate RUN_DIR] [--match-tokens-per-s 112790] [--scaling 64,128,256,512,1024]
         [--memory-table] [--ranks-per-node K] [--placement pp|dp|both] [--mixed F] [--tier NAME]
+        [--sync-periods 2,4,8]
 
 Prints the platform rates with their sources, per policy the fastest layouts that fit the DDR
 cap (step time, tokens/s, peak DDR vs cap, recomputed layers, exposed communication, bubble), a
@@ -20,6 +21,11 @@ at the profile's rate, the second half at F times it), is planned by `plan.heter
 classes, the planner's partition (layout, placement, policy, layers per stage, micro-batches per
 replica) beside the best symmetric plan on the same ranks, each with its predicted tokens/s, and
 with `--mixed` beside a uniform cluster of the same total compute.
+
+`--sync-periods 2,4,8` prints, for the config's own layout on its platform's link (e.g. `--set
+platform.link_bandwidth=1.25e8`), full synchronization against partial synchronization
+(`sync.mode: partial`) at each period H: step, tokens/s, the bytes a step all-reduces across the
+replicas, the exposed communication and the speed-up over full (`plan.sync`), then stops.
 
 A config that states a memory tier below the DDR (`platform.tier`, or `--tier NAME`: a tier of
 the profile, mt3000's `host` or `nvme`) gets, after today's plan, the best plans with the tier
@@ -53,6 +59,7 @@ from ratrain.plan.search import (
     search,
 )
 from ratrain.plan.simulate import config_classes
+from ratrain.plan.sync import sync_table
 from ratrain.plan.tierplan import report, tier_search
 from ratrain.shim.platform import class_profile, resolve_platform
 
@@ -86,6 +93,9 @@ def _parse(argv):
                     help="clusters per node, sharing its interface (default: the profile's)")
     ap.add_argument("--placement", default="both", choices=("pp", "dp", "both"),
                     help="which grid axis stays inside a node (default: plan both)")
+    ap.add_argument("--sync-periods", default=None, metavar="H,H,...",
+                    help="full against partial synchronization at these periods, for the "
+                    "config's own layout and link (then stop)")
     ap.add_argument("--tier", default=None, metavar="NAME",
                     help="also plan with this memory tier of the profile (platform.tier: "
                     "mt3000's host or nvme)")
@@ -109,8 +119,11 @@ def _parse(argv):
     try:
         args.mbs = tuple(int(x) for x in args.micro_batches.split(",") if x.strip())
         args.scale = tuple(int(x) for x in args.scaling.split(",") if x.strip())
+        args.periods = tuple(int(x) for x in (args.sync_periods or "").split(",") if x.strip())
     except ValueError:
-        ap.error("--micro-batches and --scaling take comma-separated integers")
+        ap.error("--micro-batches, --scaling and --sync-periods take comma-separated integers")
+    if args.sync_periods is not None and (not args.periods or min(args.periods) < 1):
+        ap.error("--sync-periods needs periods >= 1, e.g. 2,4,8")
     if not args.mbs or min(args.mbs) < 1:
         ap.error("--micro-batches needs positive integers")
     return args
@@ -133,6 +146,8 @@ def main(argv=None) -> int:
         cost = cost.with_rates(cost.rates.with_("ranks_per_node", args.ranks_per_node,
                                                 "--ranks-per-node"))
     t0 = time.perf_counter()
+    if args.sync_periods is not None:
+        return _print_sync(cfg, cost, args)
     if args.mixed is not None or cfg.platform.classes:
         code = _print_mixed(cfg, args)
         print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
@@ -176,6 +191,29 @@ def main(argv=None) -> int:
                              placements=args.placements)
         print("\n".join(report(cfg, tiered, plans, cost, clusters, args.top)))
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _print_sync(cfg, cost, args) -> int:
+    """Full against partial synchronization on the config's layout and link (`plan.sync`)."""
+    try:
+        rows = sync_table(cfg, args.periods, cost)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    p, m = cfg.parallel, cfg.model
+    print(f"model: {args.config}  {m.num_params() / 1e9:.3f}B parameters, pp {p.pp} x dp "
+          f"{p.dp} ({p.placement}), {cfg.precision}, policy {cfg.schedule.policy}"
+          + (f"; in this host's time (platform.time_scale {cfg.platform.time_scale:g})"
+             if cfg.platform.time_scale != 1 else ""))
+    _print_rates(cost.rates)
+    print("\n== data-parallel synchronization on this link (simulated; partial: a period's "
+          "mean) ==")
+    print(f"  {'':<30} {'step s':>9} {'tokens/s':>10} {'synced MB/step':>14} "
+          f"{'exposed s':>9} {'speed-up':>8}")
+    for r in rows:
+        print(f"  {r.label:<30} {r.step_s:>9.4g} {r.tokens_per_s:>10.1f} "
+              f"{r.synced_bytes / 1e6:>14.2f} {r.exposed_s:>9.3g} {r.speedup:>7.2f}x")
     return 0
 
 

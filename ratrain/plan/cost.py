@@ -42,6 +42,7 @@ from ratrain.comm import model as comm_model
 from ratrain.comm.topology import grid
 from ratrain.config import Config, ModelConfig, act_itemsize
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
+from ratrain.lifecycle.partial import AVERAGE_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
 from ratrain.exec.spec import block_flops, block_params, block_role
 from ratrain.exec.layers import layer_cache_nbytes
@@ -369,6 +370,11 @@ class CostModel:
         (the largest, ceil(n / shards)) when the optimizer state is sharded."""
         n = shard_size(self.block_params(role), shards)
         return ADAMW_BYTES_PER_PARAM * n / self.rates.mem_bandwidth
+
+    def average_time(self, role: str) -> float:
+        """Partial synchronization: divide one block's summed fp32 master by dp (its
+        `WaitAverage`)."""
+        return AVERAGE_BYTES_PER_PARAM * self.block_params(role) / self.rates.mem_bandwidth
 
     def view_time(self, role: str, shards: int = 1) -> float:
         """Materialise one block's working view (0 when the view is the master), or cast this

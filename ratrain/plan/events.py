@@ -28,7 +28,7 @@ NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + l
 
 @dataclass
 class _Item:
-    op: str  # busy | send | recv | sync | wait | gather | waitview | norm | tier | tierwait | end
+    op: str  # busy | send | recv | sync | wait | await | gather | waitview | norm | tier | tierwait | end
     dur: float = 0.0
     parts: dict | None = None  # busy: {"compute"|"recompute"|"update"|"view": seconds}
     key: tuple = ()  # send / recv: the message's channel key
@@ -36,7 +36,7 @@ class _Item:
     blocks: tuple = ()  # sync / wait / gather / waitview
     step: int = 0
     label: str = ""
-    coll: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state)
+    coll: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state) | average
     nbytes: float = 0.0  # tier: bytes moved (`plan.tiersim`)
 
 
@@ -58,6 +58,8 @@ class _Flatten:
                                           coll="scatter" if a.scatter else "allreduce"),
             sched.WaitGrad: lambda a: self._add("wait", a, blocks=a.blocks),
             sched.GradNorm: lambda a: self._add("norm", a),
+            sched.AverageParams: lambda a: self._add("sync", a, blocks=a.blocks, coll="average"),
+            sched.WaitAverage: self._wait_average,
         }, ignore=(sched.DropView, sched.AllocGrad, sched.FreeGrad))  # memory only
 
     def _add(self, op, a, **kw):
@@ -99,6 +101,13 @@ class _Flatten:
 
     def _update(self, a):
         self.busy("update", self.cost.update_time(block_role(a.block), self.shards), a.name())
+
+    def _wait_average(self, a):
+        """Partial synchronization: wait for the blocks' parameter sums, then divide (part of
+        the update's memory-bound work)."""
+        self._add("await", a, blocks=a.blocks)
+        for b in a.blocks:
+            self.busy("update", self.cost.average_time(block_role(b)), a.name())
 
     def _view(self, a):
         self.busy("view", self.cost.view_time(block_role(a.block), self.shards), a.name())
@@ -189,6 +198,7 @@ class RankState:
         self.engine_s = 0.0
         self.collectives = 0  # collectives started (they pair across groups in this order)
         self.synced: set[tuple[int, str]] = set()
+        self.averaged: dict[str, int] = {}  # block -> step of its last parameter average
         self.gathered: dict[str, int] = {}  # block -> view all-gathers finished
         self.views_used: dict[str, int] = {}  # block -> WaitViews passed
         self.norm_done: dict[int, float] = {}
@@ -303,6 +313,8 @@ class Sim:
         nodes, local = self.layout.runs[rk.stage]
         if op == "gather":  # the block's view
             coll, nbytes = "allgather", self.cost.view_bytes(role)
+        elif op == "average":  # partial synchronization: the block's fp32 master
+            coll, nbytes = "allreduce", self.cost.grad_bytes(role)
         else:
             coll = "reduce_scatter" if op == "scatter" else "allreduce"
             nbytes = self.cost.grad_bytes(role)
@@ -371,7 +383,7 @@ class Sim:
         rk = self.ranks[r]
         steps = {"busy": self._busy, "send": self._send, "recv": self._recv,
                  "sync": self._submit, "gather": self._submit, "waitview": self._waitview,
-                 "wait": self._wait, "norm": self._norm, "end": self._end,
+                 "wait": self._wait, "await": self._await, "norm": self._norm, "end": self._end,
                  "tier": self.tier.start, "tierwait": self.tier.wait}
         while rk.pc < len(rk.items):
             it = rk.items[rk.pc]
@@ -417,6 +429,8 @@ class Sim:
     def _submit(self, t, r, rk, it) -> bool:
         coll = it.coll if it.op == "sync" else "gather"
         rk.engine_q.extend((it.step, b, coll) for b in it.blocks)
+        if coll == "average":
+            rk.averaged.update(dict.fromkeys(it.blocks, it.step))
         self._engine_next(t, r)
         return True
 
@@ -434,6 +448,16 @@ class Sim:
         missing = [b for b in it.blocks if (it.step, b) not in rk.synced]
         if missing:
             self._block(rk, t, ("sync", r, it.step, missing[0]), r)
+            return False
+        self._unblock(rk, t, it.step, -math.inf, rk.held)
+        return True
+
+    def _await(self, t, r, rk, it) -> bool:
+        """A parameter average's wait: for the block's last average (its step's, or the step
+        before under a deferred update)."""
+        missing = [b for b in it.blocks if (rk.averaged[b], b) not in rk.synced]
+        if missing:
+            self._block(rk, t, ("sync", r, rk.averaged[missing[0]], missing[0]), r)
             return False
         self._unblock(rk, t, it.step, -math.inf, rk.held)
         return True

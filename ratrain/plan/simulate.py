@@ -152,7 +152,9 @@ def simulate(plan, cost, recompute: list[dict[str, str]] | None = None,
     (`plan.memory`), or None; `timeline`; `steps`, default 2; `step_lists`: lists to play
     instead of the plan's own, `step_lists[k][s]`, a test's doctored ones). The step time is
     that of the last step, measured between the moments the last rank finished the step
-    before and this one (the whole run for one step).
+    before and this one (the whole run for one step); under partial synchronization, whose
+    steps differ through a period, the mean of the last period's steps (and so the figures
+    per rank).
     """
     costs = tuple(cost) if isinstance(cost, (list, tuple)) else (cost,) * len(plan.blocks)
     group = Group(tuple(range(plan.dp)), plan, costs)
@@ -180,6 +182,8 @@ def simulate_grid(
         raise ValueError(f"send_mode={send_mode!r} is not one of {', '.join(SEND_MODES)}")
     first = groups[0].plan
     blocks, shards, dp, pp = first.blocks, first.shards, first.dp, len(first.blocks)
+    window = first.period  # partial synchronization: the steps of a period differ
+    steps = max(steps, window + 1)
     recompute = recompute or [{} for _ in range(pp)]
     ranks, costs, lists_of = [], [], []
     for g, grp in enumerate(groups):
@@ -198,21 +202,25 @@ def simulate_grid(
     sim.run()
 
     last = len(lists_of[0]) - 1
+    n = min(window, last) or 1  # the steps measured: the last, or a whole period's
     end = max(rk.end[last] for rk in ranks)
-    begin = max(rk.end[last - 1] for rk in ranks) if last > 0 else 0.0
-    step_s = end - begin
+    begin = max(rk.end[last - n] for rk in ranks) if last > 0 else 0.0
+    step_s = (end - begin) / n
     peaks = ([stage_peaks(grp.plan, *mem, recompute, steps) for grp in groups]
              if mem is not None else None)
     stats = []
     for rk in ranks:
-        busy = rk.busy.get(last, {})
+        busy: dict[str, float] = {}
+        for k in range(last + 1 - n, last + 1):
+            for c, v in rk.busy.get(k, {}).items():
+                busy[c] = busy.get(c, 0.0) + v / n
         st = RankStats(
             stage=rk.stage,
             compute_s=busy.get("compute", 0.0) + busy.get("recompute", 0.0),
             recompute_s=busy.get("recompute", 0.0),
             update_s=busy.get("update", 0.0),
             view_s=busy.get("view", 0.0),
-            comm_exposed_s=rk.comm.get(last, 0.0),
+            comm_exposed_s=sum(rk.comm.get(k, 0.0) for k in range(last + 1 - n, last + 1)) / n,
             comm_total_s=rk.engine_s / len(lists_of[0]),
             peak_bytes=peaks[rk.group][rk.stage] if peaks is not None else 0,
             group=rk.group,

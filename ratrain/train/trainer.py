@@ -22,10 +22,14 @@ from ratrain.checkpoint import (
     CheckpointError,
     StateStream,
     checkpoint_root,
+    holds_replicas,
     load_stage,
+    read_manifest,
+    resume_replica,
     save_checkpoint,
 )
 from ratrain.checkpoint.space import checkpoint_bytes
+from ratrain.comm.topology import coords
 from ratrain.config.offload import tier_dir
 from ratrain.job.abort import abort
 from ratrain.job.abort import on_end as abort_on_end
@@ -123,9 +127,13 @@ class Trainer:
 
     def _load_checkpoint(self, state, path: str) -> None:
         """Read this stage's parameters and moments (`checkpoint.load_stage`: a sharded state
-        keeps only its segment, one block at a time)."""
+        keeps only its segment, one block at a time); under partial sync at the saved dp, this
+        replica's own (`checkpoint.resume_replica`)."""
+        p = self.cfg.parallel
         with self._resuming(path):
-            ck = load_stage(state, path)
+            own = resume_replica(read_manifest(path), self.cfg,
+                                 coords(self.rank, p.pp, p.dp, p.placement)[1])
+            ck = load_stage(state, path, replica=own)
         self.start_step = ck["step"]
         self.resume_state = ck["state"]
 
@@ -373,11 +381,14 @@ class Trainer:
     def _write_checkpoint(self, n: int) -> str:
         cfg = self.cfg
         self.executor.flush()  # deferred updates applied: the saved masters are step n's
-        if self.executor.sharded:
-            # Each replica holds a segment of every block: gather one block at a time while
-            # replica 0 writes it (every replica of the stage takes part in the gathers).
+        own = self.state.state_dict() if holds_replicas(cfg) else None
+        if self.executor.sharded or own is not None:
+            # Each replica holds a segment of every block (sharded), or its own state (partial
+            # sync: the model is the replicas' mean): gather or average one block at a time
+            # while replica 0 writes it (every replica of the stage takes part).
             shapes = {p.name: p.shape for b in self.state.blocks for p in b.params}
-            tensors = StateStream(shapes, STATE_BUFFERS, self.executor.iter_full_state())
+            tensors = StateStream(shapes, STATE_BUFFERS,
+                                  self.executor.iter_full_state(mean=own is not None))
         else:
             tensors = self.state.state_dict()
         return save_checkpoint(
@@ -390,6 +401,7 @@ class Trainer:
             replica=self.replica,
             comm=self.ctl if self.comm.Get_size() > 1 else None,
             log=(lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None),
+            own=own,
         )
 
     def _banner(self) -> None:
@@ -404,6 +416,8 @@ class Trainer:
                if cfg.platform.classes else "") +
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
+            + (f"sync partial (period {cfg.sync.period}, {cfg.sync.assign}), "
+               if cfg.sync.partial else "") +
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
             f"{self.this_rank.ctx.kernels.describe()}, "

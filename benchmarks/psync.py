@@ -1,0 +1,361 @@
+"""Issue 32's targets: partial synchronization (`sync.mode: partial`) against full on slow links.
+
+    python benchmarks/psync.py speed --config jobs/psync.yaml [--periods 4] [--rounds 3]
+        [--steps 10] [--skip 2] [--ranks 4] [--launcher "CMD ..."] [--record NAME]
+    python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
+        [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."] [--png docs/psync-curves.png]
+        [--record NAME]
+    python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
+    python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
+
+`speed`: the job under full sync and under partial sync at each period H of `--periods`, run
+under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
+ps --` for 2 emulated nodes), each `--steps` steps of random tokens as the trainer wires it
+(`lifecycle.bench.job_rounds`: link throttle, compute and DDR pacing), the variants in
+`--rounds` rotated rounds (interleaved). A variant's step is the mean over the steps after
+`--skip` (a whole number of periods: partial steps differ through a period), its round's
+slowest rank; the median over rounds is measured. Printed, one JSON object per variant: its
+measured and predicted step (the simulator's, `plan.simulate.simulate_config` x time_scale),
+their ratio, the exposed gradient or average waits of stage 0 and the paced compute; then a
+summary with each partial variant's steps/s over full's.
+
+`quality`: trains the job (`python -m ratrain.train`, its own steps, the default corpus, evals
+every `data.eval_interval`) under full and then under partial sync at `--period` into
+`DIR/full` and `DIR/partial-H`, then judges the partial run by `ratrain.compare` against the
+full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval after the
+first 20% of training and no more than 1% at full's last step, and the wall-clock time to full
+sync's final eval loss. The partial run goes on `--extra-steps` past full's last step (the
+job's learning rate then stays at its floor: its decay has a length of its own,
+`optim.decay_steps`), so that a run that ends a hair short of full's final loss is timed when it
+gets there rather than never; the shared steps are compared as they are.
+
+`curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial
+sync as the runtime computes them, to see how a job's quality depends on its settings (seeds,
+learning rate, batch): full sync as one rank with the whole global batch, partial sync as the
+replicas one after another, each a rank of its own whose parameter averages are summed in the
+runtime's order (the runtime is bitwise this: `tests/test_partial_mpi.py`). Writes
+`DIR/full/eval.jsonl` and `DIR/partial-H/eval.jsonl` (with `mean_model`: the eval loss of the
+replicas' mean, what a checkpoint's model is) and prints `ratrain.compare`'s verdict.
+
+`assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
+would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
+under round-robin, contiguous runs of blocks in model order, in backward order (DreamDDP's
+schedule puts the output side's layers first, where the most backward is left to hide them),
+and balanced by bytes (the largest first into the lightest step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from record import write_record  # noqa: E402 - after the path above
+
+FULL = "full"
+
+
+def variants(periods) -> dict[str, list[str]]:
+    """Variant name -> its `--set` overrides: full sync, then partial at each period."""
+    out = {FULL: ["sync.mode=full"]}
+    for h in periods:
+        out[f"partial-{h}"] = ["sync.mode=partial", f"sync.period={h}"]
+    return out
+
+
+def worker(args) -> None:
+    """Every rank: the variants in rotated rounds; rank 0 prints one JSON object each."""
+    from mpi4py import MPI  # the benchmark's ranks
+
+    from ratrain.config import load_config
+    from ratrain.lifecycle.bench import job_rounds
+    from ratrain.plan.simulate import simulate_config
+
+    comm = MPI.COMM_WORLD
+    job = json.loads(Path(args.worker).read_text())
+    cfgs = {name: load_config(args.config, [*job["sets"], *sets])
+            for name, sets in job["variants"].items()}
+    for cfg in cfgs.values():
+        cfg.check_world(comm.Get_size())
+    runs = job_rounds(cfgs, comm, args.rounds, args.skip, args.steps)
+    if comm.Get_rank() != 0:
+        return
+    for name, rs in runs.items():
+        cfg = cfgs[name]
+        step = statistics.median(x["window_step_s"] for x in rs)
+        sim = simulate_config(cfg, with_memory=False)
+        pred = sim.step_s * cfg.platform.time_scale
+        waits = rs[-1]["stage0"]
+        print(json.dumps({
+            "case": name, "dp": cfg.parallel.dp, "sync": cfg.sync.mode,
+            "period": cfg.sync.period if cfg.sync.partial else 1,
+            "step_s": round(step, 4), "rounds": [x["window_step_s"] for x in rs],
+            "steps_per_s": round(1 / step, 4), "predicted_step_s": round(pred, 4),
+            "measured_over_predicted": round(step / pred, 3),
+            "exposed_wait_s": round(waits.get("wait_sync", 0.0) + waits.get("wait_avg", 0.0), 4),
+            "predicted_exposed_s": round(sim.comm_exposed_s * cfg.platform.time_scale, 4),
+            "compute_s": rs[-1]["compute_s"], "host_busy": max(x["host_busy"] for x in rs),
+            "overruns": rs[-1]["overruns"], "loss": rs[-1]["loss"],
+        }), flush=True)
+
+
+def _launch(args) -> list[str]:
+    py = sys.executable
+    mpirun = os.environ.get("MPIRUN", str(Path(py).with_name("mpirun")))
+    return (shlex.split(args.launcher) + ["-n", str(args.ranks)] if args.launcher
+            else [mpirun, "-n", str(args.ranks), "--oversubscribe"])
+
+
+def speed(args, argv) -> int:
+    periods = [int(x) for x in args.periods.split(",")]
+    if (args.steps - args.skip) % max(periods):
+        print(f"error: --steps - --skip = {args.steps - args.skip} must be a whole number of "
+              f"periods ({max(periods)})", file=sys.stderr)
+        return 2
+    job = {"sets": args.set, "variants": variants(periods)}
+    load_before = round(os.getloadavg()[0], 2)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    cmd = [*_launch(args), sys.executable, str(Path(__file__).resolve()), "worker",
+           "--config", args.config, "--rounds", str(args.rounds), "--steps", str(args.steps),
+           "--skip", str(args.skip), "--worker", f.name]
+    out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True)
+    os.unlink(f.name)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or len(rows) != len(job["variants"]):
+        sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
+        print(f"error: the measurement exited {out.returncode}", file=sys.stderr)
+        return 1
+    full = rows[0]
+    summary: dict = {"load_before": load_before, "load_after": round(os.getloadavg()[0], 2)}
+    for r in rows:
+        print(json.dumps(r))
+        for k in ("step_s", "steps_per_s", "predicted_step_s", "measured_over_predicted",
+                  "exposed_wait_s", "host_busy"):
+            summary[f"{r['case']}.{k}"] = r[k]
+        summary[f"{r['case']}.within_10pct"] = abs(r["measured_over_predicted"] - 1) <= 0.1
+    for r in rows[1:]:
+        summary[f"{r['case']}_over_full"] = round(r["steps_per_s"] / full["steps_per_s"], 3)
+        summary[f"{r['case']}_over_full_predicted"] = round(
+            full["predicted_step_s"] / r["predicted_step_s"], 3)
+    print(json.dumps(summary))
+    if args.record:
+        write_record(args.record, "python benchmarks/psync.py " + shlex.join(argv), summary,
+                     load_before)
+    return 0
+
+
+def quality(args, argv) -> int:
+    """Train full, then partial; judge partial against full with `ratrain.compare`."""
+    out = Path(args.out)
+    runs = {FULL: out / FULL, f"partial-{args.period}": out / f"partial-{args.period}"}
+    sets = {FULL: ["sync.mode=full"],
+            f"partial-{args.period}": ["sync.mode=partial", f"sync.period={args.period}"]}
+    from ratrain.config import load_config
+
+    steps = load_config(args.config, args.set).run.steps
+    sets[f"partial-{args.period}"].append(f"run.steps={steps + args.extra_steps}")
+    load_before = round(os.getloadavg()[0], 2)
+    for name, run_dir in runs.items():
+        over = [x for s in (*args.set, *sets[name], f"run.dir={run_dir}") for x in ("--set", s)]
+        cmd = [*_launch(args), sys.executable, "-m", "ratrain.train", "--config", args.config,
+               *over]
+        print("+ " + shlex.join(cmd), flush=True)
+        if subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT))).returncode:
+            print(f"error: the {name} run failed", file=sys.stderr)
+            return 1
+    full, partial = str(runs[FULL]), str(runs[f"partial-{args.period}"])
+    cmp = [sys.executable, "-m", "ratrain.compare", partial, full, "--key", "eval_loss",
+           "--tol", "0.02", "--after", "0.2", "--final-tol", "0.01", "--worse-only",
+           "--time-to-final", "--min-speedup", "1.3", "--prefix"] + (
+               ["--png", args.png] if args.png else [])
+    print("+ " + shlex.join(cmp), flush=True)
+    res = subprocess.run(cmp, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True)
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    figures = dict(x.split("=", 1) for line in res.stdout.splitlines() for x in line.split()
+                   if "=" in x)
+    summary = {k: float(v) for k, v in figures.items()}
+    summary.update(passed=res.returncode == 0, load_before=load_before,
+                   load_after=round(os.getloadavg()[0], 2))
+    print(json.dumps(summary))
+    if args.record:
+        write_record(args.record, "python benchmarks/psync.py " + shlex.join(argv), summary,
+                     load_before)
+    return res.returncode
+
+
+class _Sums:
+    """A stand-in engine for `curves`: each block's all-reduce leaves the sum computed before
+    the step (the replicas' masters of the step's start, in the runtime's order)."""
+
+    def __init__(self):
+        self.sums: dict[int, object] = {}
+
+    def allreduce(self, buf, comm):
+        from concurrent.futures import Future
+
+        buf[...] = self.sums[buf.ctypes.data]
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _curve(cfg, partial: bool, path: Path) -> None:
+    """Train `cfg` in one process (see the module) and write its evals to `path`."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from ratrain.comm.algos import reference
+    from ratrain.data import check_data, eval_batches, open_datasets
+    from ratrain.lifecycle.partial import Averager
+    from ratrain.lifecycle.rank import build_rank
+
+    dp, m = cfg.parallel.dp, cfg.parallel.num_micro_batches
+    train, ev = open_datasets(cfg, check_data(cfg, None))
+    shares = [eval_batches(ev, cfg.data.eval_batches, r) for r in range(dp)]
+    par = replace(cfg.parallel, dp=1) if partial else replace(cfg.parallel, dp=1,
+                                                              num_micro_batches=m * dp)
+    ranks = [build_rank(replace(cfg, parallel=par), None) for _ in range(dp if partial else 1)]
+    exs, sums = [r.executor for r in ranks], _Sums()
+    for ex in exs if partial else ():
+        ex.averager = Averager(ex.state, dp, sums, None, ex._pace_memory)
+    whole = [tuple(np.concatenate([s[k][i] for s in shares]) for i in range(2))
+             for k in range(len(shares[0]))]
+    t0, out = time.perf_counter(), []
+    for step in range(cfg.run.steps):
+        batches = [train.batch_for_step(step, r) for r in range(dp)]
+        if partial:
+            sums.sums.clear()
+            for b in exs[0].plan.partial.blocks_at(step):
+                total = reference([ex.state.master_flat(b) for ex in exs], "hier")
+                sums.sums.update({ex.state.master_flat(b).ctypes.data: total for ex in exs})
+            for ex, batch in zip(exs, batches):
+                ex.run_step(step, batch)
+                ex.flush()
+        else:
+            exs[0].run_step(step, tuple(np.concatenate([b[i] for b in batches]) for i in range(2)))
+        if (step + 1) % cfg.data.eval_interval:
+            continue
+        rec = {"step": step + 1, "elapsed_s": round(time.perf_counter() - t0, 3)}
+        if partial:  # the replicas' mean loss (the trainer's), and the mean model's
+            rec["eval_loss"] = float(np.mean([ex.eval_loss(sh) for ex, sh in zip(exs, shares)]))
+            own = exs[0].state.master_buf.copy()
+            exs[0].state.master_buf[...] = reference([ex.state.master_buf for ex in exs],
+                                                     "hier") / dp
+            rec["mean_model"] = float(np.mean([exs[0].eval_loss(sh) for sh in shares]))
+            exs[0].state.master_buf[...] = own
+        else:
+            rec["eval_loss"] = exs[0].eval_loss(whole)
+        out.append(rec)
+    for r in ranks:
+        r.close()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+
+
+def curves(args) -> int:
+    """Full and partial sync's eval curves in one process (see the module), then the verdict."""
+    from ratrain.config import load_config
+
+    base = [*args.set, "platform.emulate=false"]
+    out = Path(args.out)
+    _curve(load_config(args.config, [*base, "sync.mode=full"]), False, out / FULL)
+    name = f"partial-{args.period}"
+    _curve(load_config(args.config, [*base, "sync.mode=partial", f"sync.period={args.period}"]),
+           True, out / name)
+    res = subprocess.run([sys.executable, "-m", "ratrain.compare", str(out / name),
+                          str(out / FULL), "--key", "eval_loss", "--tol", "0.02", "--after",
+                          "0.2", "--final-tol", "0.01", "--worse-only"],
+                         capture_output=True, text=True)
+    sys.stdout.write(res.stdout + res.stderr)
+    return res.returncode
+
+
+def assignments(blocks, period: int, size) -> dict[str, dict[str, int]]:
+    """Name -> {block: step of the period} for the candidates `assign` compares."""
+    n = len(blocks)
+    load, lpt = [0.0] * period, {}
+    for b in sorted(blocks, key=lambda b: -size(b)):
+        k = min(range(period), key=load.__getitem__)
+        lpt[b], load[k] = k, load[k] + size(b)
+    return {"round-robin": {b: i % period for i, b in enumerate(blocks)},
+            "contiguous": {b: min(period - 1, i * period // n) for i, b in enumerate(blocks)},
+            "backward-contiguous": {b: min(period - 1, (n - 1 - i) * period // n)
+                                    for i, b in enumerate(blocks)},
+            "balanced-bytes": lpt}
+
+
+def assign(args) -> int:
+    """The simulator's step of the job under each candidate assignment (see the module)."""
+    from ratrain.config import load_config
+    from ratrain.exec.spec import block_role
+    from ratrain.lifecycle.partial import PartialSync
+    from ratrain.lifecycle.pipeline import PipelinePlan
+    from ratrain.plan.cost import CostModel
+    from ratrain.plan.simulate import Group, simulate_grid
+    from ratrain.plan.steps import recompute_for
+
+    for h in (int(x) for x in args.periods.split(",")):
+        cfg = load_config(args.config, [*args.set, "sync.mode=partial", f"sync.period={h}"])
+        cost, base = CostModel.from_config(cfg), PipelinePlan.from_config(cfg)
+        blocks = [b for s in base.blocks for b in s]
+        row = {"period": h}
+        size = {b: cost.grad_bytes(block_role(b)) for b in blocks}
+        for name, phase in assignments(blocks, h, size.__getitem__).items():
+            plan = PipelinePlan.build(base.policy, base.blocks, base.num_micro_batches,
+                                      cfg.precision, base.dp, [i.block_bytes for i in base.stages],
+                                      partial=PartialSync(h, phase))
+            res = simulate_grid([Group(tuple(range(base.dp)), plan, (cost,) * base.pp)],
+                                recompute_for(plan.blocks, cfg.schedule.recompute, None), 1)
+            row[name] = round(res.step_s * cfg.platform.time_scale, 4)
+        row["best_over_round_robin"] = round(row["round-robin"] / min(
+            v for k, v in row.items() if k not in ("period", "round-robin")), 3)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("speed", "quality", "assign", "curves", "worker"))
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", action="append", default=[], help="overrides of every variant")
+    ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
+    ap.add_argument("--period", type=int, default=4, help="quality: partial sync's period")
+    ap.add_argument("--extra-steps", type=int, default=30,
+                    help="quality: steps the partial run trains past full's last")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--launcher", default="", help="instead of mpirun -n RANKS --oversubscribe")
+    ap.add_argument("--out", default="runs/psync-quality", help="quality: the runs' directory")
+    ap.add_argument("--png", default="", help="quality: the curves (ratrain.compare --png)")
+    ap.add_argument("--record", default="")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.what == "worker":
+        worker(args)
+        return 0
+    if args.what == "assign":
+        return assign(args)
+    if args.what == "curves":
+        return curves(args)
+    return (speed if args.what == "speed" else quality)(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

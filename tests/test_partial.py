@@ -1,0 +1,194 @@
+"""Partial synchronization (`sync.mode: partial`, `lifecycle.partial`) without MPI: the
+assignment, the step lists every policy gets, the validator's rules, the refusals, the
+simulator's view of it, and dp = 1 bitwise equal to full sync."""
+
+from dataclasses import replace
+
+import pytest
+
+from ratrain.config import ConfigError, SyncConfig, load_config
+from ratrain.lifecycle import schedule as sched
+from ratrain.lifecycle.partial import PartialSync, check_config
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.lifecycle.policies import POLICIES, Policy
+from ratrain.lifecycle.validate import ScheduleError, check_lifecycle
+from ratrain.plan.simulate import simulate_config
+from tests._executor_util import params_digest, tiny_config, train
+
+BLOCKS = [("embed", "layers.0", "layers.1"), ("layers.2", "layers.3", "head")]
+
+
+def plan(policy="baseline-1f1b", period=3, dp=2, m=3, precision="fp32", blocks=BLOCKS,
+         shard=None):
+    every = [b for s in blocks for b in s]
+    pol = Policy(policy)
+    pol = Policy(policy, components=replace(pol.components, shard=pol.components.shard
+                                            if shard is None else shard))
+    return PipelinePlan.build(pol, blocks, m, precision, dp,
+                              partial=PartialSync.round_robin(every, period))
+
+
+def test_round_robin_averages_every_block_once_a_period():
+    blocks = [b for s in BLOCKS for b in s]
+    ps = PartialSync.round_robin(blocks, 4)
+    seen = [b for step in range(4) for b in sorted(ps.blocks_at(step))]
+    assert sorted(seen) == sorted(blocks)  # each exactly once
+    assert ps.blocks_at(0) == {"embed", "layers.3"} == ps.blocks_at(8)
+    assert PartialSync.round_robin(blocks, 1).blocks_at(5) == set(blocks)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("period", [1, 2, 4])
+def test_every_policy_averages_each_block_of_a_step_after_its_last_backward(policy, period,
+                                                                            precision):
+    p = plan(policy, period, precision=precision, shard=False)  # validated when made
+    every = [b for s in BLOCKS for b in s]
+    for k in range(2 * period):
+        averaged = []
+        for s in range(p.pp):
+            events = [e for a in p.step_list(s, k > 0, k) for _, e in sched.expand(a, BLOCKS[s])]
+            assert not any(isinstance(e, (sched.SyncGrad, sched.WaitGrad)) for e in events)
+            averaged += [b for e in events if isinstance(e, sched.AverageParams) for b in e.blocks]
+        assert sorted(averaged) == sorted(b for b in every if every.index(b) % period == k % period)
+
+
+def test_deferred_updates_wait_for_the_previous_steps_averages():
+    p = plan("ratrain", period=2, shard=False)
+    first = p.step_list(0, False, 0)
+    avg = [b for a in first for _, e in sched.expand(a, BLOCKS[0])
+           if isinstance(e, sched.AverageParams) for b in e.blocks]
+    assert avg == ["layers.1", "embed"]  # backward order
+    nxt = [a for a in p.step_list(0, True, 1) if not isinstance(a, sched.Backward)]
+    waits = [a.blocks[0] for a in nxt if isinstance(a, sched.WaitAverage)]
+    assert waits == ["embed", "layers.1"]  # before their (deferred) updates, model order
+    for b in waits:
+        i = nxt.index(sched.WaitAverage((b,)))
+        assert nxt[i + 1] == sched.Update(b)
+    flush = p.flush_list(0, 0)
+    assert sched.WaitAverage(("embed",)) in flush and sched.WaitAverage(("layers.0",)) not in flush
+
+
+def _lists(policy="baseline-1f1b", precision="fp32"):
+    p = plan(policy, period=2, precision=precision)
+    return [list(x) for x in p.stage_steps(0, 3, flush=True)]
+
+
+def test_validator_refuses_misplaced_averages():
+    steps = _lists()
+    check_lifecycle(steps, BLOCKS[0], 3, fp16=False, partial=True)
+    with pytest.raises(ScheduleError, match="gradient sync under partial"):
+        check_lifecycle([[sched.SyncGrad(("embed",))] + steps[0]], BLOCKS[0], 3, partial=True)
+    with pytest.raises(ScheduleError, match="average without partial"):
+        check_lifecycle(steps, BLOCKS[0], 3, fp16=False)
+    early = [sched.AverageParams(("embed",))] + steps[0]  # before its backward
+    with pytest.raises(ScheduleError, match="average of embed before its last backward"):
+        check_lifecycle([early], BLOCKS[0], 3, partial=True)
+    no_wait = [a for a in steps[0] if not isinstance(a, sched.WaitAverage)]
+    with pytest.raises(ScheduleError, match="update of .* while its average is in flight"):
+        check_lifecycle([no_wait], BLOCKS[0], 3, partial=True)
+
+
+def test_validator_refuses_a_master_read_while_averaged():
+    """fp32 unsharded: the view is the master, so no forward may read it mid-average."""
+    blocks = ("embed",)
+    step = [sched.MaterializeView("embed"), sched.AllocGrad("embed"), sched.Forward(0),
+            sched.Backward(0, post=(("embed", sched.AverageParams(blocks)),)), sched.GradNorm()]
+    late = [sched.Forward(0)]  # the next step's forward, its average still in flight
+    with pytest.raises(ScheduleError, match="master of embed read while its average"):
+        check_lifecycle([step, late], blocks, 1, fp16=False, partial=True)
+
+
+def test_sharded_optimizer_state_is_refused_in_one_line():
+    cfg = load_config("tiny", ["parallel.dp=2", "sync.mode=partial"])
+    with pytest.raises(ValueError) as e:
+        check_config(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "sync.mode=partial" in msg
+    assert "schedule.shard_optimizer=false" in msg and "parallel.dp=2" in msg
+    with pytest.raises(ValueError, match="shard_optimizer"):
+        PipelinePlan.from_config(cfg)
+    with pytest.raises(ValueError, match="shard_optimizer"):
+        plan("ratrain")
+    check_config(load_config("tiny", ["parallel.dp=2", "sync.mode=partial",
+                                      "schedule.shard_optimizer=false"]))
+    check_config(load_config("tiny", ["sync.mode=partial"]))  # dp 1: nothing is sharded
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_partial_sync_composes_with_the_tier(policy):
+    """Each phase's lists carry both the averages and the tier's transfers, validated together;
+    masters in the tier while they are averaged are refused in one line naming the keys."""
+    every = [b for s in BLOCKS for b in s]
+    offloaded = [tuple(b for b in s if b.startswith("layers.")) for s in BLOCKS]
+    pol = Policy(policy)
+    pol = Policy(policy, components=replace(pol.components, shard=False))
+    p = PipelinePlan.build(pol, BLOCKS, 3, "fp32", 2, offloaded=offloaded,
+                           offload_state="moments",
+                           partial=PartialSync.round_robin(every, 3))
+    for step in range(3):
+        kinds = {type(e) for a in p.step_list(0, step > 0, step)
+                 for _, e in sched.expand(a, BLOCKS[0])}  # with the hooks on compute
+        assert sched.Offload in kinds and sched.WaitFetch in kinds
+        assert (sched.AverageParams in kinds) == bool(p.partial.blocks_at(step) & set(BLOCKS[0]))
+    with pytest.raises(ValueError) as e:
+        PipelinePlan.build(pol, BLOCKS, 3, "fp16", 2, offload_state="masters",
+                           partial=PartialSync.round_robin(every, 3))
+    msg = str(e.value)
+    assert "\n" not in msg and "sync.mode=partial" in msg and "offload.optimizer=moments" in msg
+    with pytest.raises(ValueError, match="offload.optimizer=masters"):
+        check_config(load_config("tiny", ["sync.mode=partial", "offload.optimizer=masters",
+                                          "precision=fp16"]))
+
+
+@pytest.mark.parametrize("sets,words", [
+    (["sync.mode=some"], "sync.mode='some' is not one of: full, partial"),
+    (["sync.period=0"], "sync.period=0 must be >= 1"),
+    (["sync.assign=greedy"], "sync.assign='greedy' is not one of"),
+])
+def test_bad_sync_keys(sets, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config("tiny", sets)
+
+
+def test_simulator_prices_partial_sync_on_a_slow_link():
+    base = ["parallel.dp=4", "schedule.shard_optimizer=false", "platform.profile=mt3000",
+            "platform.ranks_per_node=2", "platform.link_bandwidth=1e7",
+            "platform.compute_flops=4e10"]
+    full = simulate_config(load_config("tiny", base), with_memory=False)
+    part = {h: simulate_config(load_config("tiny", [*base, "sync.mode=partial",
+                                                    f"sync.period={h}"]), with_memory=False)
+            for h in (1, 2, 4, 8)}
+    assert full.comm_exposed_s > full.ranks[0].compute_s  # the link is the wall
+    steps = [part[h].step_s for h in (1, 2, 4, 8)]
+    assert steps == sorted(steps, reverse=True) and steps[-1] < full.step_s / 2
+    assert part[1].step_s == pytest.approx(full.step_s, rel=0.05)  # every block every step
+    # the compute of a step is the same; the period's mean is what is reported
+    assert part[4].ranks[0].compute_s == pytest.approx(full.ranks[0].compute_s)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("policy", ["baseline-1f1b", "ratrain"])
+def test_dp1_partial_is_bitwise_full(policy, precision):
+    cfg = tiny_config(precision=precision, policy=policy, steps=3)
+    full, _, ex_full = train(cfg)
+    part, _, ex_part = train(replace(cfg, sync=SyncConfig(mode="partial", period=2)))
+    assert [(r.loss, r.grad_norm, r.skipped) for r in part] == \
+        [(r.loss, r.grad_norm, r.skipped) for r in full]
+    assert params_digest(ex_part.final_params) == params_digest(ex_full.final_params)
+
+
+def test_planner_prints_full_against_partial_on_a_link(capsys):
+    from ratrain.plan.__main__ import main
+
+    assert main(["--config", "tiny", "--sync-periods", "2,4", "--set", "parallel.dp=4",
+                 "--set", "platform.profile=mt3000", "--set", "platform.link_bandwidth=1e7",
+                 "--set", "platform.ranks_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  full", "  partial"))]
+    assert [r[0] for r in rows] == ["full", "full,", "partial,", "partial,"]  # tiny shards
+    speedups = [float(r[-1].rstrip("x")) for r in rows]
+    assert speedups[2] > 1.2 and speedups[3] > speedups[2]
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "tiny", "--sync-periods", "0"])
+    assert e.value.code == 2
