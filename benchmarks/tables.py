@@ -56,6 +56,10 @@ TABLES = {
          [("save_over_h5py", "save time / h5py's", ".2f")]),
         ("ab_step_house", "whole fp32 step after the PipelinePlan against f97a2e0 (1 rank), "
          "interleaved", [("new_over_old", "new / old", ".3f")]),
+        ("ab-step-b976e9e", "whole fp32 step of the current code against b976e9e (issue 30's "
+         "baseline; 1 rank, 2 threads), interleaved (target: within 2%)",
+         [("new_over_old", "new / old", ".3f"), ("old_step_s", "b976e9e s", ".3f"),
+          ("new_step_s", "now s", ".3f")]),
         ("board_step", "whole steps with the small all-reduce board / without, 4 ranks "
          "(oversubscribed)", [("pp2x2_ratio", "pp2 x dp2", ".3f"), ("pp1x4_ratio", "dp4", ".3f")]),
         ("board_step_2r", "whole steps with the board / without, 2 ranks (a rank a core)",

@@ -97,9 +97,12 @@ def _steps(steps: list[int]) -> str:
                                               else "")
 
 
-def plot(png: str, a, b, steps, devs, names, key, times=None) -> None:
-    """Draw both curves and their relative difference into the PNG file `png`; `times`: each
-    run's {step: elapsed_s}, for a third panel against the wall clock."""
+def plot(png: str, a, b, steps, devs, names, key, times=None, signed=False, tol=None,
+         after=None) -> None:
+    """Draw both curves and their relative difference into the PNG file `png` (`signed`: how
+    much worse A is than B, in percent on a linear axis, with the tolerance `tol` and the first
+    judged step `after` drawn; else the absolute difference on a log axis); `times`: each run's
+    {step: elapsed_s}, for a third panel against the wall clock."""
     try:
         import matplotlib  # optional dependency: only --png needs it
 
@@ -114,8 +117,17 @@ def plot(png: str, a, b, steps, devs, names, key, times=None) -> None:
     ax1.set_ylabel(key)
     ax1.set_xlabel("step")
     ax1.legend()
-    ax2.semilogy(steps, [max(d, 1e-18) for d in devs])
-    ax2.set_ylabel("relative difference")
+    if signed:
+        ax2.plot(steps, [100 * (a[s] - b[s]) / max(abs(b[s]), 1e-30) for s in steps], "o-")
+        ax2.axhline(0, color="grey", linewidth=0.5)
+        if tol is not None:
+            ax2.axhline(100 * tol, color="red", linewidth=0.8, linestyle=":")
+        if after is not None:
+            ax2.axvline(after, color="grey", linewidth=0.8, linestyle=":")
+        ax2.set_ylabel(f"{names[0]} worse by (%)", fontsize=8)
+    else:
+        ax2.semilogy(steps, [max(d, 1e-18) for d in devs])
+        ax2.set_ylabel("relative difference")
     ax2.set_xlabel("step")
     if times:
         for curve, t, style, name in ((a, times[0], "-", names[0]), (b, times[1], "--", names[1])):
@@ -194,7 +206,8 @@ def main(argv=None) -> int:
             bad.append(f"speed-up to {args.run_b}'s final {args.key} {target:.6g}: "
                        f"{speedup:.3f} < {args.min_speedup}")
     if args.png:
-        plot(args.png, a, b, steps, devs, (args.run_a, args.run_b), args.key, times)
+        plot(args.png, a, b, steps, devs, (args.run_a, args.run_b), args.key, times,
+             args.worse_only, args.tol, args.after * max(b) if args.after else None)
     if args.tol is not None and not worst <= args.tol:
         bad.append(f"over tolerance: {worst:.3e} > {args.tol:.3e}")
     for line in bad:
