@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ratrain.checkpoint import checkpoint_config, load_stage
+from ratrain.checkpoint import checkpoint_config, committed_path, load_stage, verify_checkpoint
 from ratrain.config import Config, ConfigError, ParallelConfig, replace
 from ratrain.data import (
     DataError,
@@ -218,6 +218,7 @@ def load(path: str, *, precision: str | None = None, threads: int = 0,
         return Model(cfg, lambda st: st.load_named(load_hf_params(path, cfg.model, st.names)),
                      source=path, precision=precision, threads=threads, tokenizer=tokenizer,
                      device=device)
+    path = verified_checkpoint(committed_path(path))
     path, cfg, step = checkpoint_config(path)
     if seq_len:
         cfg = replace(cfg, model=replace(cfg.model, seq_len=seq_len))
@@ -228,6 +229,16 @@ def load(path: str, *, precision: str | None = None, threads: int = 0,
 # --------------------------------------------------------------------------------------------
 # Any layout: evaluation
 # --------------------------------------------------------------------------------------------
+
+
+def verified_checkpoint(path: str, comm=None) -> str:
+    """`path` (a committed checkpoint) when `verify_checkpoint` finds it usable for its masters
+    (every check a load makes, the shards' SHA-256 included; collective over `comm`), else a
+    one-line ValueError naming every problem, the same on every rank."""
+    problems = verify_checkpoint(path, comm=comm, buffers=("master",))
+    if problems:
+        raise ValueError(f"{path}: damaged checkpoint, not loaded: " + "; ".join(problems))
+    return path
 
 
 class InputError(ValueError):
@@ -314,7 +325,8 @@ def evaluate(cfg: Config, comm, path: str, tokens: str | None = None,
              batches: int | str | None = None) -> EvalResult:
     """The loss of checkpoint `path` on a token file, in `cfg`'s layout (collective over
     `comm`; None or one rank for 1 x 1): the first `batches` sequential batches (default
-    data.eval_batches), as the training run's eval reads them."""
+    data.eval_batches), as the training run's eval reads them. `path` is trusted as it is:
+    check it first with `verified_checkpoint` (as `ratrain eval` does)."""
     ds = eval_dataset(cfg, tokens)
     n = eval_batch_count(ds, batches, cfg.data.eval_batches)
     rank = build_rank(cfg, comm if comm is not None and comm.Get_size() > 1 else None,
@@ -328,4 +340,4 @@ def evaluate(cfg: Config, comm, path: str, tokens: str | None = None,
 
 
 __all__ = ["EvalResult", "InputError", "Model", "eval_batch_count", "eval_dataset", "eval_layout",
-           "evaluate", "load", "on_every_rank", "sample"]
+           "evaluate", "load", "on_every_rank", "sample", "verified_checkpoint"]

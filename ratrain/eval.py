@@ -27,8 +27,9 @@ from ratrain.api import (
     eval_layout,
     evaluate,
     on_every_rank,
+    verified_checkpoint,
 )
-from ratrain.checkpoint import checkpoint_config
+from ratrain.checkpoint import checkpoint_config, committed_path
 from ratrain.job.abort import abort_on_error
 from ratrain.config import with_overrides
 
@@ -67,7 +68,9 @@ def main(argv=None) -> int:
     from mpi4py import MPI  # after the arguments: --help needs no MPI
 
     comm = MPI.COMM_WORLD
-    try:
+    try:  # the checkpoint verified first, collectively: nothing is read from a damaged one
+        on_every_rank(comm, lambda: verified_checkpoint(
+            on_every_rank(comm, committed_path, args.checkpoint), comm))
         path, cfg, step, n = on_every_rank(comm, resolve, args, comm.Get_size())
     except InputError as e:
         if comm.Get_rank() == 0:

@@ -217,6 +217,31 @@ def test_api_logits_loss_and_generation(trained):
             model.logits([[256]])
 
 
+def test_a_damaged_checkpoint_is_refused_by_eval_generate_and_the_api(trained, tmp_path,
+                                                                     capsys):
+    """One flipped byte in a shard's data: the shard's SHA-256 no longer matches, and every
+    reader of model weights refuses in one line (exit 2) before reading a weight."""
+    import shutil
+
+    d, _ = trained
+    ckpt = tmp_path / "ckpt-000006"
+    shutil.copytree(d / "run" / "checkpoints" / "ckpt-000006", ckpt)
+    shard = ckpt / "shard-s000.h5"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    from ratrain.eval import main
+
+    assert main(["--checkpoint", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "damaged checkpoint" in err[0] and "shard-s000.h5" in err[0], err
+    p = run("-m", "ratrain.generate", "--checkpoint", str(ckpt), "--prompt", "ab", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "damaged checkpoint" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="damaged checkpoint, not loaded: .*shard-s000.h5"):
+        api.load(str(ckpt))
+
+
 def test_sample_filters():
     z = np.array([0.0, 5.0, 4.0, -1.0])
     rng = np.random.default_rng(0)
