@@ -195,22 +195,6 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
-class _Sums:
-    """A stand-in engine for `curves`: each block's all-reduce leaves the sum computed before
-    the step (the replicas' masters of the step's start, in the runtime's order)."""
-
-    def __init__(self):
-        self.sums: dict[int, object] = {}
-
-    def allreduce(self, buf, comm):
-        from concurrent.futures import Future
-
-        buf[...] = self.sums[buf.ctypes.data]
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-
 def _curve(cfg, partial: bool, path: Path) -> None:
     """Train `cfg` in one process (see the module) and write its evals to `path`."""
     import time
@@ -218,33 +202,29 @@ def _curve(cfg, partial: bool, path: Path) -> None:
 
     import numpy as np
 
-    from ratrain.comm.algos import reference
     from ratrain.data import check_data, eval_batches, open_datasets
-    from ratrain.lifecycle.partial import Averager
     from ratrain.lifecycle.rank import build_rank
+
+    sys.path.insert(0, str(ROOT))  # tests._partial_ref: partial sync's plain reference
+    from tests._partial_ref import Replicas
 
     dp, m = cfg.parallel.dp, cfg.parallel.num_micro_batches
     train, ev = open_datasets(cfg, check_data(cfg, None))
     shares = [eval_batches(ev, cfg.data.eval_batches, r) for r in range(dp)]
-    par = replace(cfg.parallel, dp=1) if partial else replace(cfg.parallel, dp=1,
-                                                              num_micro_batches=m * dp)
-    ranks = [build_rank(replace(cfg, parallel=par), None) for _ in range(dp if partial else 1)]
-    exs, sums = [r.executor for r in ranks], _Sums()
-    for ex in exs if partial else ():
-        ex.averager = Averager(ex.state, dp, sums, None, ex._pace_memory)
-    whole = [tuple(np.concatenate([s[k][i] for s in shares]) for i in range(2))
-             for k in range(len(shares[0]))]
+    if partial:
+        reps = Replicas(cfg)
+        exs, ranks = reps.executors, reps.ranks
+    else:  # one rank with the whole global batch
+        whole = replace(cfg.parallel, dp=1, num_micro_batches=m * dp)
+        ranks = [build_rank(replace(cfg, parallel=whole), None)]
+        exs = [ranks[0].executor]
+    whole_eval = [tuple(np.concatenate([s[k][i] for s in shares]) for i in range(2))
+                  for k in range(len(shares[0]))]
     t0, out = time.perf_counter(), []
     for step in range(cfg.run.steps):
         batches = [train.batch_for_step(step, r) for r in range(dp)]
         if partial:
-            sums.sums.clear()
-            for b in exs[0].plan.partial.blocks_at(step):
-                total = reference([ex.state.master_flat(b) for ex in exs], "hier")
-                sums.sums.update({ex.state.master_flat(b).ctypes.data: total for ex in exs})
-            for ex, batch in zip(exs, batches):
-                ex.run_step(step, batch)
-                ex.flush()
+            reps.step(step, batches)
         else:
             exs[0].run_step(step, tuple(np.concatenate([b[i] for b in batches]) for i in range(2)))
         if (step + 1) % cfg.data.eval_interval:
@@ -253,12 +233,11 @@ def _curve(cfg, partial: bool, path: Path) -> None:
         if partial:  # the replicas' mean loss (the trainer's), and the mean model's
             rec["eval_loss"] = float(np.mean([ex.eval_loss(sh) for ex, sh in zip(exs, shares)]))
             own = exs[0].state.master_buf.copy()
-            exs[0].state.master_buf[...] = reference([ex.state.master_buf for ex in exs],
-                                                     "hier") / dp
+            exs[0].state.master_buf[...] = reps.mean_master()
             rec["mean_model"] = float(np.mean([exs[0].eval_loss(sh) for sh in shares]))
             exs[0].state.master_buf[...] = own
         else:
-            rec["eval_loss"] = exs[0].eval_loss(whole)
+            rec["eval_loss"] = exs[0].eval_loss(whole_eval)
         out.append(rec)
     for r in ranks:
         r.close()

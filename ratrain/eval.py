@@ -69,8 +69,8 @@ def main(argv=None) -> int:
 
     comm = MPI.COMM_WORLD
     try:  # the checkpoint verified first, collectively: nothing is read from a damaged one
-        on_every_rank(comm, lambda: verified_checkpoint(
-            on_every_rank(comm, committed_path, args.checkpoint), comm))
+        path = on_every_rank(comm, committed_path, args.checkpoint)
+        on_every_rank(comm, verified_checkpoint, path, comm)
         path, cfg, step, n = on_every_rank(comm, resolve, args, comm.Get_size())
     except InputError as e:
         if comm.Get_rank() == 0:

@@ -5,7 +5,6 @@ process; policies bitwise equal; the replicas' mean at the end of a run.
     mpirun --oversubscribe -n 4 python -m pytest --with-mpi tests/test_partial_mpi.py
 """
 
-from concurrent.futures import Future
 from dataclasses import replace
 
 import numpy as np
@@ -13,9 +12,9 @@ import pytest
 
 from ratrain.comm.algos import reference as allreduce_reference
 from ratrain.config import OffloadConfig, SyncConfig
-from ratrain.lifecycle.partial import Averager
 from ratrain.lifecycle.rank import build_rank
 from tests._executor_util import global_batch, params_digest, tiny_config, train
+from tests._partial_ref import Replicas
 
 
 def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32", steps=4):
@@ -24,47 +23,20 @@ def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32
                    sync=SyncConfig(mode="partial", period=period))
 
 
-class _Sums:
-    """A stand-in engine: each block's all-reduce leaves the sum of every replica's master of
-    the step's start, in the runtime's order (`comm.algos.reference`, hier)."""
-
-    def __init__(self):
-        self.sums: dict[int, np.ndarray] = {}  # master slice's address -> its sum
-
-    def allreduce(self, buf, comm):
-        buf[...] = self.sums[buf.ctypes.data]
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-
 def reference(cfg, steps):
-    """The replicas of `cfg` one after another in one process: each a dp = 1 rank on its share
-    of every global batch, stepping on its own gradients; a block averaged at step s gets the
-    replicas' masters of the step's start, summed in the runtime's order, divided by dp. Each
-    step is flushed (policies differ in when, never in what)."""
-    dp, m = cfg.parallel.dp, cfg.parallel.num_micro_batches
-    one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
-    ranks = [build_rank(one, None) for _ in range(dp)]
-    exs = [r.executor for r in ranks]
-    engine = _Sums()
-    for ex in exs:
-        ex.averager = Averager(ex.state, dp, engine, None, ex._pace_memory)
-    results = [[] for _ in range(dp)]
+    """The replicas of `cfg` one after another in one process (`tests._partial_ref`): each
+    replica's results and final whole parameters."""
+    m = cfg.parallel.num_micro_batches
+    reps = Replicas(cfg)
+    results = [[] for _ in range(cfg.parallel.dp)]
     for s in range(steps):
-        engine.sums.clear()
-        for b in exs[0].plan.partial.blocks_at(s):
-            total = allreduce_reference([ex.state.master_flat(b) for ex in exs], "hier")
-            for ex in exs:
-                engine.sums[ex.state.master_flat(b).ctypes.data] = total
         inputs, targets = global_batch(cfg, s)
-        for r, ex in enumerate(exs):
-            results[r].append(ex.run_step(s, (inputs[r * m:(r + 1) * m],
-                                              targets[r * m:(r + 1) * m])))
-            ex.flush()  # a deferred update now: the next step starts from its masters
-    params = [ex.full_params() for ex in exs]
-    for r in ranks:
-        r.close()
+        batches = [(inputs[r * m:(r + 1) * m], targets[r * m:(r + 1) * m])
+                   for r in range(cfg.parallel.dp)]
+        for r, res in enumerate(reps.step(s, batches)):
+            results[r].append(res)
+    params = [ex.full_params() for ex in reps.executors]
+    reps.close()
     return results, params
 
 

@@ -29,8 +29,10 @@ step mod H = i mod H (`assign: round-robin`). With pp > 1 each stage's group ave
 blocks. A checkpoint holds each replica's own state (resume is bitwise) and, as its model, the
 replicas' mean (`Executor.iter_full_state(mean=True)`), which eval, export and generate load.
 
-Not allowed: the optimizer state sharded over the replicas (`schedule.shard_optimizer`, on by
-default under `ratrain`), whose segments assume replicas that agree (`check_partial`).
+Not allowed (`check_partial`): the optimizer state sharded over the replicas
+(`schedule.shard_optimizer`, on by default under `ratrain`), whose segments assume replicas that
+agree; fp32 masters kept in the memory tier (`offload.optimizer: masters`), which an average
+needs in the DDR between the block's last backward and its update.
 With dp = 1 there is nothing to average and partial is bitwise full.
 
     ps = PartialSync.of_sync(cfg.sync, blocks)       # None under sync.mode: full
@@ -173,8 +175,6 @@ def phase_lists(policy, info, ps: PartialSync):
                    if policy.carries(info) else first)
         out.append((first, carried, partial_flush(policy.build_flush(info), now)))
     return tuple(out)
-
-
 
 
 # -- running it ----------------------------------------------------------------------------------

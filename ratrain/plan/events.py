@@ -495,5 +495,4 @@ class Sim:
                 self.at(done, self.advance, r2)
 
 
-
 __all__ = ["NORM_BYTES", "RankState", "Sim", "items"]

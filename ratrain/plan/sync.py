@@ -14,7 +14,7 @@ exposed part of it; `speedup` is over the fastest full-synchronization row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ratrain.config import Config, with_overrides
 from ratrain.exec.spec import block_role
@@ -70,8 +70,7 @@ def sync_table(cfg: Config, periods=(2, 4, 8), cost: CostModel | None = None) ->
         rows.append(SyncRow(label, res.step_s * scale, res.tokens_per_s / scale,
                             res.comm_exposed_s * scale, synced_bytes(p, cost, p.period)))
     best_full = min(r.step_s for r, (_, c) in zip(rows, variants) if not c.sync.partial)
-    return [SyncRow(r.label, r.step_s, r.tokens_per_s, r.exposed_s, r.synced_bytes,
-                    best_full / r.step_s) for r in rows]
+    return [replace(r, speedup=best_full / r.step_s) for r in rows]
 
 
 __all__ = ["SyncRow", "sync_table", "synced_bytes"]

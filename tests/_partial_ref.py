@@ -1,0 +1,70 @@
+"""Partial synchronization's plain reference: the replicas of a config one after another in one
+process, each a dp = 1 rank stepping on its own share of the batch, a block averaged at step s
+getting the replicas' masters of the step's start summed in the runtime's order
+(`comm.algos.reference`, hier) and divided by dp. Each step is flushed (policies differ in when,
+never in what). The runtime is bitwise this (tests/test_partial_mpi.py); `benchmarks/psync.py
+curves` trains with it.
+
+    reps = Replicas(cfg)                           # cfg.parallel.dp ranks, one process
+    results = reps.step(step, [batch_of_replica_0, ...])
+    reps.mean_master()                             # the replicas' mean (a checkpoint's model)
+    reps.close()
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import replace
+
+from ratrain.comm.algos import reference
+from ratrain.lifecycle.partial import Averager
+from ratrain.lifecycle.rank import build_rank
+
+
+class SumsEngine:
+    """A stand-in engine: each block's all-reduce leaves the sum set for its master's address
+    before the step (`Replicas.step`)."""
+
+    def __init__(self):
+        self.sums: dict[int, object] = {}  # master slice's address -> its sum
+
+    def allreduce(self, buf, comm):
+        buf[...] = self.sums[buf.ctypes.data]
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+class Replicas:
+    """`cfg`'s data-parallel replicas in one process (see the module)."""
+
+    def __init__(self, cfg):
+        dp = cfg.parallel.dp
+        one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
+        self.ranks = [build_rank(one, None) for _ in range(dp)]
+        self.executors = [r.executor for r in self.ranks]
+        self.engine = SumsEngine()
+        for ex in self.executors:
+            ex.averager = Averager(ex.state, dp, self.engine, None, ex._pace_memory)
+
+    def step(self, step: int, batches) -> list:
+        """Every replica's `StepResult` of step `step`, replica r on `batches[r]`."""
+        exs = self.executors
+        self.engine.sums.clear()
+        for b in exs[0].plan.partial.blocks_at(step):
+            total = reference([ex.state.master_flat(b) for ex in exs], "hier")
+            self.engine.sums.update({ex.state.master_flat(b).ctypes.data: total for ex in exs})
+        out = []
+        for ex, batch in zip(exs, batches):
+            out.append(ex.run_step(step, batch))
+            ex.flush()  # a deferred update now: the next step starts from its masters
+        return out
+
+    def mean_master(self):
+        """The replicas' whole masters summed in the runtime's order, divided by dp."""
+        return reference([ex.state.master_buf for ex in self.executors], "hier") / len(
+            self.executors)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
