@@ -7,6 +7,7 @@
         [--record NAME]
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
     python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
+        [--full-set ...] [--partial-set ...]
 
 `speed`: the job under full sync and under partial sync at each period H of `--periods`, run
 under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
@@ -36,6 +37,8 @@ replicas one after another, each a rank of its own whose parameter averages are 
 runtime's order (the runtime is bitwise this: `tests/test_partial_mpi.py`). Writes
 `DIR/full/eval.jsonl` and `DIR/partial-H/eval.jsonl` (with `mean_model`: the eval loss of the
 replicas' mean, what a checkpoint's model is) and prints `ratrain.compare`'s verdict.
+`--set` overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether
+the replicas want another learning rate or clip than full sync's).
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -251,10 +254,10 @@ def curves(args) -> int:
 
     base = [*args.set, "platform.emulate=false"]
     out = Path(args.out)
-    _curve(load_config(args.config, [*base, "sync.mode=full"]), False, out / FULL)
+    _curve(load_config(args.config, [*base, *args.full_set, "sync.mode=full"]), False, out / FULL)
     name = f"partial-{args.period}"
-    _curve(load_config(args.config, [*base, "sync.mode=partial", f"sync.period={args.period}"]),
-           True, out / name)
+    _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
+                                     f"sync.period={args.period}"]), True, out / name)
     res = subprocess.run([sys.executable, "-m", "ratrain.compare", str(out / name),
                           str(out / FULL), "--key", "eval_loss", "--tol", "0.02", "--after",
                           "0.2", "--final-tol", "0.01", "--worse-only"],
@@ -312,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=("speed", "quality", "assign", "curves", "worker"))
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], help="overrides of every variant")
+    ap.add_argument("--full-set", action="append", default=[], help="curves: full's alone")
+    ap.add_argument("--partial-set", action="append", default=[], help="curves: partial's alone")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
     ap.add_argument("--period", type=int, default=4, help="quality: partial sync's period")
     ap.add_argument("--extra-steps", type=int, default=30,

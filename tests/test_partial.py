@@ -192,3 +192,27 @@ def test_planner_prints_full_against_partial_on_a_link(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--config", "tiny", "--sync-periods", "0"])
     assert e.value.code == 2
+
+
+def test_curves_override_each_run_alone(tmp_path):
+    """`benchmarks/psync.py curves`: `--set` reaches both runs, `--full-set` / `--partial-set`
+    one each (a learning rate of 1e-12 leaves that run's eval loss where it started)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def curves(*args):
+        subprocess.run([sys.executable, "benchmarks/psync.py", "curves", "--config",
+                        "jobs/psync.yaml", "--out", str(tmp_path), "--period", "2", "--set",
+                        "run.steps=4", "--set", "data.eval_interval=2", "--set",
+                        "data.eval_batches=1", "--set", "optim.warmup_steps=0", *args],
+                       cwd=Path(__file__).parents[1], capture_output=True, check=False)
+        return [[json.loads(line)["eval_loss"] for line in (tmp_path / run / "eval.jsonl")
+                 .read_text().splitlines()] for run in ("full", "partial-2")]
+
+    still = ["optim.lr=1e-12", "optim.min_lr=1e-12"]
+    full, part = curves(*(a for s in still for a in ("--partial-set", s)))
+    assert abs(part[1] - part[0]) < 1e-6 and full[1] < full[0] - 1e-3
+    full, part = curves(*(a for s in still for a in ("--full-set", s)))
+    assert abs(full[1] - full[0]) < 1e-6 and part[1] < part[0] - 1e-3
