@@ -194,25 +194,39 @@ def test_planner_prints_full_against_partial_on_a_link(capsys):
     assert e.value.code == 2
 
 
-def test_curves_override_each_run_alone(tmp_path):
+def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
     """`benchmarks/psync.py curves`: `--set` reaches both runs, `--full-set` / `--partial-set`
-    one each (a learning rate of 1e-12 leaves that run's eval loss where it started)."""
+    one each (a learning rate of 1e-12 leaves that run's eval loss where it started); a verdict
+    line per pair, and with `--seeds` a pair per seed and their summary."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     def curves(*args):
-        subprocess.run([sys.executable, "benchmarks/psync.py", "curves", "--config",
-                        "jobs/psync.yaml", "--out", str(tmp_path), "--period", "2", "--set",
-                        "run.steps=4", "--set", "data.eval_interval=2", "--set",
-                        "data.eval_batches=1", "--set", "optim.warmup_steps=0", *args],
-                       cwd=Path(__file__).parents[1], capture_output=True, check=False)
-        return [[json.loads(line)["eval_loss"] for line in (tmp_path / run / "eval.jsonl")
-                 .read_text().splitlines()] for run in ("full", "partial-2")]
+        res = subprocess.run(
+            [sys.executable, "benchmarks/psync.py", "curves", "--config", "jobs/psync.yaml",
+             "--out", str(tmp_path), "--period", "2", "--set", "run.steps=4", "--set",
+             "data.eval_interval=2", "--set", "data.eval_batches=1", "--set",
+             "optim.warmup_steps=0", *args], cwd=Path(__file__).parents[1],
+            capture_output=True, text=True, check=False)
+        return res.returncode, [json.loads(line) for line in res.stdout.splitlines()]
+
+    def evals(run):
+        return [json.loads(line)["eval_loss"] for line in (tmp_path / run / "eval.jsonl")
+                .read_text().splitlines()]
 
     still = ["optim.lr=1e-12", "optim.min_lr=1e-12"]
-    full, part = curves(*(a for s in still for a in ("--partial-set", s)))
+    rc, out = curves(*(a for s in still for a in ("--partial-set", s)))
+    full, part = evals("full"), evals("partial-2")
     assert abs(part[1] - part[0]) < 1e-6 and full[1] < full[0] - 1e-3
-    full, part = curves(*(a for s in still for a in ("--full-set", s)))
-    assert abs(full[1] - full[0]) < 1e-6 and part[1] < part[0] - 1e-3
+    verdict = out[0]  # the partial run that did not learn is judged worse, at the end too
+    assert rc == 1 and not verdict["within"] and verdict["partial_final"] == round(part[1], 4)
+    assert verdict["end_pct"] == round(100 * (part[1] / full[1] - 1), 3) > 2
+    rc, out = curves(*(a for s in still for a in ("--full-set", s)), "--seeds", "1,2")
+    for seed in (1, 2):
+        full, part = evals(f"seed-{seed}/full"), evals(f"seed-{seed}/partial-2")
+        assert abs(full[1] - full[0]) < 1e-6 and part[1] < part[0] - 1e-3
+    assert evals("seed-1/full") != evals("seed-2/full")
+    assert rc == 0 and [r["seed"] for r in out[:2]] == [1, 2] and out[2]["seeds"] == 2
+    assert out[2]["within"] and out[2]["mean_end_pct"] < 0
