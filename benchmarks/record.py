@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ID_FIELDS = ("case", "kind", "policy", "op", "algo", "ranks", "bytes", "size", "precision")
+ID_FIELDS = ("case", "kind", "policy", "op", "algo", "ranks", "bytes", "size", "precision", "seed")
 
 
 def records_dir() -> Path:
