@@ -116,6 +116,13 @@ TABLES = {
           ("final_rel_dev", "at the end", ".4f"),
           ("speedup", "time to full's final loss, full / partial", ".2f"),
           ("passed", "within the recipe's bounds", "")]),
+        *((f"psync-seeds-h{h}", f"jobs/psync.yaml in one process, partial sync (H = {h}) "
+           "against full at seeds 1234, 1 and 2 (benchmarks/psync.py curves --seeds): eval "
+           "loss %, partial's largest deviation after 20% / signed at the end",
+           [(f"{s}.{k}", f"seed {s} {w}", ".2f") for s in (1234, 1, 2)
+            for k, w in (("max_after_pct", "after 20%"), ("end_pct", "end"))]
+           + [("mean_end_pct", "mean at the end", ".2f"), ("within", "within the bounds", "")])
+          for h in (1, 2, 4)),
         ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
          "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
          "peak, less the double buffer (a layer written, one read)",
