@@ -71,18 +71,19 @@ def compare(a: dict[int, float], b: dict[int, float],
 
 
 def judge(a: dict[int, float], b: dict[int, float], after: float = 0.0,
-          worse_only: bool = False) -> tuple[float, int, float, int]:
+          worse_only: bool = False) -> tuple[float, int, list[int], list[float]]:
     """(the largest relative deviation of `a` from `b` over the judged steps: those after the
-    first fraction `after` of `b`'s, how many they are, the deviation at the last step both
-    hold, that step); `worse_only` as `compare`'s. Raises ValueError when they share no step."""
+    first fraction `after` of `b`'s, how many they are, then `compare`'s shared steps and their
+    deviations: the last is the final one); `worse_only` as `compare`'s. Raises ValueError when
+    the runs share no step."""
     worst, steps, devs = compare(a, b, worse_only)
     if not steps:
         raise ValueError("the runs share no steps")
+    judged = len(steps)
     if after:
         late = [d for s, d in zip(steps, devs) if s > after * max(b)]
-        worst = max(late, default=0.0)
-        return worst, len(late), devs[-1], steps[-1]
-    return worst, len(steps), devs[-1], steps[-1]
+        worst, judged = max(late, default=0.0), len(late)
+    return worst, judged, steps, devs
 
 
 def time_to(curve: dict[int, float], times: dict[int, float], target: float) -> float:
@@ -191,11 +192,10 @@ def main(argv=None) -> int:
     a = read_metrics(args.run_a, args.key)
     b = read_metrics(args.run_b, args.key)
     try:  # the judged steps: after the first fraction --after of RUN_B's
-        worst, judged, final, last = judge(a, b, args.after, args.worse_only)
+        worst, judged, steps, devs = judge(a, b, args.after, args.worse_only)
     except ValueError:
         print(f"error: {args.run_a} and {args.run_b} share no steps", file=sys.stderr)
         return 2
-    _, steps, devs = compare(a, b, args.worse_only)  # every shared step: the plot's
     print(f"max_rel_dev={worst:.6e} steps={judged}")
     if args.worse_only:  # how far ahead RUN_A was at most (not judged)
         late = [s for s in steps if s > args.after * max(b)]
@@ -203,9 +203,9 @@ def main(argv=None) -> int:
         print(f"best_rel_dev={max(best, 0.0):.6e}")
     bad = problems(a, b, (args.run_a, args.run_b), args.prefix)
     if args.final_tol is not None:
-        print(f"final_rel_dev={final:.6e} step={last}")
-        if not final <= args.final_tol:
-            bad.append(f"final step over tolerance: {final:.3e} > {args.final_tol:.3e}")
+        print(f"final_rel_dev={devs[-1]:.6e} step={steps[-1]}")
+        if not devs[-1] <= args.final_tol:
+            bad.append(f"final step over tolerance: {devs[-1]:.3e} > {args.final_tol:.3e}")
     times = None
     if args.time_to_final:
         times = (read_metrics(args.run_a, args.key, "elapsed_s"),
