@@ -7,7 +7,7 @@
         [--record NAME]
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
     python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
-        [--full-set ...] [--partial-set ...] [--seeds 1234,1,2]
+        [--full-set ...] [--partial-set ...] [--seeds 1234,1,2] [--control]
 
 `speed`: the job under full sync and under partial sync at each period H of `--periods`, run
 under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
@@ -42,7 +42,12 @@ signed one at the end, both final losses, whether within. `--seeds S,S,...` trai
 each `init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end,
 the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md).
 `--set` overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether
-the replicas want another learning rate or clip than full sync's).
+the replicas want another learning rate or clip than full sync's). `--control` trains full sync
+against itself instead, the second run with the global batch in half as many micro-batches of
+twice the sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in
+another order) and judges it by the same bounds, either way: how far rounding alone moves the
+job's eval loss. A job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the
+psync job's was 3.1%, docs/BENCHMARKS.md).
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -68,7 +73,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # tests._partial_ref: partial sync's reference (`curves`)
 from record import write_record  # noqa: E402 - after the path above
 
-FULL = "full"
+FULL, REGROUPED = "full", "full-regrouped"
 TOL, AFTER, FINAL_TOL, MIN_SPEEDUP = 0.02, 0.2, 0.01, 1.3  # the issue's (the recipe's) bounds
 
 
@@ -204,8 +209,9 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
-def _curve(cfg, partial: bool, path: Path) -> None:
-    """Train `cfg` in one process (see the module) and write its evals to `path`."""
+def _curve(cfg, partial: bool, path: Path, regroup: bool = False) -> None:
+    """Train `cfg` in one process (see the module) and write its evals to `path`; `regroup`
+    (full sync only): the global batch in half as many micro-batches of twice the sequences."""
     import time
     from dataclasses import replace
 
@@ -223,18 +229,25 @@ def _curve(cfg, partial: bool, path: Path) -> None:
         reps = Replicas(cfg)
         exs, ranks = reps.executors, reps.ranks
     else:  # one rank with the whole global batch
-        whole = replace(cfg.parallel, dp=1, num_micro_batches=m * dp)
+        g = 2 if regroup else 1
+        whole = replace(cfg.parallel, dp=1, micro_batch=cfg.parallel.micro_batch * g,
+                        num_micro_batches=m * dp // g)
         ranks = [build_rank(replace(cfg, parallel=whole), None)]
         exs = [ranks[0].executor]
-    whole_eval = [tuple(np.concatenate([s[k][i] for s in shares]) for i in range(2))
-                  for k in range(len(shares[0]))]
+
+    def joined(parts):  # the replicas' (inputs, targets) as the whole rank's micro-batches
+        return tuple(np.concatenate([p[i] for p in parts]).reshape(
+            whole.num_micro_batches, whole.micro_batch, -1) for i in range(2))
+
+    whole_eval = None if partial else [joined([s[k] for s in shares])
+                                       for k in range(len(shares[0]))]
     t0, out = time.perf_counter(), []
     for step in range(cfg.run.steps):
         batches = [train.batch_for_step(step, r) for r in range(dp)]
         if partial:
             reps.step(step, batches)
         else:
-            exs[0].run_step(step, tuple(np.concatenate([b[i] for b in batches]) for i in range(2)))
+            exs[0].run_step(step, joined(batches))
         if (step + 1) % cfg.data.eval_interval:
             continue
         rec = {"step": step + 1, "elapsed_s": round(time.perf_counter() - t0, 3)}
@@ -256,29 +269,47 @@ def _curve(cfg, partial: bool, path: Path) -> None:
 def curves(args) -> int:
     """Full and partial sync's eval curves in one process (see the module) at each seed of
     `--seeds` (none: the config's), each pair judged by the recipe's bounds; exit 0 when every
-    pair is within them."""
+    pair is within them. `--control`: full against itself regrouped instead (the job's floor)."""
     from ratrain.compare import judge, read_metrics
     from ratrain.config import load_config
 
+    if args.control:  # refused before any work, in one line
+        if args.partial_set:
+            print("psync curves: --control trains no partial run; drop --partial-set "
+                  f"{' '.join(args.partial_set)}", file=sys.stderr)
+            return 2
+        par = load_config(args.config, [*args.set, *args.full_set]).parallel
+        if par.dp * par.num_micro_batches % 2:
+            print(f"psync curves: --control halves the global batch's {par.dp} x "
+                  f"{par.num_micro_batches} micro-batches (parallel.dp x num_micro_batches), "
+                  "an odd count; make either even", file=sys.stderr)
+            return 2
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
-    name, rows = f"partial-{args.period}", []
+    other = "regrouped" if args.control else "partial"
+    name, rows = (REGROUPED if args.control else f"partial-{args.period}"), []
     for seed in seeds:
         base = [*args.set, "platform.emulate=false",
                 *([f"init.seed={seed}"] if seed is not None else [])]
         out = Path(args.out) / (f"seed-{seed}" if args.seeds else "")
         _curve(load_config(args.config, [*base, *args.full_set, "sync.mode=full"]), False,
                out / FULL)
-        _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
-                                         f"sync.period={args.period}"]), True, out / name)
+        if args.control:
+            _curve(load_config(args.config, [*base, *args.full_set, "sync.mode=full"]), False,
+                   out / name, regroup=True)
+        else:
+            _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
+                                             f"sync.period={args.period}"]), True, out / name)
         part, full = (read_metrics(str(out / r), "eval_loss") for r in (name, FULL))
-        worst, _, steps, devs = judge(part, full, AFTER, worse_only=True)
+        # partial is judged where it is worse; rounding's deviations count either way
+        worst, _, steps, devs = judge(part, full, AFTER, worse_only=not args.control)
         last = steps[-1]
-        rows.append({"seed": seed, "period": args.period, "max_after_pct": round(100 * worst, 3),
+        rows.append({"seed": seed, "period": 0 if args.control else args.period,
+                     "max_after_pct": round(100 * worst, 3),
                      "end_pct": round(100 * (part[last] / full[last] - 1), 3),  # signed
-                     "full_final": round(full[last], 4), "partial_final": round(part[last], 4),
+                     "full_final": round(full[last], 4), f"{other}_final": round(part[last], 4),
                      "within": worst <= TOL and devs[-1] <= FINAL_TOL})
         print(json.dumps(rows[-1]), flush=True)
-    summary = {"seeds": len(rows), "period": args.period,
+    summary = {"seeds": len(rows), "period": rows[0]["period"],
                "mean_end_pct": round(sum(r["end_pct"] for r in rows) / len(rows), 3),
                "worst_after_pct": max(r["max_after_pct"] for r in rows),
                "within": all(r["within"] for r in rows)}
@@ -338,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full-set", action="append", default=[], help="curves: full's alone")
     ap.add_argument("--partial-set", action="append", default=[], help="curves: partial's alone")
     ap.add_argument("--seeds", default="", help="curves: init.seed values, e.g. 1234,1,2")
+    ap.add_argument("--control", action="store_true",
+                    help="curves: full sync against itself regrouped (rounding alone)")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
     ap.add_argument("--period", type=int, default=4, help="quality: partial sync's period")
     ap.add_argument("--extra-steps", type=int, default=30,

@@ -230,3 +230,34 @@ def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
     assert evals("seed-1/full") != evals("seed-2/full")
     assert rc == 0 and [r["seed"] for r in out[:2]] == [1, 2] and out[2]["seeds"] == 2
     assert out[2]["within"] and out[2]["mean_end_pct"] < 0
+
+
+def test_curves_control_regroups_full_sync_alone(tmp_path):
+    """`curves --control`: the second run is full sync again on the same tokens in half as many
+    micro-batches of twice the sequences (rounding alone: its evals within 1e-5), judged either
+    way; refused in one line, exit 2, when the count is odd or a partial run is asked for."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def curves(*args):
+        res = subprocess.run(
+            [sys.executable, "benchmarks/psync.py", "curves", "--config", "jobs/psync.yaml",
+             "--out", str(tmp_path), "--control", "--set", "run.steps=4", "--set",
+             "data.eval_interval=2", "--set", "data.eval_batches=1", "--set",
+             "optim.warmup_steps=0", *args], cwd=Path(__file__).parents[1],
+            capture_output=True, text=True, check=False)
+        return res.returncode, res.stdout, res.stderr
+
+    rc, out, err = curves()
+    verdict = json.loads(out.splitlines()[0])
+    full, other = ([json.loads(line)["eval_loss"] for line in (tmp_path / run / "eval.jsonl")
+                    .read_text().splitlines()] for run in ("full", "full-regrouped"))
+    assert rc == 0 and verdict["within"] and verdict["period"] == 0, err
+    assert full[1] < full[0] - 1e-3 and all(abs(b / a - 1) < 1e-5 for a, b in zip(full, other))
+    assert verdict["regrouped_final"] == round(other[-1], 4)
+    for bad, named in ((("--set", "parallel.dp=1", "--set", "parallel.num_micro_batches=1"),
+                        "1 x 1"), (("--partial-set", "optim.lr=1e-3"), "--partial-set")):
+        rc, out, err = curves(*bad)
+        assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and named in err
