@@ -8,6 +8,7 @@
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
     python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
         [--full-set ...] [--partial-set ...] [--seeds 1234,1,2] [--control]
+        [--average before-update|after-update]
 
 `speed`: the job under full sync and under partial sync at each period H of `--periods`, run
 under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
@@ -47,7 +48,10 @@ against itself instead, the second run with the global batch in half as many mic
 twice the sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in
 another order) and judges it by the same bounds, either way: how far rounding alone moves the
 job's eval loss. A job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the
-psync job's was 3.1%, docs/BENCHMARKS.md).
+psync job's was 3.1%, docs/BENCHMARKS.md). `--average after-update` trains partial sync with
+each block averaged after the step's update instead of before it (DreamDDP's placement and the
+runtime's), a placement the runtime does not have (`tests/_partial_ref.py`), to measure what it
+would be worth.
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -209,9 +213,11 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
-def _curve(cfg, partial: bool, path: Path, regroup: bool = False) -> None:
+def _curve(cfg, partial: bool, path: Path, regroup: bool = False,
+           after_update: bool = False) -> None:
     """Train `cfg` in one process (see the module) and write its evals to `path`; `regroup`
-    (full sync only): the global batch in half as many micro-batches of twice the sequences."""
+    (full sync only): the global batch in half as many micro-batches of twice the sequences;
+    `after_update` (partial only): `Replicas`' study placement of the averages."""
     import time
     from dataclasses import replace
 
@@ -226,7 +232,7 @@ def _curve(cfg, partial: bool, path: Path, regroup: bool = False) -> None:
     train, ev = open_datasets(cfg, check_data(cfg, None))
     shares = [eval_batches(ev, cfg.data.eval_batches, r) for r in range(dp)]
     if partial:
-        reps = Replicas(cfg)
+        reps = Replicas(cfg, after_update)
         exs, ranks = reps.executors, reps.ranks
     else:  # one rank with the whole global batch
         g = 2 if regroup else 1
@@ -274,9 +280,11 @@ def curves(args) -> int:
     from ratrain.config import load_config
 
     if args.control:  # refused before any work, in one line
-        if args.partial_set:
-            print("psync curves: --control trains no partial run; drop --partial-set "
-                  f"{' '.join(args.partial_set)}", file=sys.stderr)
+        extra = [*(f"--partial-set {x}" for x in args.partial_set),
+                 *(["--average " + args.average] if args.average != "before-update" else [])]
+        if extra:
+            print(f"psync curves: --control trains no partial run; drop {' '.join(extra)}",
+                  file=sys.stderr)
             return 2
         par = load_config(args.config, [*args.set, *args.full_set]).parallel
         if par.dp * par.num_micro_batches % 2:
@@ -286,7 +294,9 @@ def curves(args) -> int:
             return 2
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     other = "regrouped" if args.control else "partial"
-    name, rows = (REGROUPED if args.control else f"partial-{args.period}"), []
+    after = args.average == "after-update"
+    name = REGROUPED if args.control else f"partial-{args.period}" + ("-after" if after else "")
+    rows = []
     for seed in seeds:
         base = [*args.set, "platform.emulate=false",
                 *([f"init.seed={seed}"] if seed is not None else [])]
@@ -298,12 +308,14 @@ def curves(args) -> int:
                    out / name, regroup=True)
         else:
             _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
-                                             f"sync.period={args.period}"]), True, out / name)
+                                             f"sync.period={args.period}"]), True, out / name,
+                   after_update=after)
         part, full = (read_metrics(str(out / r), "eval_loss") for r in (name, FULL))
         # partial is judged where it is worse; rounding's deviations count either way
         worst, _, steps, devs = judge(part, full, AFTER, worse_only=not args.control)
         last = steps[-1]
         rows.append({"seed": seed, "period": 0 if args.control else args.period,
+                     **({"average": args.average} if not args.control else {}),
                      "max_after_pct": round(100 * worst, 3),
                      "end_pct": round(100 * (part[last] / full[last] - 1), 3),  # signed
                      "full_final": round(full[last], 4), f"{other}_final": round(part[last], 4),
@@ -369,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full-set", action="append", default=[], help="curves: full's alone")
     ap.add_argument("--partial-set", action="append", default=[], help="curves: partial's alone")
     ap.add_argument("--seeds", default="", help="curves: init.seed values, e.g. 1234,1,2")
+    ap.add_argument("--average", choices=("before-update", "after-update"),
+                    default="before-update", help="curves: where partial averages (see module)")
     ap.add_argument("--control", action="store_true",
                     help="curves: full sync against itself regrouped (rounding alone)")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")

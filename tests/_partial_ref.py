@@ -5,7 +5,13 @@ getting the replicas' masters of the step's start summed in the runtime's order
 never in what). The runtime is bitwise this (tests/test_partial_mpi.py); `benchmarks/psync.py
 curves` trains with it.
 
+`after_update=True` is a placement the runtime does not have, for study (`curves --average
+after-update`): each block of the step is averaged after the step's update instead of before it,
+so that every replica starts the next step from the same point (with plain SGD and H = 1, full
+synchronization exactly).
+
     reps = Replicas(cfg)                           # cfg.parallel.dp ranks, one process
+    reps = Replicas(cfg, after_update=True)        # averages after the update (a study)
     results = reps.step(step, [batch_of_replica_0, ...])
     reps.mean_master()                             # the replicas' mean (a checkpoint's model)
     reps.close()
@@ -38,26 +44,33 @@ class SumsEngine:
 class Replicas:
     """`cfg`'s data-parallel replicas in one process (see the module)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, after_update: bool = False):
         dp = cfg.parallel.dp
         one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
         self.ranks = [build_rank(one, None) for _ in range(dp)]
         self.executors = [r.executor for r in self.ranks]
         self.engine = SumsEngine()
-        for ex in self.executors:
-            ex.averager = Averager(ex.state, dp, self.engine, None, ex._pace_memory)
+        self.after_update = after_update
+        for ex in self.executors:  # after the update: the step's own averages do nothing
+            ex.averager = Averager(ex.state, 1 if after_update else dp, self.engine, None,
+                                   ex._pace_memory)
 
     def step(self, step: int, batches) -> list:
         """Every replica's `StepResult` of step `step`, replica r on `batches[r]`."""
         exs = self.executors
+        now = exs[0].plan.partial.blocks_at(step)
         self.engine.sums.clear()
-        for b in exs[0].plan.partial.blocks_at(step):
+        for b in () if self.after_update else now:
             total = reference([ex.state.master_flat(b) for ex in exs], "hier")
             self.engine.sums.update({ex.state.master_flat(b).ctypes.data: total for ex in exs})
         out = []
         for ex, batch in zip(exs, batches):
             out.append(ex.run_step(step, batch))
             ex.flush()  # a deferred update now: the next step starts from its masters
+        for b in now if self.after_update else ():
+            mean = reference([ex.state.master_flat(b) for ex in exs], "hier") / len(exs)
+            for ex in exs:
+                ex.state.master_flat(b)[...] = mean
         return out
 
     def mean_master(self):

@@ -235,7 +235,8 @@ def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
 def test_curves_control_regroups_full_sync_alone(tmp_path):
     """`curves --control`: the second run is full sync again on the same tokens in half as many
     micro-batches of twice the sequences (rounding alone: its evals within 1e-5), judged either
-    way; refused in one line, exit 2, when the count is odd or a partial run is asked for."""
+    way; refused in one line, exit 2, when the count is odd or a partial run is asked for
+    (its overrides, its placement)."""
     import json
     import subprocess
     import sys
@@ -258,6 +259,32 @@ def test_curves_control_regroups_full_sync_alone(tmp_path):
     assert full[1] < full[0] - 1e-3 and all(abs(b / a - 1) < 1e-5 for a, b in zip(full, other))
     assert verdict["regrouped_final"] == round(other[-1], 4)
     for bad, named in ((("--set", "parallel.dp=1", "--set", "parallel.num_micro_batches=1"),
-                        "1 x 1"), (("--partial-set", "optim.lr=1e-3"), "--partial-set")):
+                        "1 x 1"), (("--partial-set", "optim.lr=1e-3"), "--partial-set"),
+                       (("--average", "after-update"), "--average after-update")):
         rc, out, err = curves(*bad)
         assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and named in err
+
+
+def test_reference_after_update_averages_the_updated_masters():
+    """`Replicas(cfg, after_update=True)` (the study placement of `curves --average`): the
+    blocks a step averages leave it equal on every replica (averaged after the update); under
+    the runtime's placement they leave it apart (each replica's update after the average), and
+    the blocks of other steps leave it apart under both."""
+    import numpy as np
+
+    from tests._executor_util import global_batch
+    from tests._partial_ref import Replicas
+    from tests.test_partial_mpi import partial_config
+
+    cfg = partial_config(period=2, steps=1)
+    m = cfg.parallel.num_micro_batches
+    inputs, targets = global_batch(cfg, 0)
+    batches = [(inputs[r * m:(r + 1) * m], targets[r * m:(r + 1) * m]) for r in range(2)]
+    for after in (False, True):
+        reps = Replicas(cfg, after_update=after)
+        reps.step(0, batches)
+        now = reps.executors[0].plan.partial.blocks_at(0)
+        for b in reps.executors[0].blocks:
+            a, c = (ex.state.master_flat(b) for ex in reps.executors)
+            assert np.array_equal(a, c) == (after and b in now), (after, b)
+        reps.close()
