@@ -110,19 +110,32 @@ TABLES = {
           ("full.measured_over_predicted", "full measured / simulated", ".3f"),
           ("partial-4.measured_over_predicted", "partial measured / simulated", ".3f"),
           ("partial-4.host_busy", "host busy", ".2f")]),
-        ("psync-quality", "jobs/psync.yaml trained on the default corpus, partial sync (H = 4) "
-         "judged against full by ratrain.compare (eval loss)",
-         [("max_rel_dev", "largest deviation after 20%", ".4f"),
-          ("final_rel_dev", "at the end", ".4f"),
-          ("speedup", "time to full's final loss, full / partial", ".2f"),
-          ("passed", "within the recipe's bounds", "")]),
-        *((f"psync-seeds-h{h}", f"jobs/psync.yaml in one process, partial sync (H = {h}) "
-           "against full at seeds 1234, 1 and 2 (benchmarks/psync.py curves --seeds): eval "
-           "loss %, partial's largest deviation after 20% / signed at the end",
+        *((name, f"jobs/psync.yaml{what} trained on the default corpus, partial sync (H = 4) "
+           "judged against full by ratrain.compare (eval loss)",
+           [("max_rel_dev", "largest deviation after 20%", ".4f"),
+            ("final_rel_dev", "at the end", ".4f"),
+            ("speedup", "time to full's final loss, full / partial", ".2f"),
+            ("passed", "within the recipe's bounds", "")])
+          for name, what in (("psync-quality", ""),
+                             ("psync-lr3e-3-quality", " as it was before d7c5f14 (optim.lr 3e-3)"))),
+        *((name, f"jobs/psync.yaml in one process{what} at seeds 1234, 1 and 2 "
+           "(benchmarks/psync.py curves --seeds): eval loss %, the second run's largest "
+           "deviation after 20% / signed at the end",
            [(f"{s}.{k}", f"seed {s} {w}", ".2f") for s in (1234, 1, 2)
             for k, w in (("max_after_pct", "after 20%"), ("end_pct", "end"))]
            + [("mean_end_pct", "mean at the end", ".2f"), ("within", "within the bounds", "")])
-          for h in (1, 2, 4)),
+          for name, what in (
+              ("psync-control-lr3e-3", ", optim.lr 3e-3: full sync against itself regrouped "
+               "(--control: rounding alone)"),
+              ("psync-control", ": full sync against itself regrouped (--control: rounding "
+               "alone)"),
+              *((f"psync-seeds-h{h}", f": partial sync (H = {h}) against full")
+                for h in (1, 4)),
+              *((f"psync-seeds-h{h}-after", f": partial sync (H = {h}) averaging after the "
+                 "update (--average after-update, a study placement) against full")
+                for h in (1, 2, 4)),
+              *((f"psync-lr3e-3-seeds-h{h}", f" as it was before d7c5f14 (optim.lr 3e-3): "
+                 f"partial sync (H = {h}) against full") for h in (1, 2, 4)))),
         ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
          "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
          "peak, less the double buffer (a layer written, one read)",
