@@ -48,10 +48,10 @@ against itself instead, the second run with the global batch in half as many mic
 twice the sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in
 another order) and judges it by the same bounds, either way: how far rounding alone moves the
 job's eval loss. A job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the
-psync job's was 3.1%, docs/BENCHMARKS.md). `--average after-update` trains partial sync with
-each block averaged after the step's update instead of before it (DreamDDP's placement and the
-runtime's), a placement the runtime does not have (`tests/_partial_ref.py`), to measure what it
-would be worth.
+psync job's was up to 3.4%, docs/BENCHMARKS.md). `--average after-update` trains partial sync
+with each block averaged after the step's update instead of before it (before it is DreamDDP's
+placement and the runtime's; after it, a placement only the reference has,
+`tests/_partial_ref.py`), to measure what it would be worth.
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -301,11 +301,10 @@ def curves(args) -> int:
         base = [*args.set, "platform.emulate=false",
                 *([f"init.seed={seed}"] if seed is not None else [])]
         out = Path(args.out) / (f"seed-{seed}" if args.seeds else "")
-        _curve(load_config(args.config, [*base, *args.full_set, "sync.mode=full"]), False,
-               out / FULL)
+        full_cfg = load_config(args.config, [*base, *args.full_set, "sync.mode=full"])
+        _curve(full_cfg, False, out / FULL)
         if args.control:
-            _curve(load_config(args.config, [*base, *args.full_set, "sync.mode=full"]), False,
-                   out / name, regroup=True)
+            _curve(full_cfg, False, out / name, regroup=True)
         else:
             _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
                                              f"sync.period={args.period}"]), True, out / name,

@@ -27,6 +27,11 @@ from ratrain.lifecycle.partial import Averager
 from ratrain.lifecycle.rank import build_rank
 
 
+def _mean(bufs):
+    """The replicas' `bufs` summed in the runtime's order (hier), divided by their number."""
+    return reference(bufs, "hier") / len(bufs)
+
+
 class SumsEngine:
     """A stand-in engine: each block's all-reduce leaves the sum set for its master's address
     before the step (`Replicas.step`)."""
@@ -68,15 +73,14 @@ class Replicas:
             out.append(ex.run_step(step, batch))
             ex.flush()  # a deferred update now: the next step starts from its masters
         for b in now if self.after_update else ():
-            mean = reference([ex.state.master_flat(b) for ex in exs], "hier") / len(exs)
+            mean = _mean([ex.state.master_flat(b) for ex in exs])
             for ex in exs:
                 ex.state.master_flat(b)[...] = mean
         return out
 
     def mean_master(self):
         """The replicas' whole masters summed in the runtime's order, divided by dp."""
-        return reference([ex.state.master_buf for ex in self.executors], "hier") / len(
-            self.executors)
+        return _mean([ex.state.master_buf for ex in self.executors])
 
     def close(self) -> None:
         for r in self.ranks:
