@@ -1,17 +1,19 @@
 """Issue 32's targets: partial synchronization (`sync.mode: partial`) against full on slow links.
 
     python benchmarks/psync.py speed --config jobs/psync.yaml [--periods 4] [--rounds 3]
-        [--steps 10] [--skip 2] [--ranks 4] [--launcher "CMD ..."] [--record NAME]
+        [--average before-update,after-update] [--steps 10] [--skip 2] [--ranks 4]
+        [--launcher "CMD ..."] [--record NAME]
     python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
-        [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."] [--png docs/psync-curves.png]
-        [--record NAME]
+        [--average A] [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."]
+        [--png docs/psync-curves.png] [--record NAME]
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
     python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
         [--full-set ...] [--partial-set ...] [--seeds 1234,1,2] [--control]
-        [--average before-update|after-update]
+        [--average A]
 
-`speed`: the job under full sync and under partial sync at each period H of `--periods`, run
-under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
+`speed`: the job under full sync and under partial sync at each period H of `--periods` (and
+each placement of `--average`, a comma list of `sync.average` values, none: the job's; variant
+`partial-H`, or `partial-H-after` under after-update), run under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
 ps --` for 2 emulated nodes), each `--steps` steps of random tokens as the trainer wires it
 (`lifecycle.bench.job_rounds`: link throttle, compute and DDR pacing), the variants in
 `--rounds` rotated rounds (interleaved). A variant's step is the mean over the steps after
@@ -23,7 +25,7 @@ summary with each partial variant's steps/s over full's.
 
 `quality`: trains the job (`python -m ratrain.train`, its own steps, the default corpus, evals
 every `data.eval_interval`) under full and then under partial sync at `--period` into
-`DIR/full` and `DIR/partial-H`, then judges the partial run by `ratrain.compare` against the
+`DIR/full` and `DIR/partial-H` (`-after` under after-update), then judges the partial run by `ratrain.compare` against the
 full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval after the
 first 20% of training and no more than 1% at full's last step, and the wall-clock time to full
 sync's final eval loss. The partial run goes on `--extra-steps` past full's last step (the
@@ -48,10 +50,9 @@ against itself instead, the second run with the global batch in half as many mic
 twice the sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in
 another order) and judges it by the same bounds, either way: how far rounding alone moves the
 job's eval loss. A job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the
-psync job's was up to 3.4%, docs/BENCHMARKS.md). `--average after-update` trains partial sync
-with each block averaged after the step's update instead of before it (before it is DreamDDP's
-placement and the runtime's; after it, a placement only the reference has,
-`tests/_partial_ref.py`), to measure what it would be worth.
+psync job's was up to 3.4%, docs/BENCHMARKS.md). `--average P` sets the partial runs'
+`sync.average` (before-update, DreamDDP's placement; after-update: each block averaged after
+the step's update, into `DIR/partial-H-after`); every subcommand takes it.
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job
@@ -81,11 +82,25 @@ FULL, REGROUPED = "full", "full-regrouped"
 TOL, AFTER, FINAL_TOL, MIN_SPEEDUP = 0.02, 0.2, 0.01, 1.3  # the issue's (the recipe's) bounds
 
 
-def variants(periods) -> dict[str, list[str]]:
-    """Variant name -> its `--set` overrides: full sync, then partial at each period."""
+def partial_name(period: int, average: str) -> str:
+    """A partial run's (or variant's) name: partial-H, with -after under sync.average
+    after-update."""
+    return f"partial-{period}" + ("-after" if average == "after-update" else "")
+
+
+def partial_sets(period: int, average: str | None) -> list[str]:
+    """The overrides of partial sync at `period` (`average`: None, the job's placement)."""
+    return ["sync.mode=partial", f"sync.period={period}",
+            *([f"sync.average={average}"] if average else [])]
+
+
+def variants(periods, averages) -> dict[str, list[str]]:
+    """Variant name -> its `--set` overrides: full sync, then partial at each period and
+    placement (`averages`: the job's own when empty)."""
     out = {FULL: ["sync.mode=full"]}
     for h in periods:
-        out[f"partial-{h}"] = ["sync.mode=partial", f"sync.period={h}"]
+        for a in averages or [None]:
+            out[partial_name(h, a or "")] = partial_sets(h, a)
     return out
 
 
@@ -115,6 +130,7 @@ def worker(args) -> None:
         print(json.dumps({
             "case": name, "dp": cfg.parallel.dp, "sync": cfg.sync.mode,
             "period": cfg.sync.period if cfg.sync.partial else 1,
+            **({"average": cfg.sync.average} if cfg.sync.partial else {}),
             "step_s": round(step, 4), "rounds": [x["window_step_s"] for x in rs],
             "steps_per_s": round(1 / step, 4), "predicted_step_s": round(pred, 4),
             "measured_over_predicted": round(step / pred, 3),
@@ -138,7 +154,7 @@ def speed(args, argv) -> int:
         print(f"error: --steps - --skip = {args.steps - args.skip} must be a whole number of "
               f"periods ({max(periods)})", file=sys.stderr)
         return 2
-    job = {"sets": args.set, "variants": variants(periods)}
+    job = {"sets": args.set, "variants": variants(periods, _averages(args))}
     load_before = round(os.getloadavg()[0], 2)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
@@ -174,14 +190,14 @@ def speed(args, argv) -> int:
 
 def quality(args, argv) -> int:
     """Train full, then partial; judge partial against full with `ratrain.compare`."""
-    out = Path(args.out)
-    runs = {FULL: out / FULL, f"partial-{args.period}": out / f"partial-{args.period}"}
-    sets = {FULL: ["sync.mode=full"],
-            f"partial-{args.period}": ["sync.mode=partial", f"sync.period={args.period}"]}
     from ratrain.config import load_config
 
-    steps = load_config(args.config, args.set).run.steps
-    sets[f"partial-{args.period}"].append(f"run.steps={steps + args.extra_steps}")
+    out, (average,) = Path(args.out), _averages(args) or [None]
+    job = load_config(args.config, args.set)
+    name = partial_name(args.period, average or job.sync.average)
+    runs = {FULL: out / FULL, name: out / name}
+    sets = {FULL: ["sync.mode=full"], name: partial_sets(args.period, average)}
+    sets[name].append(f"run.steps={job.run.steps + args.extra_steps}")
     load_before = round(os.getloadavg()[0], 2)
     for name, run_dir in runs.items():
         over = [x for s in (*args.set, *sets[name], f"run.dir={run_dir}") for x in ("--set", s)]
@@ -191,7 +207,7 @@ def quality(args, argv) -> int:
         if subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT))).returncode:
             print(f"error: the {name} run failed", file=sys.stderr)
             return 1
-    full, partial = str(runs[FULL]), str(runs[f"partial-{args.period}"])
+    full, partial = str(runs[FULL]), str(runs[name])
     cmp = [sys.executable, "-m", "ratrain.compare", partial, full, "--key", "eval_loss",
            "--tol", str(TOL), "--after", str(AFTER), "--final-tol", str(FINAL_TOL), "--worse-only",
            "--time-to-final", "--min-speedup", str(MIN_SPEEDUP), "--prefix"] + (
@@ -213,11 +229,9 @@ def quality(args, argv) -> int:
     return res.returncode
 
 
-def _curve(cfg, partial: bool, path: Path, regroup: bool = False,
-           after_update: bool = False) -> None:
+def _curve(cfg, partial: bool, path: Path, regroup: bool = False) -> None:
     """Train `cfg` in one process (see the module) and write its evals to `path`; `regroup`
-    (full sync only): the global batch in half as many micro-batches of twice the sequences;
-    `after_update` (partial only): `Replicas`' study placement of the averages."""
+    (full sync only): the global batch in half as many micro-batches of twice the sequences."""
     import time
     from dataclasses import replace
 
@@ -232,7 +246,7 @@ def _curve(cfg, partial: bool, path: Path, regroup: bool = False,
     train, ev = open_datasets(cfg, check_data(cfg, None))
     shares = [eval_batches(ev, cfg.data.eval_batches, r) for r in range(dp)]
     if partial:
-        reps = Replicas(cfg, after_update)
+        reps = Replicas(cfg)
         exs, ranks = reps.executors, reps.ranks
     else:  # one rank with the whole global batch
         g = 2 if regroup else 1
@@ -281,7 +295,7 @@ def curves(args) -> int:
 
     if args.control:  # refused before any work, in one line
         extra = [*(f"--partial-set {x}" for x in args.partial_set),
-                 *(["--average " + args.average] if args.average != "before-update" else [])]
+                 *(["--average " + args.average] if args.average else [])]
         if extra:
             print(f"psync curves: --control trains no partial run; drop {' '.join(extra)}",
                   file=sys.stderr)
@@ -294,8 +308,7 @@ def curves(args) -> int:
             return 2
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     other = "regrouped" if args.control else "partial"
-    after = args.average == "after-update"
-    name = REGROUPED if args.control else f"partial-{args.period}" + ("-after" if after else "")
+    average = (_averages(args) or [None])[0]
     rows = []
     for seed in seeds:
         base = [*args.set, "platform.emulate=false",
@@ -304,17 +317,19 @@ def curves(args) -> int:
         full_cfg = load_config(args.config, [*base, *args.full_set, "sync.mode=full"])
         _curve(full_cfg, False, out / FULL)
         if args.control:
+            name = REGROUPED
             _curve(full_cfg, False, out / name, regroup=True)
         else:
-            _curve(load_config(args.config, [*base, *args.partial_set, "sync.mode=partial",
-                                             f"sync.period={args.period}"]), True, out / name,
-                   after_update=after)
+            cfg = load_config(args.config, [*base, *args.partial_set,
+                                            *partial_sets(args.period, average)])
+            name = partial_name(args.period, cfg.sync.average)
+            _curve(cfg, True, out / name)
         part, full = (read_metrics(str(out / r), "eval_loss") for r in (name, FULL))
         # partial is judged where it is worse; rounding's deviations count either way
         worst, _, steps, devs = judge(part, full, AFTER, worse_only=not args.control)
         last = steps[-1]
         rows.append({"seed": seed, "period": 0 if args.control else args.period,
-                     **({"average": args.average} if not args.control else {}),
+                     **({"average": cfg.sync.average} if not args.control else {}),
                      "max_after_pct": round(100 * worst, 3),
                      "end_pct": round(100 * (part[last] / full[last] - 1), 3),  # signed
                      "full_final": round(full[last], 4), f"{other}_final": round(part[last], 4),
@@ -371,6 +386,25 @@ def assign(args) -> int:
     return 0
 
 
+def _averages(args) -> list[str]:
+    """`--average`'s placements (none: the job's own)."""
+    return [x for x in args.average.split(",") if x]
+
+
+def _check_averages(args) -> str:
+    """A one-line refusal of `--average`, or ''."""
+    from ratrain.config import SyncConfig
+
+    got = _averages(args)
+    wrong = [x for x in got if x not in SyncConfig.AVERAGES]
+    if wrong:
+        return (f"--average {wrong[0]!r} is not one of: {', '.join(SyncConfig.AVERAGES)} "
+                "(sync.average)")
+    if len(got) > 1 and args.what != "speed":
+        return f"--average {args.average}: {args.what} trains one placement; name one"
+    return ""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -380,8 +414,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-set", action="append", default=[], help="curves: full's alone")
     ap.add_argument("--partial-set", action="append", default=[], help="curves: partial's alone")
     ap.add_argument("--seeds", default="", help="curves: init.seed values, e.g. 1234,1,2")
-    ap.add_argument("--average", choices=("before-update", "after-update"),
-                    default="before-update", help="curves: where partial averages (see module)")
+    ap.add_argument("--average", default="",
+                    help="sync.average of the partial runs (default: the job's); speed: a "
+                         "comma list, a variant each")
     ap.add_argument("--control", action="store_true",
                     help="curves: full sync against itself regrouped (rounding alone)")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
@@ -398,6 +433,10 @@ def main(argv=None) -> int:
     ap.add_argument("--record", default="")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    bad = _check_averages(args)
+    if bad:
+        print(f"psync {args.what}: {bad}", file=sys.stderr)
+        return 2
     if args.what == "worker":
         worker(args)
         return 0

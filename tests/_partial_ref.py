@@ -1,17 +1,14 @@
 """Partial synchronization's plain reference: the replicas of a config one after another in one
-process, each a dp = 1 rank stepping on its own share of the batch, a block averaged at step s
-getting the replicas' masters of the step's start summed in the runtime's order
-(`comm.algos.reference`, hier) and divided by dp. Each step is flushed (policies differ in when,
-never in what). The runtime is bitwise this (tests/test_partial_mpi.py); `benchmarks/psync.py
-curves` trains with it.
-
-`after_update=True` is a placement the runtime does not have, for study (`curves --average
-after-update`): each block of the step is averaged after the step's update instead of before it,
-so that every replica starts the next step from the same point (with plain SGD and H = 1, full
-synchronization exactly).
+process, each a dp = 1 rank stepping on its own share of the batch. Under `sync.average:
+before-update` (DreamDDP's placement) a block averaged at step s gets the replicas' masters of
+the step's start summed in the runtime's order (`comm.algos.reference`, hier) and divided by dp,
+before the step's update; under `after-update` each block of the step is averaged so after the
+step's update instead, so that every replica starts the next step from the same point (with
+plain SGD and H = 1, full synchronization exactly). Each step is flushed (policies differ in
+when, never in what). The runtime is bitwise this (tests/test_partial_mpi.py); `benchmarks/
+psync.py curves` trains with it.
 
     reps = Replicas(cfg)                           # cfg.parallel.dp ranks, one process
-    reps = Replicas(cfg, after_update=True)        # averages after the update (a study)
     results = reps.step(step, [batch_of_replica_0, ...])
     reps.mean_master()                             # the replicas' mean (a checkpoint's model)
     reps.close()
@@ -49,8 +46,9 @@ class SumsEngine:
 class Replicas:
     """`cfg`'s data-parallel replicas in one process (see the module)."""
 
-    def __init__(self, cfg, after_update: bool = False):
+    def __init__(self, cfg):
         dp = cfg.parallel.dp
+        after_update = cfg.sync.average == "after-update"
         one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
         self.ranks = [build_rank(one, None) for _ in range(dp)]
         self.executors = [r.executor for r in self.ranks]

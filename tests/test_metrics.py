@@ -75,3 +75,15 @@ def test_read_curve_leaves_out_only_a_torn_last_line(tmp_path):
     p.write_text('[1, 2]\n' + good)
     with pytest.raises(ValueError, match=r"metrics.jsonl:1 is not a JSON object"):
         read_curve(str(p))
+
+
+def test_progress_goes_to_the_stdout_of_now(tmp_path, monkeypatch):
+    """Without `out`, the progress lines go to `sys.stdout` as it is when the writer is made,
+    not as it was when the module was imported (a stream replaced since, e.g. by a test's
+    capture that has ended, may be closed)."""
+    now = io.StringIO()
+    monkeypatch.setattr("sys.stdout", now)
+    w = MetricsWriter(str(tmp_path), 2)
+    w.write(rec(1, 3.0))
+    w.close()
+    assert "step" in now.getvalue() and "1/2" in now.getvalue()

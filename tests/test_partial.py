@@ -19,13 +19,13 @@ BLOCKS = [("embed", "layers.0", "layers.1"), ("layers.2", "layers.3", "head")]
 
 
 def plan(policy="baseline-1f1b", period=3, dp=2, m=3, precision="fp32", blocks=BLOCKS,
-         shard=None):
+         shard=None, after=False):
     every = [b for s in blocks for b in s]
     pol = Policy(policy)
     pol = Policy(policy, components=replace(pol.components, shard=pol.components.shard
                                             if shard is None else shard))
     return PipelinePlan.build(pol, blocks, m, precision, dp,
-                              partial=PartialSync.round_robin(every, period))
+                              partial=PartialSync.round_robin(every, period, after))
 
 
 def test_round_robin_averages_every_block_once_a_period():
@@ -69,6 +69,73 @@ def test_deferred_updates_wait_for_the_previous_steps_averages():
     assert sched.WaitAverage(("embed",)) in flush and sched.WaitAverage(("layers.0",)) not in flush
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("period", [1, 2, 4])
+def test_after_update_averages_every_update_of_a_due_block_right_after_it(policy, period,
+                                                                          precision):
+    """`sync.average: after-update`: each update of a block in the step that averages it (a
+    deferred update: the step before the list's; the flush: the last step's) is followed at
+    once by the block's average; nothing else is averaged (the validator, run when the plan is
+    made, checks each wait comes before the block's next read)."""
+    p = plan(policy, period, precision=precision, shard=False, after=True)
+    every = [b for s in BLOCKS for b in s]
+    steps = 2 * period
+    for s in range(p.pp):
+        lists = [list(x) for x in p.stage_steps(s, steps, flush=True)]
+        averaged, updated = [], []
+        for k, lst in enumerate(lists):
+            events = [e for a in lst for _, e in sched.expand(a, BLOCKS[s])]
+            of = k - 1 if k == steps or not any(isinstance(e, sched.GradNorm) for e in events) \
+                else None  # the flush and a list without its own norm: the step before
+            seen_norm = False
+            for i, e in enumerate(events):
+                seen_norm |= isinstance(e, sched.GradNorm)
+                j = of if of is not None else (k if seen_norm else k - 1)
+                if isinstance(e, sched.Update):
+                    updated.append((j, e.block))
+                if isinstance(e, sched.AverageParams):
+                    assert events[i - 1] == sched.Update(e.blocks[0]), (k, e)
+                    averaged.append((j, e.blocks[0]))
+        due = [(j, b) for j, b in updated if every.index(b) % period == j % period]
+        assert sorted(averaged) == sorted(due) and len(updated) == steps * len(BLOCKS[s])
+
+
+def test_after_update_waits_behind_the_next_forward_under_a_deferred_update():
+    """Under `ratrain` (updates deferred into the next step's warm-up) a block's average is
+    waited for as a hook of the next forward, just before that block's part of it: later blocks'
+    averages run under the earlier blocks' forward; an fp16 view of the block is made after it."""
+    for precision in ("fp32", "fp16"):
+        p = plan("ratrain", period=2, shard=False, precision=precision, after=True)
+        events = [(b, e) for a in p.step_list(0, True, 1) for b, e in sched.expand(a, BLOCKS[0])]
+        i = events.index((None, sched.WaitAverage(("layers.1",))))  # step 0 averaged embed, L1
+        part = [(b, type(e)) for b, e in events]
+        assert part[i - 1] == ("layers.0", sched.Forward)
+        assert part[i + 1] == ((None, sched.MaterializeView) if precision == "fp16"
+                               else ("layers.1", sched.Forward))
+        assert events.index((None, sched.AverageParams(("layers.1",)))) < \
+            part.index(("embed", sched.Forward))
+
+
+def test_validator_refuses_misplaced_averages_after_the_update():
+    lists = [list(x) for x in plan("ratrain", 2, shard=False, after=True).stage_steps(0, 3, True)]
+    check_lifecycle(lists, BLOCKS[0], 3, fp16=False, partial=True)
+    hooked = [a for a in lists[1] if isinstance(a, sched.Forward) and a.pre]
+    bare = [replace(a, pre=()) if a in hooked else a for a in lists[1]]  # no wait
+    with pytest.raises(ScheduleError, match="master of embed read while its average"):
+        check_lifecycle([lists[0], bare], BLOCKS[0], 3, fp16=False, partial=True)
+    upd = lists[1].index(sched.Update("embed"))
+    twice = lists[1][:upd + 2] + [sched.WaitAverage(("embed",)), sched.AverageParams(("embed",))]
+    with pytest.raises(ScheduleError, match="average of embed neither"):
+        check_lifecycle([lists[0], twice], BLOCKS[0], 3, fp16=False, partial=True)
+    half = [list(x) for x in plan("ratrain", 2, shard=False, precision="fp16",
+                                  after=True).stage_steps(0, 2, True)]
+    upd = half[1].index(sched.Update("embed"))
+    early = half[1][:upd + 2] + [sched.MaterializeView("embed")]  # the view mid-average
+    with pytest.raises(ScheduleError, match="view of embed made from its master while"):
+        check_lifecycle([half[0], early], BLOCKS[0], 3, fp16=True, partial=True)
+
+
 def _lists(policy="baseline-1f1b", precision="fp32"):
     p = plan(policy, period=2, precision=precision)
     return [list(x) for x in p.stage_steps(0, 3, flush=True)]
@@ -82,7 +149,8 @@ def test_validator_refuses_misplaced_averages():
     with pytest.raises(ScheduleError, match="average without partial"):
         check_lifecycle(steps, BLOCKS[0], 3, fp16=False)
     early = [sched.AverageParams(("embed",))] + steps[0]  # before its backward
-    with pytest.raises(ScheduleError, match="average of embed before its last backward"):
+    with pytest.raises(ScheduleError, match="average of embed neither between its last "
+                       "backward and its update nor after"):
         check_lifecycle([early], BLOCKS[0], 3, partial=True)
     no_wait = [a for a in steps[0] if not isinstance(a, sched.WaitAverage)]
     with pytest.raises(ScheduleError, match="update of .* while its average is in flight"):
@@ -145,6 +213,7 @@ def test_partial_sync_composes_with_the_tier(policy):
     (["sync.mode=some"], "sync.mode='some' is not one of: full, partial"),
     (["sync.period=0"], "sync.period=0 must be >= 1"),
     (["sync.assign=greedy"], "sync.assign='greedy' is not one of"),
+    (["sync.average=later"], "sync.average='later' is not one of: before-update, after-update"),
 ])
 def test_bad_sync_keys(sets, words):
     with pytest.raises(ConfigError, match=words):
@@ -266,10 +335,10 @@ def test_curves_control_regroups_full_sync_alone(tmp_path):
 
 
 def test_reference_after_update_averages_the_updated_masters():
-    """`Replicas(cfg, after_update=True)` (the study placement of `curves --average`): the
-    blocks a step averages leave it equal on every replica (averaged after the update); under
-    the runtime's placement they leave it apart (each replica's update after the average), and
-    the blocks of other steps leave it apart under both."""
+    """The reference under `sync.average: after-update`: the blocks a step averages leave it
+    equal on every replica (averaged after the update); before the update they leave it apart
+    (each replica's update after the average), and the blocks of other steps leave it apart
+    under both."""
     import numpy as np
 
     from tests._executor_util import global_batch
@@ -281,7 +350,8 @@ def test_reference_after_update_averages_the_updated_masters():
     inputs, targets = global_batch(cfg, 0)
     batches = [(inputs[r * m:(r + 1) * m], targets[r * m:(r + 1) * m]) for r in range(2)]
     for after in (False, True):
-        reps = Replicas(cfg, after_update=after)
+        average = "after-update" if after else "before-update"
+        reps = Replicas(replace(cfg, sync=replace(cfg.sync, average=average)))
         reps.step(0, batches)
         now = reps.executors[0].plan.partial.blocks_at(0)
         for b in reps.executors[0].blocks:

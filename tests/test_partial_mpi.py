@@ -17,10 +17,11 @@ from tests._executor_util import global_batch, params_digest, tiny_config, train
 from tests._partial_ref import Replicas
 
 
-def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32", steps=4):
+def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32", steps=4,
+                   average="before-update"):
     cfg = tiny_config(pp=pp, dp=dp, m=2, precision=precision, policy=policy, steps=steps)
     return replace(cfg, schedule=replace(cfg.schedule, shard_optimizer=False),
-                   sync=SyncConfig(mode="partial", period=period))
+                   sync=SyncConfig(mode="partial", period=period, average=average))
 
 
 def reference(cfg, steps):
@@ -41,10 +42,11 @@ def reference(cfg, steps):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("average", SyncConfig.AVERAGES)
 @pytest.mark.parametrize("policy", ["baseline-1f1b", "ratrain"])
-def test_runtime_is_bitwise_the_reference(policy, mpi_group):
+def test_runtime_is_bitwise_the_reference(policy, average, mpi_group):
     comm = mpi_group(2)
-    cfg = partial_config(policy=policy, steps=4)
+    cfg = partial_config(policy=policy, steps=4, average=average)
     res, _, ex = train(cfg, comm)
     ref, ref_params = reference(cfg, 4)
     mine = ref[ex.replica]
@@ -74,15 +76,17 @@ def test_offload_under_partial_sync_is_bitwise_the_run_without(mpi_group, tmp_pa
 
 
 @pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("average", SyncConfig.AVERAGES)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_policies_bitwise_equal_and_the_mean_model(precision, mpi_group):
+def test_policies_bitwise_equal_and_the_mean_model(precision, average, mpi_group):
     """pp 2 x dp 2: every policy computes the same partial training; the mean model a
     checkpoint holds (`iter_full_state(mean=True)`) is the replicas' masters summed in the
     runtime's order, divided by dp, the same on both replicas."""
     comm = mpi_group(4)
     out = {}
     for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
-        cfg = partial_config(pp=2, dp=2, policy=policy, period=3, precision=precision, steps=3)
+        cfg = partial_config(pp=2, dp=2, policy=policy, period=3, precision=precision, steps=3,
+                             average=average)
         res, _, ex = train(cfg, comm)
         out[policy] = ([r.loss for r in res], params_digest(ex.final_params))
     assert all(v == out["baseline-1f1b"] for v in out.values()), out
@@ -107,7 +111,8 @@ def test_policies_bitwise_equal_and_the_mean_model(precision, mpi_group):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_checkpoints_hold_every_replica_and_resume_bitwise(tmp_path_factory, capsys):
+@pytest.mark.parametrize("average", SyncConfig.AVERAGES)
+def test_checkpoints_hold_every_replica_and_resume_bitwise(average, tmp_path_factory, capsys):
     """A partial-sync run stopped at a checkpoint and resumed is bitwise the uninterrupted run;
     the checkpoint holds each replica's own state (verified like a shard) and, as its model,
     their mean; a run under full sync resumes from that mean."""
@@ -126,7 +131,7 @@ def test_checkpoints_hold_every_replica_and_resume_bitwise(tmp_path_factory, cap
     job = tiny_job(comm, tmp_path_factory, "psync")
     common = ["--config", f"{job}/job.yaml", "--set", "parallel.dp=2", "--set",
               "sync.mode=partial", "--set", "sync.period=3", "--set",
-              "schedule.shard_optimizer=false"]
+              "schedule.shard_optimizer=false", "--set", f"sync.average={average}"]
     assert main([*common, "--set", "run.steps=4", "--set", f"run.dir={job}/whole"]) == 0
     part = ["--set", f"run.dir={job}/part", "--set", "checkpoint.interval=2",
             "--set", "checkpoint.resume=auto"]

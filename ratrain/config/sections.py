@@ -501,17 +501,25 @@ class SyncConfig:
         every step)
     assign: partial: which blocks a step averages: round-robin (block i of the model, embed
         first, in step i mod period)
+    average: partial: where a block's average sits in its step: before-update (DreamDDP's:
+        started after the block's last backward, waited before its update, which applies each
+        replica's own update to the mean) | after-update (started after the block's update and
+        waited before its next forward, so every replica goes on from the same point; with
+        plain SGD at period 1, full sync exactly)
     """
     mode: str = "full"
     period: int = 4
     assign: str = "round-robin"
+    average: str = "before-update"
 
     MODES = ("full", "partial")
     ASSIGNS = ("round-robin",)
+    AVERAGES = ("before-update", "after-update")
 
     def check(self) -> None:
         _choice(self, "sync", "mode", self.MODES)
         _choice(self, "sync", "assign", self.ASSIGNS)
+        _choice(self, "sync", "average", self.AVERAGES)
         if self.period < 1:
             raise ConfigError(f"sync.period={self.period} must be >= 1 (the steps over which "
                               "every block is averaged once)")

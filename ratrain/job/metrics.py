@@ -70,10 +70,10 @@ class MetricsWriter:
     the module for what a resumed or restarted run appends.
     """
 
-    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout):
+    def __init__(self, run_dir: str, total_steps: int, out=None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.total_steps = total_steps
-        self.out = out
+        self.out = out or sys.stdout  # the stream of now (not import time's: it may be replaced)
         self._t0 = time.perf_counter()
         self._steps_timed = 0
         self._time_sum = 0.0

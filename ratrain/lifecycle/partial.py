@@ -14,11 +14,19 @@ never averaged: each worker keeps its own (`exp_avg`, `exp_avg_sq` stay local in
 simplest form every layer once per H iterations; its profiled form places each layer's sync in
 the iteration where it hides behind the remaining backward.
 
-What ratrain does, the same: under `sync.mode: partial` a step has no `SyncGrad` / `WaitGrad`;
-`AverageParams(blocks)` takes the place of the gradient sync the policy placed (so each policy
-keeps its placement: `layer` right after the block's last backward, `bucket` per bucket, `end`
-after the stage's backward) for the blocks this step averages, and `WaitAverage(block)` comes
-just before the block's update (in the next step's warm-up bubble under a deferred update). The
+What ratrain does, the same by default (`sync.average: before-update`): under `sync.mode:
+partial` a step has no `SyncGrad` / `WaitGrad`; `AverageParams(blocks)` takes the place of the
+gradient sync the policy placed (so each policy keeps its placement: `layer` right after the
+block's last backward, `bucket` per bucket, `end` after the stage's backward) for the blocks
+this step averages, and `WaitAverage(block)` comes just before the block's update (in the next
+step's warm-up bubble under a deferred update). That leaves every replica one local update away
+from the mean even at H = 1, so its next forward and backward run off it. Under `sync.average:
+after-update` the average of a block starts right after the block's update of the step that
+averages it and is waited for just before the block's next forward (as a hook of that forward,
+so that under a deferred update the later blocks' averages run under the earlier blocks'
+forward; an fp16 view of the block is made after the wait), or at the end of the list when no
+forward follows (a policy that updates at the end of its step; the flush): every replica then
+takes its next step from the same point, and with plain SGD at H = 1 that is full sync. The
 average sums the block's fp32 master over the stage's data-parallel group with the runtime's
 own all-reduce (`hier` across nodes; every replica gets the same bits) and divides by dp, in
 place. AdamW's moments stay local; each replica's gradient is the mean over its own
@@ -52,7 +60,9 @@ from ratrain.lifecycle.schedule import (
     Action,
     AverageParams,
     Backward,
+    Forward,
     GradNorm,
+    MaterializeView,
     SyncGrad,
     Update,
     WaitAverage,
@@ -65,10 +75,12 @@ AVERAGE_BYTES_PER_PARAM = 8  # WaitAverage's division: read and write the fp32 m
 @dataclass(frozen=True)
 class PartialSync:
     """Which blocks each step averages: `phase[block]` = the step (mod `period`) in which the
-    block is averaged; every block of the model has one."""
+    block is averaged; every block of the model has one. `after`: each average sits after the
+    block's update instead of before it (`sync.average`)."""
 
     period: int
     phase: Mapping[str, int]
+    after: bool = False
 
     def __post_init__(self):
         if self.period < 1:
@@ -78,9 +90,9 @@ class PartialSync:
             raise ValueError(f"blocks assigned outside the period {self.period}: {bad}")
 
     @classmethod
-    def round_robin(cls, blocks, period: int) -> PartialSync:
+    def round_robin(cls, blocks, period: int, after: bool = False) -> PartialSync:
         """Block i of `blocks` (the whole model in model order) in steps i mod period."""
-        return cls(period, {b: i % period for i, b in enumerate(blocks)})
+        return cls(period, {b: i % period for i, b in enumerate(blocks)}, after)
 
     @classmethod
     def of_sync(cls, sync, blocks) -> PartialSync | None:
@@ -88,7 +100,8 @@ class PartialSync:
         model order); None under `sync.mode: full`."""
         if not sync.partial:
             return None
-        return cls.round_robin(blocks, sync.period)  # sync.assign: round-robin
+        # sync.assign: round-robin
+        return cls.round_robin(blocks, sync.period, sync.average == "after-update")
 
     def blocks_at(self, step: int) -> frozenset[str]:
         """The blocks step `step` (0-based) averages."""
@@ -125,12 +138,17 @@ def _averages(a: SyncGrad, now) -> list[Action]:
     return [AverageParams(mine)] if mine else []
 
 
-def partial_step(actions, now, before=frozenset()) -> tuple[Action, ...]:
-    """A full-sync step list as partial synchronization runs it: every `SyncGrad` becomes the
-    `AverageParams` of its blocks in `now` (dropped when none), every `WaitGrad` goes, and each
-    update of an averaged block waits for its average first. Updates before the step's
-    `GradNorm` are the previous step's (a deferred update): they wait for `before`, the blocks
-    the previous step averaged; later ones for `now`."""
+def partial_step(actions, now, before=frozenset(), after: bool = False) -> tuple[Action, ...]:
+    """A full-sync step list as partial synchronization runs it: every `SyncGrad` and
+    `WaitGrad` goes. Updates before the step's `GradNorm` are the previous step's (a deferred
+    update) and belong to the blocks it averaged, `before`; later ones to `now`, this step's.
+    Before the update (`after` False, DreamDDP's placement): every `SyncGrad` becomes the
+    `AverageParams` of its blocks in `now` (dropped when none) and each update of an averaged
+    block waits for its average first. After it (`_after_update`): each such update is followed
+    by its block's `AverageParams`, waited for just before the block's next forward in the list,
+    or at the list's end."""
+    if after:
+        return _after_update(actions, now, before)
     out: list[Action] = []
     pending = set(before)
     for a in actions:
@@ -152,8 +170,45 @@ def partial_step(actions, now, before=frozenset()) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def partial_flush(actions, last) -> tuple[Action, ...]:
-    """A flush (deferred updates of the last step) after a step that averaged `last`."""
+def _after_update(actions, now, before) -> tuple[Action, ...]:
+    """`partial_step`'s after-update placement (see there). A working view made from an
+    averaged master (fp16) moves with the wait: to just before the block's next forward."""
+    out: list[Action] = []
+    due, flying = set(before), []  # blocks whose update starts an average; averages in flight
+    views: dict[str, Action] = {}  # the views of blocks in flight, made after their wait
+    for a in actions:
+        if isinstance(a, Backward):
+            a = replace(a, post=tuple((b, h) for b, h in a.post if not isinstance(h, SyncGrad)))
+        if isinstance(a, (SyncGrad, WaitGrad)):
+            continue
+        if isinstance(a, GradNorm):
+            due = set(now)
+        if isinstance(a, MaterializeView) and a.block in flying:
+            views[a.block] = a
+            continue
+        if isinstance(a, Forward) and flying:  # each just before its block's part
+            a = replace(a, pre=_settle(flying, views) + a.pre)
+            flying = []
+        out.append(a)
+        if isinstance(a, Update) and a.block in due:
+            out.append(AverageParams((a.block,)))
+            flying.append(a.block)
+            due.discard(a.block)
+    return tuple(out) + tuple(h for _, h in _settle(flying, views))
+
+
+def _settle(blocks, views) -> tuple:
+    """(block, action) hooks: each block's `WaitAverage`, then its view if one was held."""
+    return tuple(x for b in blocks for x in [(b, WaitAverage((b,))),
+                                             *([(b, views.pop(b))] if b in views else [])])
+
+
+def partial_flush(actions, last, after: bool = False) -> tuple[Action, ...]:
+    """A flush (deferred updates of the last step) after a step that averaged `last`: each
+    update of an averaged block waits for its average first, or (`after`) starts it, every
+    average waited for at the end."""
+    if after:
+        return _after_update(actions, frozenset(), last)
     out: list[Action] = []
     for a in actions:
         if isinstance(a, Update) and a.block in last:
@@ -170,10 +225,10 @@ def phase_lists(policy, info, ps: PartialSync):
     for p in range(ps.period):
         now = ps.blocks_at(p) & mine
         before = ps.blocks_at(p - 1) & mine
-        first = partial_step(policy.build_step(info), now)
-        carried = (partial_step(policy.build_step(info, True), now, before)
+        first = partial_step(policy.build_step(info), now, after=ps.after)
+        carried = (partial_step(policy.build_step(info, True), now, before, ps.after)
                    if policy.carries(info) else first)
-        out.append((first, carried, partial_flush(policy.build_flush(info), now)))
+        out.append((first, carried, partial_flush(policy.build_flush(info), now, ps.after)))
     return tuple(out)
 
 

@@ -20,8 +20,10 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
   all-gather (and none otherwise); a gathered view is usable only after its `WaitView`, and the
   view is never the master (it goes stale at the update, as in fp16). Under partial
   synchronization (`partial=True`, `lifecycle.partial`) there is no gradient sync; a block's
-  average starts after its last backward, is waited for before its update, and no forward or
-  backward reads a master while it is being averaged. Transfers to and from the memory tier
+  average starts after its last backward and is waited for before its update, or starts after
+  its update (no update pending) and is waited for before its next read; no forward, backward,
+  view or update reads a master while it is being averaged, and a view made before the mean
+  is stale. Transfers to and from the memory tier
   are checked by `lifecycle.offload.TierCheck`.
 
 `validate_policy(policy, info_per_stage)` runs all three over a few steps.
@@ -175,6 +177,7 @@ class _Block:
         self.waited = None  # step last waited
         self.gathering = False  # a view all-gather in flight (sharded)
         self.averaging = None  # step whose parameter average is in flight (partial sync)
+        self.fresh = False  # updated since its last average (partial sync)
 
 
 class _Lifecycle:
@@ -242,6 +245,8 @@ class _Lifecycle:
             x.pending = self.k
 
     def _materialize(self, e, b, x):
+        if x.averaging is not None:
+            self.fail(e, f"view of {b} made from its master while its average is in flight")
         if x.gathering:
             self.fail(e, f"view of {b} made again while its all-gather is in flight")
         x.view = x.master
@@ -288,12 +293,16 @@ class _Lifecycle:
             self.fail(e, f"update of {b} without its gradient")
         x.master += 1
         x.pending = None
+        x.fresh = True
         if self.view_is_master and x.view is not None:
             x.view = x.master
 
     def _average(self, e, b, x):
-        if x.pending != self.k or x.bwd != self.m:
-            self.fail(e, f"average of {b} before its last backward")
+        # before the update: after the step's last backward; after it: once per update
+        if not (x.pending == self.k and x.bwd == self.m or x.pending is None and x.fresh):
+            self.fail(e, f"average of {b} neither between its last backward and its update "
+                         "nor after its update")
+        x.fresh = False
         if x.averaging is not None:
             self.fail(e, f"{b} averaged while its previous average is in flight")
         x.averaging = self.k
@@ -302,6 +311,9 @@ class _Lifecycle:
         if x.averaging is None:
             self.fail(e, f"wait for the average of {b} without one in flight")
         x.averaging = None
+        x.master += 1  # the mean: a view made before it is stale
+        if self.view_is_master and x.view is not None:
+            x.view = x.master
 
     def _free(self, e, b, x):
         if x.grad is None or x.pending is not None:

@@ -416,7 +416,8 @@ class Trainer:
                if cfg.platform.classes else "") +
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
-            + (f"sync partial (period {cfg.sync.period}, {cfg.sync.assign}), "
+            + (f"sync partial (period {cfg.sync.period}, {cfg.sync.assign}, averaged "
+               f"{cfg.sync.average}), "
                if cfg.sync.partial else "") +
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "
