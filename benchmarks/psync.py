@@ -11,48 +11,48 @@
         [--full-set ...] [--partial-set ...] [--seeds 1234,1,2] [--control]
         [--average A]
 
-`speed`: the job under full sync and under partial sync at each period H of `--periods` (and
-each placement of `--average`, a comma list of `sync.average` values, none: the job's; variant
-`partial-H`, or `partial-H-after` under after-update), run under one `mpirun -n RANKS` (or the `--launcher` prefix, e.g. `scripts/cluster.sh run --name
-ps --` for 2 emulated nodes), each `--steps` steps of random tokens as the trainer wires it
-(`lifecycle.bench.job_rounds`: link throttle, compute and DDR pacing), the variants in
-`--rounds` rotated rounds (interleaved). A variant's step is the mean over the steps after
-`--skip` (a whole number of periods: partial steps differ through a period), its round's
-slowest rank; the median over rounds is measured. Printed, one JSON object per variant: its
-measured and predicted step (the simulator's, `plan.simulate.simulate_config` x time_scale),
-their ratio, the exposed gradient or average waits of stage 0 and the paced compute; then a
-summary with each partial variant's steps/s over full's.
+`speed`: the job under full sync and under partial sync at each period H of `--periods` (and each
+placement of `--average`, a comma list of `sync.average` values, none: the job's; variant
+`partial-H`, or `partial-H-after` under after-update), run under one `mpirun -n RANKS` (or the
+`--launcher` prefix, e.g. `scripts/cluster.sh run --name ps --` for 2 emulated nodes), each
+`--steps` steps of random tokens as the trainer wires it (`lifecycle.bench.job_rounds`: link
+throttle, compute and DDR pacing), the variants in `--rounds` rotated rounds (interleaved). A
+variant's step is the mean over the steps after `--skip` (a whole number of periods: partial steps
+differ through a period), its round's slowest rank; the median over rounds is measured. Printed,
+one JSON object per variant: its measured and predicted step (the simulator's,
+`plan.simulate.simulate_config` x time_scale), their ratio, the exposed gradient or average waits
+of stage 0 and the paced compute; then a summary with each partial variant's steps/s over full's.
 
 `quality`: trains the job (`python -m ratrain.train`, its own steps, the default corpus, evals
-every `data.eval_interval`) under full and then under partial sync at `--period` into
-`DIR/full` and `DIR/partial-H` (`-after` under after-update), then judges the partial run by `ratrain.compare` against the
-full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval after the
-first 20% of training and no more than 1% at full's last step, and the wall-clock time to full
-sync's final eval loss. The partial run goes on `--extra-steps` past full's last step (the
+every `data.eval_interval`) under full and then under partial sync at `--period` into `DIR/full`
+and `DIR/partial-H` (`-after` under after-update), then judges the partial run by `ratrain.compare`
+against the full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval
+after the first 20% of training and no more than 1% at full's last step, and the wall-clock time to
+full sync's final eval loss. The partial run goes on `--extra-steps` past full's last step (the
 job's learning rate then stays at its floor: its decay has a length of its own,
 `optim.decay_steps`), so that a run that ends a hair short of full's final loss is timed when it
 gets there rather than never; the shared steps are compared as they are.
 
-`curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial
-sync as the runtime computes them, to see how a job's quality depends on its settings (seeds,
-learning rate, batch): full sync as one rank with the whole global batch, partial sync as the
-replicas one after another, each a rank of its own whose parameter averages are summed in the
-runtime's order (the runtime is bitwise this: `tests/test_partial_mpi.py`). Writes
-`DIR/full/eval.jsonl` and `DIR/partial-H/eval.jsonl` (with `mean_model`: the eval loss of the
-replicas' mean, what a checkpoint's model is) and prints the pair's verdict by the recipe's
+`curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial sync
+as the runtime computes them, to see how a job's quality depends on its settings (seeds, learning
+rate, batch): full sync as one rank with the whole global batch, partial sync as the replicas one
+after another, each a rank of its own whose parameter averages are summed in the runtime's order
+(the runtime is bitwise this: `tests/test_partial_mpi.py`). Writes `DIR/full/eval.jsonl` and
+`DIR/partial-H-after/eval.jsonl` (`partial-H` before the update; with `mean_model`: the eval loss
+of the replicas' mean, what a checkpoint's model is) and prints the pair's verdict by the recipe's
 bounds (`ratrain.compare.judge`) as a JSON line: the largest deviation after the first 20%, the
-signed one at the end, both final losses, whether within. `--seeds S,S,...` trains a pair at
-each `init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end,
-the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md).
-`--set` overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether
-the replicas want another learning rate or clip than full sync's). `--control` trains full sync
-against itself instead, the second run with the global batch in half as many micro-batches of
-twice the sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in
-another order) and judges it by the same bounds, either way: how far rounding alone moves the
-job's eval loss. A job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the
-psync job's was up to 3.4%, docs/BENCHMARKS.md). `--average P` sets the partial runs'
-`sync.average` (before-update, DreamDDP's placement; after-update: each block averaged after
-the step's update, into `DIR/partial-H-after`); every subcommand takes it.
+signed one at the end, both final losses, whether within. `--seeds S,S,...` trains a pair at each
+`init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end, the
+worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
+overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether the
+replicas want another learning rate or clip than full sync's). `--control` trains full sync against
+itself instead, the second run with the global batch in half as many micro-batches of twice the
+sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in another order)
+and judges it by the same bounds, either way: how far rounding alone moves the job's eval loss. A
+job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the psync job's was up to
+3.4%, docs/BENCHMARKS.md). `--average P` sets the partial runs' `sync.average` (none: the job's;
+after-update, the default: each block averaged after the step's update, into `DIR/partial-H-after`;
+before-update, DreamDDP's placement, into `DIR/partial-H`); every subcommand takes it.
 
 `assign` (simulated, no MPI): whether another assignment of blocks to the steps of a period
 would pay over round-robin (`sync.assign`): the simulator's step (a period's mean) of the job

@@ -213,7 +213,7 @@ def test_partial_sync_composes_with_the_tier(policy):
     (["sync.mode=some"], "sync.mode='some' is not one of: full, partial"),
     (["sync.period=0"], "sync.period=0 must be >= 1"),
     (["sync.assign=greedy"], "sync.assign='greedy' is not one of"),
-    (["sync.average=later"], "sync.average='later' is not one of: before-update, after-update"),
+    (["sync.average=later"], "sync.average='later' is not one of: after-update, before-update"),
 ])
 def test_bad_sync_keys(sets, words):
     with pytest.raises(ConfigError, match=words):
@@ -236,12 +236,14 @@ def test_simulator_prices_partial_sync_on_a_slow_link():
     assert part[4].ranks[0].compute_s == pytest.approx(full.ranks[0].compute_s)
 
 
+@pytest.mark.parametrize("average", SyncConfig.AVERAGES)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("policy", ["baseline-1f1b", "ratrain"])
-def test_dp1_partial_is_bitwise_full(policy, precision):
+def test_dp1_partial_is_bitwise_full(policy, precision, average):
     cfg = tiny_config(precision=precision, policy=policy, steps=3)
     full, _, ex_full = train(cfg)
-    part, _, ex_part = train(replace(cfg, sync=SyncConfig(mode="partial", period=2)))
+    part, _, ex_part = train(replace(cfg, sync=SyncConfig(mode="partial", period=2,
+                                                          average=average)))
     assert [(r.loss, r.grad_norm, r.skipped) for r in part] == \
         [(r.loss, r.grad_norm, r.skipped) for r in full]
     assert params_digest(ex_part.final_params) == params_digest(ex_full.final_params)
@@ -287,14 +289,14 @@ def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
 
     still = ["optim.lr=1e-12", "optim.min_lr=1e-12"]
     rc, out = curves(*(a for s in still for a in ("--partial-set", s)))
-    full, part = evals("full"), evals("partial-2")
+    full, part = evals("full"), evals("partial-2-after")  # the default placement
     assert abs(part[1] - part[0]) < 1e-6 and full[1] < full[0] - 1e-3
     verdict = out[0]  # the partial run that did not learn is judged worse, at the end too
     assert rc == 1 and not verdict["within"] and verdict["partial_final"] == round(part[1], 4)
     assert verdict["end_pct"] == round(100 * (part[1] / full[1] - 1), 3) > 2
     rc, out = curves(*(a for s in still for a in ("--full-set", s)), "--seeds", "1,2")
     for seed in (1, 2):
-        full, part = evals(f"seed-{seed}/full"), evals(f"seed-{seed}/partial-2")
+        full, part = evals(f"seed-{seed}/full"), evals(f"seed-{seed}/partial-2-after")
         assert abs(full[1] - full[0]) < 1e-6 and part[1] < part[0] - 1e-3
     assert evals("seed-1/full") != evals("seed-2/full")
     assert rc == 0 and [r["seed"] for r in out[:2]] == [1, 2] and out[2]["seeds"] == 2

@@ -18,7 +18,7 @@ from tests._partial_ref import Replicas
 
 
 def partial_config(pp=1, dp=2, policy="baseline-1f1b", period=2, precision="fp32", steps=4,
-                   average="before-update"):
+                   average="after-update"):
     cfg = tiny_config(pp=pp, dp=dp, m=2, precision=precision, policy=policy, steps=steps)
     return replace(cfg, schedule=replace(cfg.schedule, shard_optimizer=False),
                    sync=SyncConfig(mode="partial", period=period, average=average))

@@ -501,20 +501,21 @@ class SyncConfig:
         every step)
     assign: partial: which blocks a step averages: round-robin (block i of the model, embed
         first, in step i mod period)
-    average: partial: where a block's average sits in its step: before-update (DreamDDP's:
+    average: partial: where a block's average sits in its step: after-update (started after
+        the block's update and waited before its next forward, so every replica goes on from
+        the same point; with plain SGD at period 1, full sync exactly; nearer full sync than
+        before-update at the same speed, docs/BENCHMARKS.md) | before-update (DreamDDP's own:
         started after the block's last backward, waited before its update, which applies each
-        replica's own update to the mean) | after-update (started after the block's update and
-        waited before its next forward, so every replica goes on from the same point; with
-        plain SGD at period 1, full sync exactly)
+        replica's own update to the mean)
     """
     mode: str = "full"
     period: int = 4
     assign: str = "round-robin"
-    average: str = "before-update"
+    average: str = "after-update"
 
     MODES = ("full", "partial")
     ASSIGNS = ("round-robin",)
-    AVERAGES = ("before-update", "after-update")
+    AVERAGES = ("after-update", "before-update")
 
     def check(self) -> None:
         _choice(self, "sync", "mode", self.MODES)

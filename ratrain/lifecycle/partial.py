@@ -14,33 +14,33 @@ never averaged: each worker keeps its own (`exp_avg`, `exp_avg_sq` stay local in
 simplest form every layer once per H iterations; its profiled form places each layer's sync in
 the iteration where it hides behind the remaining backward.
 
-What ratrain does, the same by default (`sync.average: before-update`): under `sync.mode:
-partial` a step has no `SyncGrad` / `WaitGrad`; `AverageParams(blocks)` takes the place of the
-gradient sync the policy placed (so each policy keeps its placement: `layer` right after the
-block's last backward, `bucket` per bucket, `end` after the stage's backward) for the blocks
-this step averages, and `WaitAverage(block)` comes just before the block's update (in the next
-step's warm-up bubble under a deferred update). That leaves every replica one local update away
-from the mean even at H = 1, so its next forward and backward run off it. Under `sync.average:
-after-update` the average of a block starts right after the block's update of the step that
-averages it and is waited for just before the block's next forward (as a hook of that forward,
-so that under a deferred update the later blocks' averages run under the earlier blocks'
-forward; an fp16 view of the block is made after the wait), or at the end of the list when no
-forward follows (a policy that updates at the end of its step; the flush): every replica then
-takes its next step from the same point, and with plain SGD at H = 1 that is full sync. The
-average sums the block's fp32 master over the stage's data-parallel group with the runtime's
-own all-reduce (`hier` across nodes; every replica gets the same bits) and divides by dp, in
-place. AdamW's moments stay local; each replica's gradient is the mean over its own
+What ratrain does. Under `sync.mode: partial` a step has no `SyncGrad` / `WaitGrad`. DreamDDP's
+placement (`sync.average: before-update`): `AverageParams(blocks)` takes the place of the gradient
+sync the policy placed (so each policy keeps its placement: `layer` right after the block's last
+backward, `bucket` per bucket, `end` after the stage's backward) for the blocks this step averages,
+and `WaitAverage(block)` comes just before the block's update (in the next step's warm-up bubble
+under a deferred update). That leaves every replica one local update away from the mean even at H =
+1, so its next forward and backward run off it. Under `sync.average: after-update` (the default:
+nearer full sync at the same speed, docs/BENCHMARKS.md) the average of a block starts right after
+the block's update of the step that averages it and is waited for just before the block's next
+forward (as a hook of that forward, so that under a deferred update the later blocks' averages run
+under the earlier blocks' forward; an fp16 view of the block is made after the wait), or at the end
+of the list when no forward follows (a policy that updates at the end of its step; the flush):
+every replica then takes its next step from the same point, and with plain SGD at H = 1 that is
+full sync. The average sums the block's fp32 master over the stage's data-parallel group with the
+runtime's own all-reduce (`hier` across nodes; every replica gets the same bits) and divides by dp,
+in place. AdamW's moments stay local; each replica's gradient is the mean over its own
 micro-batches and is clipped by its own norm; a non-finite norm on any replica skips the step on
 every replica (so loss scale and AdamW's step count stay common). Every block of the model is
-averaged once every `sync.period` = H steps: block i (model order, embed first) in steps with
-step mod H = i mod H (`assign: round-robin`). With pp > 1 each stage's group averages its own
-blocks. A checkpoint holds each replica's own state (resume is bitwise) and, as its model, the
-replicas' mean (`Executor.iter_full_state(mean=True)`), which eval, export and generate load.
+averaged once every `sync.period` = H steps: block i (model order, embed first) in steps with step
+mod H = i mod H (`assign: round-robin`). With pp > 1 each stage's group averages its own blocks. A
+checkpoint holds each replica's own state (resume is bitwise) and, as its model, the replicas' mean
+(`Executor.iter_full_state(mean=True)`), which eval, export and generate load.
 
 Not allowed (`check_partial`): the optimizer state sharded over the replicas
 (`schedule.shard_optimizer`, on by default under `ratrain`), whose segments assume replicas that
 agree; fp32 masters kept in the memory tier (`offload.optimizer: masters`), which an average
-needs in the DDR between the block's last backward and its update.
+needs in the DDR next to the block's update (just before it or just after it).
 With dp = 1 there is nothing to average and partial is bitwise full.
 
     ps = PartialSync.of_sync(cfg.sync, blocks)       # None under sync.mode: full
@@ -113,8 +113,8 @@ def check_partial(policy, dp: int, offload_state: str = "off") -> None:
     if offload_state == "masters":
         raise ValueError(
             "sync.mode=partial with offload.optimizer=masters cannot work: a block's average "
-            "runs on its fp32 master between its last backward and its update, while the master "
-            "lives in the tier; set offload.optimizer=moments (or off), or sync.mode=full")
+            "runs on its fp32 master next to its update, while the master lives in the tier; "
+            "set offload.optimizer=moments (or off), or sync.mode=full")
     if policy.shards(dp) > 1:
         raise ValueError(
             f"sync.mode=partial with schedule.shard_optimizer (policy {policy.name} shards the "
