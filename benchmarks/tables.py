@@ -103,21 +103,28 @@ TABLES = {
           ("2KB.prepare_mb_per_s", "MB/s at 2 KB", ".2f"),
           ("20KB.prepare_mb_per_s", "MB/s at 20 KB", ".2f")]),
         ("psync-speed", "jobs/psync.yaml (dp 4, 2 emulated nodes, a slow link): partial sync "
-         "at H = 4 against full, steps/s interleaved, beside the simulator",
-         [("partial-4_over_full", "partial / full steps/s", ".3f"),
+         "at H = 4, averaging before and after the update (sync.average), against full, steps/s "
+         "interleaved, beside the simulator",
+         [("partial-4_over_full", "partial (before) / full steps/s", ".3f"),
+          ("partial-4-after_over_full", "partial (after) / full steps/s", ".3f"),
           ("full.exposed_wait_s", "full's exposed sync wait s", ".2f"),
           ("full.step_s", "full step s", ".2f"),
           ("full.measured_over_predicted", "full measured / simulated", ".3f"),
-          ("partial-4.measured_over_predicted", "partial measured / simulated", ".3f"),
-          ("partial-4.host_busy", "host busy", ".2f")]),
-        *((name, f"jobs/psync.yaml{what} trained on the default corpus, partial sync (H = 4) "
+          ("partial-4.measured_over_predicted", "partial (before) measured / simulated", ".3f"),
+          ("partial-4-after.measured_over_predicted", "partial (after) measured / simulated",
+           ".3f"),
+          ("partial-4-after.host_busy", "host busy", ".2f")]),
+        *((name, f"jobs/psync.yaml{what} trained on the default corpus, partial sync (H = 4{av}) "
            "judged against full by ratrain.compare (eval loss)",
            [("max_rel_dev", "largest deviation after 20%", ".4f"),
             ("final_rel_dev", "at the end", ".4f"),
             ("speedup", "time to full's final loss, full / partial", ".2f"),
             ("passed", "within the recipe's bounds", "")])
-          for name, what in (("psync-quality", ""),
-                             ("psync-lr3e-3-quality", " as it was before d7c5f14 (optim.lr 3e-3)"))),
+          for name, what, av in (
+              ("psync-quality", "", ", averaging before the update"),
+              ("psync-quality-after", "", ", averaging after the update"),
+              ("psync-lr3e-3-quality", " as it was before d7c5f14 (optim.lr 3e-3)",
+               ", averaging before the update"))),
         *((name, f"jobs/psync.yaml in one process{what} at seeds 1234, 1 and 2 "
            "(benchmarks/psync.py curves --seeds): eval loss %, the second run's largest "
            "deviation after 20% / signed at the end",
@@ -129,10 +136,10 @@ TABLES = {
                "(--control: rounding alone)"),
               ("psync-control", ": full sync against itself regrouped (--control: rounding "
                "alone)"),
-              *((f"psync-seeds-h{h}", f": partial sync (H = {h}) against full")
-                for h in (1, 4)),
+              *((f"psync-seeds-h{h}", f": partial sync (H = {h}) averaging before the update "
+                 "against full") for h in (1, 4)),
               *((f"psync-seeds-h{h}-after", f": partial sync (H = {h}) averaging after the "
-                 "update (--average after-update, a study placement) against full")
+                 "update (--average after-update) against full")
                 for h in (1, 2, 4)),
               *((f"psync-lr3e-3-seeds-h{h}", f" as it was before d7c5f14 (optim.lr 3e-3): "
                  f"partial sync (H = {h}) against full") for h in (1, 2, 4)))),
