@@ -96,11 +96,11 @@ def partial_sets(period: int, average: str | None) -> list[str]:
 
 def variants(periods, averages) -> dict[str, list[str]]:
     """Variant name -> its `--set` overrides: full sync, then partial at each period and
-    placement (`averages`: the job's own when empty)."""
+    placement (`sync.average` values)."""
     out = {FULL: ["sync.mode=full"]}
     for h in periods:
-        for a in averages or [None]:
-            out[partial_name(h, a or "")] = partial_sets(h, a)
+        for a in averages:
+            out[partial_name(h, a)] = partial_sets(h, a)
     return out
 
 
@@ -154,7 +154,10 @@ def speed(args, argv) -> int:
         print(f"error: --steps - --skip = {args.steps - args.skip} must be a whole number of "
               f"periods ({max(periods)})", file=sys.stderr)
         return 2
-    job = {"sets": args.set, "variants": variants(periods, _averages(args))}
+    from ratrain.config import load_config
+
+    averages = _averages(args) or [load_config(args.config, args.set).sync.average]
+    job = {"sets": args.set, "variants": variants(periods, averages)}
     load_before = round(os.getloadavg()[0], 2)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)

@@ -336,6 +336,25 @@ def test_curves_control_regroups_full_sync_alone(tmp_path):
         assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and named in err
 
 
+def test_psync_refuses_a_bad_average_in_one_line(capsys):
+    """`benchmarks/psync.py --average`: a value that is no `sync.average`, or two where one run
+    is trained, is refused in one line, exit 2, before any work."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import psync
+
+    for argv, words in ((["curves", "--average", "later"], "'later' is not one of"),
+                        (["quality", "--average", "after-update,before-update"],
+                         "quality trains one placement")):
+        assert psync.main([*argv, "--config", "jobs/psync.yaml", "--out", "/nonexistent"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "--average" in err
+    assert sorted(psync.variants([4], ["after-update", "before-update"])) == \
+        ["full", "partial-4", "partial-4-after"]
+
+
 def test_reference_after_update_averages_the_updated_masters():
     """The reference under `sync.average: after-update`: the blocks a step averages leave it
     equal on every replica (averaged after the update); before the update they leave it apart
