@@ -6,7 +6,8 @@
     python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
         [--average A] [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."]
         [--png docs/psync-curves.png] [--record NAME]
-    python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--set ...]
+    python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--average A]
+        [--set ...]
     python benchmarks/psync.py curves --config jobs/psync.yaml --out DIR [--period 4] [--set ...]
         [--full-set ...] [--partial-set ...] [--seeds 1234,1,2] [--control]
         [--average A]
@@ -370,8 +371,9 @@ def assign(args) -> int:
     from ratrain.plan.simulate import Group, simulate_grid
     from ratrain.plan.steps import recompute_for
 
+    average = (_averages(args) or [None])[0]
     for h in (int(x) for x in args.periods.split(",")):
-        cfg = load_config(args.config, [*args.set, "sync.mode=partial", f"sync.period={h}"])
+        cfg = load_config(args.config, [*args.set, *partial_sets(h, average)])
         cost, base = CostModel.from_config(cfg), PipelinePlan.from_config(cfg)
         blocks = [b for s in base.blocks for b in s]
         row = {"period": h}
@@ -379,7 +381,7 @@ def assign(args) -> int:
         for name, phase in assignments(blocks, h, size.__getitem__).items():
             plan = PipelinePlan.build(base.policy, base.blocks, base.num_micro_batches,
                                       cfg.precision, base.dp, [i.block_bytes for i in base.stages],
-                                      partial=PartialSync(h, phase))
+                                      partial=PartialSync(h, phase, base.partial.after))
             res = simulate_grid([Group(tuple(range(base.dp)), plan, (cost,) * base.pp)],
                                 recompute_for(plan.blocks, cfg.schedule.recompute, None), 1)
             row[name] = round(res.step_s * cfg.platform.time_scale, 4)

@@ -48,7 +48,7 @@ class Replicas:
 
     def __init__(self, cfg):
         dp = cfg.parallel.dp
-        after_update = cfg.sync.average == "after-update"
+        after_update = cfg.sync.after_update
         one = replace(cfg, parallel=replace(cfg.parallel, dp=1))
         self.ranks = [build_rank(one, None) for _ in range(dp)]
         self.executors = [r.executor for r in self.ranks]

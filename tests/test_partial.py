@@ -86,12 +86,10 @@ def test_after_update_averages_every_update_of_a_due_block_right_after_it(policy
         averaged, updated = [], []
         for k, lst in enumerate(lists):
             events = [e for a in lst for _, e in sched.expand(a, BLOCKS[s])]
-            of = k - 1 if k == steps or not any(isinstance(e, sched.GradNorm) for e in events) \
-                else None  # the flush and a list without its own norm: the step before
-            seen_norm = False
+            seen_norm = False  # updates before the list's norm (all of the flush's): step k - 1
             for i, e in enumerate(events):
                 seen_norm |= isinstance(e, sched.GradNorm)
-                j = of if of is not None else (k if seen_norm else k - 1)
+                j = k if seen_norm else k - 1
                 if isinstance(e, sched.Update):
                     updated.append((j, e.block))
                 if isinstance(e, sched.AverageParams):
@@ -353,6 +351,26 @@ def test_psync_refuses_a_bad_average_in_one_line(capsys):
         assert len(err.splitlines()) == 1 and words in err and "--average" in err
     assert sorted(psync.variants([4], ["after-update", "before-update"])) == \
         ["full", "partial-4", "partial-4-after"]
+
+
+@pytest.mark.parametrize("average", SyncConfig.AVERAGES)
+def test_psync_assign_simulates_the_jobs_placement(average, capsys):
+    """`benchmarks/psync.py assign`: its round-robin row is the simulator's step of the job
+    itself, under the placement `--average` asks for."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import psync
+
+    assert psync.main(["assign", "--config", "jobs/psync.yaml", "--periods", "4",
+                       "--average", average]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    cfg = load_config("jobs/psync.yaml", ["sync.mode=partial", "sync.period=4",
+                                          f"sync.average={average}"])
+    want = simulate_config(cfg, with_memory=False).step_s * cfg.platform.time_scale
+    assert row["round-robin"] == pytest.approx(want, abs=1e-4)
 
 
 def test_reference_after_update_averages_the_updated_masters():

@@ -529,6 +529,11 @@ class SyncConfig:
     def partial(self) -> bool:
         return self.mode == "partial"
 
+    @property
+    def after_update(self) -> bool:
+        """Partial sync's averages sit after the update (`average: after-update`)."""
+        return self.average == "after-update"
+
 
 def _positive(obj, section: str, key: str) -> None:
     v = getattr(obj, key)

@@ -101,7 +101,7 @@ class PartialSync:
         if not sync.partial:
             return None
         # sync.assign: round-robin
-        return cls.round_robin(blocks, sync.period, sync.average == "after-update")
+        return cls.round_robin(blocks, sync.period, sync.after_update)
 
     def blocks_at(self, step: int) -> frozenset[str]:
         """The blocks step `step` (0-based) averages."""
