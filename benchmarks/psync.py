@@ -42,9 +42,11 @@ after another, each a rank of its own whose parameter averages are summed in the
 `DIR/partial-H-after/eval.jsonl` (`partial-H` before the update; with `mean_model`: the eval loss
 of the replicas' mean, what a checkpoint's model is) and prints the pair's verdict by the recipe's
 bounds (`ratrain.compare.judge`) as a JSON line: the largest deviation after the first 20%, the
-signed one at the end, both final losses, whether within. `--seeds S,S,...` trains a pair at each
-`init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end, the
-worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
+signed one at the end, what a partial step is worth in full's steps (`step_efficiency`,
+`ratrain.compare`'s: 0.77 = partial's 150 steps got as far as full's first 116), both final
+losses, whether within. `--seeds S,S,...` trains a pair at each
+`init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end and
+step efficiency, the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
 overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether the
 replicas want another learning rate or clip than full sync's). `--control` trains full sync against
 itself instead, the second run with the global batch in half as many micro-batches of twice the
@@ -294,7 +296,7 @@ def curves(args) -> int:
     """Full and partial sync's eval curves in one process (see the module) at each seed of
     `--seeds` (none: the config's), each pair judged by the recipe's bounds; exit 0 when every
     pair is within them. `--control`: full against itself regrouped instead (the job's floor)."""
-    from ratrain.compare import judge, read_metrics
+    from ratrain.compare import judge, read_metrics, step_efficiency
     from ratrain.config import load_config
 
     if args.control:  # refused before any work, in one line
@@ -336,11 +338,14 @@ def curves(args) -> int:
                      **({"average": cfg.sync.average} if not args.control else {}),
                      "max_after_pct": round(100 * worst, 3),
                      "end_pct": round(100 * (part[last] / full[last] - 1), 3),  # signed
+                     "step_efficiency": round(step_efficiency(part, full), 3),
                      "full_final": round(full[last], 4), f"{other}_final": round(part[last], 4),
                      "within": worst <= TOL and devs[-1] <= FINAL_TOL})
         print(json.dumps(rows[-1]), flush=True)
     summary = {"seeds": len(rows), "period": rows[0]["period"],
                "mean_end_pct": round(sum(r["end_pct"] for r in rows) / len(rows), 3),
+               "mean_step_efficiency": round(
+                   sum(r["step_efficiency"] for r in rows) / len(rows), 3),
                "worst_after_pct": max(r["max_after_pct"] for r in rows),
                "within": all(r["within"] for r in rows)}
     print(json.dumps(summary))

@@ -2,6 +2,7 @@
 
     python -m ratrain.compare RUN_A RUN_B [--tol T] [--prefix] [--png FILE] [--key loss]
         [--after F] [--final-tol T] [--worse-only] [--time-to-final] [--min-speedup S]
+        [--step-efficiency]
 
 RUN_A / RUN_B are run directories (holding `metrics.jsonl`) or metrics files, read by
 `metrics.read_curve`. The relative deviation of a step is |a - b| / max(|b|, tiny). Prints
@@ -19,7 +20,12 @@ partial run that is ahead is not a loss of quality; `best_rel_dev=` says by how 
 ahead at most), and `--time-to-final` prints how long each run took (wall clock, its records' `elapsed_s`) to
 reach RUN_B's final value (`time_to_final_a=`, `time_to_final_b=`, `speedup=` b over a; lower
 is better, as for a loss; a run that never reaches it takes inf), with `--min-speedup S`
-failing below S. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
+failing below S. `--step-efficiency` prints what a step of RUN_A is worth in RUN_B's steps at
+their last shared step L (`step_efficiency=`, interpolated between evals): when RUN_A ends
+worse, the step at which RUN_B reached RUN_A's value there, over L (0.77: RUN_A's L steps got as
+far as RUN_B's first 0.77 L); when it ends better, L over the step at which RUN_A reached RUN_B's
+value (over 1). Times its speed-up in steps/s, it is
+the speed-up to a loss, without a run trained past the other's end. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
 
     python -m ratrain.compare runs/partial runs/full --key eval_loss --tol 0.02 --after 0.2 \
         --final-tol 0.01 --worse-only --time-to-final --min-speedup 1.3 --prefix --png curves.png
@@ -90,6 +96,44 @@ def time_to(curve: dict[int, float], times: dict[int, float], target: float) -> 
     """Wall-clock seconds (`times` of the same steps) at the first step whose value reaches
     `target` (<=: a loss); inf when none does."""
     return next((times[s] for s in sorted(curve) if curve[s] <= target), math.inf)
+
+
+def step_to(curve: dict[int, float], target: float) -> float | None:
+    """The step at which `curve` first reaches `target` (<=: a loss), linearly interpolated
+    between the two records around the crossing (the first record's step when it is already
+    there); None when it never does."""
+    prev = None
+    for s in sorted(curve):
+        y = curve[s]
+        if math.isnan(y):  # a NaN reaches nothing, and nothing is interpolated across it
+            prev = None
+            continue
+        if y <= target:
+            if prev is None or prev[1] == y:
+                return float(s)
+            return prev[0] + (s - prev[0]) * (prev[1] - target) / (prev[1] - y)
+        prev = (s, y)
+    return None
+
+
+def step_efficiency(a: dict[int, float], b: dict[int, float]) -> float:
+    """What a step of `a` is worth in `b`'s steps at their last shared step L (a loss: lower is
+    further): b's step to a's value at L, over L, when `a` ends worse; L over a's step to b's
+    value at L when it ends better; 1 when equal (each gets there by L at the latest; a value
+    reached at a curve's first record counts from there: a bound). A NaN at L gets nowhere: 0
+    when `a`'s, inf when `b`'s. Raises ValueError when the runs share no step."""
+    shared = set(a) & set(b)
+    if not shared:
+        raise ValueError("the runs share no steps")
+    last = max(shared)
+    ya, yb = a[last], b[last]
+    if math.isnan(ya) or math.isnan(yb):
+        return 0.0 if math.isnan(ya) else math.inf
+    if ya == yb:
+        return 1.0
+    if ya > yb:  # a is behind: where b was when it had got as far
+        return step_to({k: v for k, v in b.items() if k <= last}, ya) / last
+    return last / step_to({k: v for k, v in a.items() if k <= last}, yb)
 
 
 def problems(a: dict[int, float], b: dict[int, float], names, prefix: bool = False) -> list[str]:
@@ -182,6 +226,9 @@ def main(argv=None) -> int:
                     help="judge only the steps where RUN_A is worse (higher) than RUN_B")
     ap.add_argument("--time-to-final", action="store_true",
                     help="print each run's wall clock to RUN_B's final value and their speed-up")
+    ap.add_argument("--step-efficiency", action="store_true",
+                    help="print what a step of RUN_A is worth in RUN_B's steps at their last "
+                    "shared step (interpolated between evals)")
     ap.add_argument("--min-speedup", type=float, default=None, metavar="S",
                     help="with --time-to-final: fail (exit 1) when the speed-up is below S")
     args = ap.parse_args(argv)
@@ -206,6 +253,8 @@ def main(argv=None) -> int:
         print(f"final_rel_dev={devs[-1]:.6e} step={steps[-1]}")
         if not devs[-1] <= args.final_tol:
             bad.append(f"final step over tolerance: {devs[-1]:.3e} > {args.final_tol:.3e}")
+    if args.step_efficiency:
+        print(f"step_efficiency={step_efficiency(a, b):.4g}")
     times = None
     if args.time_to_final:
         times = (read_metrics(args.run_a, args.key, "elapsed_s"),

@@ -106,3 +106,28 @@ def test_partial_sync_recipe_judges_the_eval_curve_and_the_time_to_loss(tmp_path
     assert main([never, full, "--key", "eval_loss", "--time-to-final"]) == 0
     assert "time_to_final_a=inf" in capsys.readouterr().out
     assert main([never, *recipe[1:]]) == 1
+
+
+def test_step_efficiency_is_what_a_step_is_worth_in_the_others_steps(tmp_path, capsys):
+    from ratrain.compare import step_efficiency, step_to
+
+    full = {10: 3.0, 20: 2.5, 30: 2.2, 40: 2.0}
+    assert step_to(full, 2.35) == pytest.approx(25.0)  # interpolated between 20 and 30
+    assert step_to(full, 3.5) == 10.0 and step_to(full, 1.9) is None
+    assert step_to({10: 3.0, 20: float("nan"), 30: 2.0}, 2.5) == 30.0  # nothing across a NaN
+    behind = {10: 3.1, 20: 2.7, 30: 2.4, 40: 2.35}  # at 40 where full was at 25
+    assert step_efficiency(behind, full) == pytest.approx(25 / 40)
+    ahead = {10: 2.9, 20: 2.3, 30: 2.0, 40: 1.9}  # reached full's 2.0 at 30
+    assert step_efficiency(ahead, full) == pytest.approx(40 / 30)
+    assert step_efficiency(full, full) == 1.0
+    assert step_efficiency({10: 3.0, 40: 3.5}, full) == 0.25  # full was there at its first eval
+    assert step_efficiency({**full, 40: float("nan")}, full) == 0.0
+    assert step_efficiency(full, {**full, 40: float("nan")}) == float("inf")
+    longer = {**behind, 50: 2.0}  # judged at the last shared step, 40
+    assert step_efficiency(longer, full) == pytest.approx(25 / 40)
+    with pytest.raises(ValueError):
+        step_efficiency({1: 1.0}, {2: 1.0})
+    a = eval_dir(tmp_path, "behind", [(s, y, s) for s, y in behind.items()])
+    b = eval_dir(tmp_path, "full", [(s, y, s) for s, y in full.items()])
+    assert main([a, b, "--key", "eval_loss", "--step-efficiency"]) == 0  # a figure, no bound
+    assert "step_efficiency=0.625" in capsys.readouterr().out

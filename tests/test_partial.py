@@ -292,6 +292,7 @@ def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
     verdict = out[0]  # the partial run that did not learn is judged worse, at the end too
     assert rc == 1 and not verdict["within"] and verdict["partial_final"] == round(part[1], 4)
     assert verdict["end_pct"] == round(100 * (part[1] / full[1] - 1), 3) > 2
+    assert verdict["step_efficiency"] == 0.5  # full was further at its first eval (step 2 of 4)
     rc, out = curves(*(a for s in still for a in ("--full-set", s)), "--seeds", "1,2")
     for seed in (1, 2):
         full, part = evals(f"seed-{seed}/full"), evals(f"seed-{seed}/partial-2-after")
@@ -299,6 +300,7 @@ def test_curves_override_each_run_alone_and_judge_each_seed(tmp_path):
     assert evals("seed-1/full") != evals("seed-2/full")
     assert rc == 0 and [r["seed"] for r in out[:2]] == [1, 2] and out[2]["seeds"] == 2
     assert out[2]["within"] and out[2]["mean_end_pct"] < 0
+    assert [r["step_efficiency"] for r in out[:2]] == [2.0, 2.0] == [out[2]["mean_step_efficiency"]] * 2
 
 
 def test_curves_control_regroups_full_sync_alone(tmp_path):
