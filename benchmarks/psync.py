@@ -4,7 +4,7 @@
         [--average before-update,after-update] [--steps 10] [--skip 2] [--ranks 4]
         [--launcher "CMD ..."] [--record NAME]
     python benchmarks/psync.py quality --config jobs/psync.yaml --out DIR [--period 4]
-        [--average A] [--extra-steps 30] [--ranks 4] [--launcher "CMD ..."]
+        [--average A] [--extra-steps STEPS/2] [--ranks 4] [--launcher "CMD ..."]
         [--png docs/psync-curves.png] [--record NAME]
     python benchmarks/psync.py assign --config jobs/psync.yaml [--periods 2,4,8] [--average A]
         [--set ...]
@@ -29,10 +29,12 @@ every `data.eval_interval`) under full and then under partial sync at `--period`
 and `DIR/partial-H` (`-after` under after-update), then judges the partial run by `ratrain.compare`
 against the full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval
 after the first 20% of training and no more than 1% at full's last step, and the wall-clock time to
-full sync's final eval loss. The partial run goes on `--extra-steps` past full's last step (the
-job's learning rate then stays at its floor: its decay has a length of its own,
-`optim.decay_steps`), so that a run that ends a hair short of full's final loss is timed when it
-gets there rather than never; the shared steps are compared as they are.
+full sync's final eval loss, and what a partial step is worth in full's steps (`curves`). The
+partial run goes on `--extra-steps` past full's last step (the job's learning rate then stays at
+its floor: its decay has a length of its own, `optim.decay_steps`), so that a run that ends short
+of full's final loss is timed when it gets there rather than never; the shared steps are compared
+as they are. The default, half the job's `run.steps`, is room for a partial step worth 2/3 of
+full's (0.77-0.86 at H = 4 on jobs/psync.yaml, docs/BENCHMARKS.md).
 
 `curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial sync
 as the runtime computes them, to see how a job's quality depends on its settings (seeds, learning
@@ -203,7 +205,8 @@ def quality(args, argv) -> int:
     name = partial_name(args.period, average or job.sync.average)
     runs = {FULL: out / FULL, name: out / name}
     sets = {FULL: ["sync.mode=full"], name: partial_sets(args.period, average)}
-    sets[name].append(f"run.steps={job.run.steps + args.extra_steps}")
+    extra = job.run.steps // 2 if args.extra_steps is None else args.extra_steps
+    sets[name].append(f"run.steps={job.run.steps + extra}")
     load_before = round(os.getloadavg()[0], 2)
     for name, run_dir in runs.items():
         over = [x for s in (*args.set, *sets[name], f"run.dir={run_dir}") for x in ("--set", s)]
@@ -216,7 +219,8 @@ def quality(args, argv) -> int:
     full, partial = str(runs[FULL]), str(runs[name])
     cmp = [sys.executable, "-m", "ratrain.compare", partial, full, "--key", "eval_loss",
            "--tol", str(TOL), "--after", str(AFTER), "--final-tol", str(FINAL_TOL), "--worse-only",
-           "--time-to-final", "--min-speedup", str(MIN_SPEEDUP), "--prefix"] + (
+           "--time-to-final", "--min-speedup", str(MIN_SPEEDUP), "--step-efficiency",
+           "--prefix"] + (
                ["--png", args.png] if args.png else [])
     print("+ " + shlex.join(cmp), flush=True)
     res = subprocess.run(cmp, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
@@ -431,8 +435,9 @@ def main(argv=None) -> int:
                     help="curves: full sync against itself regrouped (rounding alone)")
     ap.add_argument("--periods", default="4", help="speed: partial sync's periods H")
     ap.add_argument("--period", type=int, default=4, help="quality: partial sync's period")
-    ap.add_argument("--extra-steps", type=int, default=30,
-                    help="quality: steps the partial run trains past full's last")
+    ap.add_argument("--extra-steps", type=int, default=None,
+                    help="quality: steps the partial run trains past full's last (default: half "
+                    "the job's run.steps)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -444,6 +449,8 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     bad = _check_averages(args)
+    if args.extra_steps is not None and args.extra_steps < 0:
+        bad = f"--extra-steps {args.extra_steps}: give 0 or more steps"
     if bad:
         print(f"psync {args.what}: {bad}", file=sys.stderr)
         return 2

@@ -338,7 +338,8 @@ def test_curves_control_regroups_full_sync_alone(tmp_path):
 
 def test_psync_refuses_a_bad_average_in_one_line(capsys):
     """`benchmarks/psync.py --average`: a value that is no `sync.average`, or two where one run
-    is trained, is refused in one line, exit 2, before any work."""
+    is trained, is refused in one line, exit 2, before any work; so is a negative
+    `--extra-steps`."""
     import sys
     from pathlib import Path
 
@@ -347,10 +348,11 @@ def test_psync_refuses_a_bad_average_in_one_line(capsys):
 
     for argv, words in ((["curves", "--average", "later"], "'later' is not one of"),
                         (["quality", "--average", "after-update,before-update"],
-                         "quality trains one placement")):
+                         "quality trains one placement"),
+                        (["quality", "--extra-steps", "-5"], "--extra-steps -5: give 0")):
         assert psync.main([*argv, "--config", "jobs/psync.yaml", "--out", "/nonexistent"]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and words in err and "--average" in err
+        assert len(err.splitlines()) == 1 and words in err
     assert sorted(psync.variants([4], ["after-update", "before-update"])) == \
         ["full", "partial-4", "partial-4-after"]
 
@@ -399,3 +401,32 @@ def test_reference_after_update_averages_the_updated_masters():
             a, c = (ex.state.master_flat(b) for ex in reps.executors)
             assert np.array_equal(a, c) == (after and b in now), (after, b)
         reps.close()
+
+
+def test_psync_quality_trains_both_and_reports_the_step_efficiency(tmp_path, monkeypatch,
+                                                                   capsys):
+    """`benchmarks/psync.py quality` end to end on a short job under mpirun: full, then partial
+    trained half the job's steps past full's last (the default `--extra-steps`), judged by
+    `ratrain.compare`, whose figures (the step efficiency among them) make the summary line."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import psync
+
+    assert Path(sys.executable).with_name("mpirun").exists(), "no mpirun beside the interpreter"
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    monkeypatch.chdir(root)
+    sets = ["platform.emulate=false", "parallel.dp=2", "run.steps=4", "optim.warmup_steps=0",
+            "optim.decay_steps=4", "data.eval_interval=2", "data.eval_batches=1"]
+    psync.main(["quality", "--config", "jobs/psync.yaml", "--out", str(tmp_path), "--ranks",
+                "2", "--period", "2", *(a for s in sets for a in ("--set", s))])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"step_efficiency", "time_to_final_a", "speedup", "final_rel_dev"} <= set(summary)
+    from ratrain.compare import read_metrics
+
+    assert sorted(read_metrics(str(tmp_path / "full"), "eval_loss")) == [2, 4]
+    assert sorted(read_metrics(str(tmp_path / "partial-2-after"), "eval_loss")) == [2, 4, 6]
