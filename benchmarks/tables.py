@@ -143,6 +143,18 @@ TABLES = {
                 for h in (1, 2, 4)),
               *((f"psync-lr3e-3-seeds-h{h}", f" as it was before d7c5f14 (optim.lr 3e-3): "
                  f"partial sync (H = {h}) against full") for h in (1, 2, 4)))),
+        *((name, f"jobs/psync.yaml in one process, {what} (benchmarks/psync.py curves --set), "
+           "seed 1234: partial sync (H = 4) averaging after the update against full, eval "
+           "loss %, the largest deviation after 20% / signed at the end, and what a partial "
+           "step is worth in full's steps",
+           [("1234.max_after_pct", "after 20%", ".2f"), ("1234.end_pct", "end", ".2f"),
+            ("1234.step_efficiency", "step efficiency", ".3f"),
+            ("1234.full_final", "full's final loss", ".4f")])
+          for name, what in (
+              ("psync-long600-h4-after", "600 steps (decay_steps 590) instead of 150"),
+              ("psync-wide-h4-after", "hidden 256 (8 heads, ffn 704: 4x the parameters)"),
+              ("psync-lr5e-4-h4-after", "optim.lr 5e-4 (to 5e-5)"),
+              ("psync-lr3e-4-h4-after", "optim.lr 3e-4 (to 3e-5)"))),
         ("tier-peaks", "jobs/bench-tier.yaml, one step with every layer offloaded against none, "
          "no cap: the ledger's DDR peak drop against the activation bytes in the tier at that "
          "peak, less the double buffer (a layer written, one read)",
