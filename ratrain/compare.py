@@ -24,8 +24,8 @@ failing below S. `--step-efficiency` prints what a step of RUN_A is worth in RUN
 their last shared step L (`step_efficiency=`, interpolated between evals): when RUN_A ends
 worse, the step at which RUN_B reached RUN_A's value there, over L (0.77: RUN_A's L steps got as
 far as RUN_B's first 0.77 L); when it ends better, L over the step at which RUN_A reached RUN_B's
-value (over 1). Times its speed-up in steps/s, it is
-the speed-up to a loss, without a run trained past the other's end. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
+value (over 1). Times its speed-up in steps/s, it is the speed-up to a loss, without a run
+trained past the other's end. The recipe (docs/BENCHMARKS.md, "Partial synchronization"):
 
     python -m ratrain.compare runs/partial runs/full --key eval_loss --tol 0.02 --after 0.2 \
         --final-tol 0.01 --worse-only --time-to-final --min-speedup 1.3 --prefix --png curves.png
@@ -121,11 +121,10 @@ def step_efficiency(a: dict[int, float], b: dict[int, float]) -> float:
     further): b's step to a's value at L, over L, when `a` ends worse; L over a's step to b's
     value at L when it ends better; 1 when equal (each gets there by L at the latest; a value
     reached at a curve's first record counts from there: a bound). A NaN at L gets nowhere: 0
-    when `a`'s, inf when `b`'s. Raises ValueError when the runs share no step."""
-    shared = set(a) & set(b)
-    if not shared:
-        raise ValueError("the runs share no steps")
-    last = max(shared)
+    when `a`'s, inf when `b`'s. Raises ValueError when the runs share no step after step 0."""
+    last = max(set(a) & set(b), default=0)
+    if last <= 0:
+        raise ValueError("the runs share no step after step 0")
     ya, yb = a[last], b[last]
     if math.isnan(ya) or math.isnan(yb):
         return 0.0 if math.isnan(ya) else math.inf
@@ -133,7 +132,8 @@ def step_efficiency(a: dict[int, float], b: dict[int, float]) -> float:
         return 1.0
     if ya > yb:  # a is behind: where b was when it had got as far
         return step_to({k: v for k, v in b.items() if k <= last}, ya) / last
-    return last / step_to({k: v for k, v in a.items() if k <= last}, yb)
+    s = step_to({k: v for k, v in a.items() if k <= last}, yb)
+    return last / s if s > 0 else math.inf
 
 
 def problems(a: dict[int, float], b: dict[int, float], names, prefix: bool = False) -> list[str]:
@@ -254,7 +254,11 @@ def main(argv=None) -> int:
         if not devs[-1] <= args.final_tol:
             bad.append(f"final step over tolerance: {devs[-1]:.3e} > {args.final_tol:.3e}")
     if args.step_efficiency:
-        print(f"step_efficiency={step_efficiency(a, b):.4g}")
+        try:
+            print(f"step_efficiency={step_efficiency(a, b):.4g}")
+        except ValueError as e:
+            print(f"error: {args.run_a} and {args.run_b}: {e}", file=sys.stderr)
+            return 2
     times = None
     if args.time_to_final:
         times = (read_metrics(args.run_a, args.key, "elapsed_s"),

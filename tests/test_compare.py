@@ -125,8 +125,10 @@ def test_step_efficiency_is_what_a_step_is_worth_in_the_others_steps(tmp_path, c
     assert step_efficiency(full, {**full, 40: float("nan")}) == float("inf")
     longer = {**behind, 50: 2.0}  # judged at the last shared step, 40
     assert step_efficiency(longer, full) == pytest.approx(25 / 40)
-    with pytest.raises(ValueError):
-        step_efficiency({1: 1.0}, {2: 1.0})
+    for a, b in (({1: 1.0}, {2: 1.0}), ({0: 2.0, 1: 1.0}, {0: 1.0, 2: 1.0})):
+        with pytest.raises(ValueError, match="no step after step 0"):
+            step_efficiency(a, b)
+    assert step_efficiency({0: 2.0, 10: 1.0}, {0: 1.5, 10: 1.5}) == 10 / 5  # from step 0
     a = eval_dir(tmp_path, "behind", [(s, y, s) for s, y in behind.items()])
     b = eval_dir(tmp_path, "full", [(s, y, s) for s, y in full.items()])
     assert main([a, b, "--key", "eval_loss", "--step-efficiency"]) == 0  # a figure, no bound
