@@ -28,13 +28,14 @@ of stage 0 and the paced compute; then a summary with each partial variant's ste
 every `data.eval_interval`) under full and then under partial sync at `--period` into `DIR/full`
 and `DIR/partial-H` (`-after` under after-update), then judges the partial run by `ratrain.compare`
 against the full one (`docs/BENCHMARKS.md`'s recipe): eval loss no more than 2% worse at any eval
-after the first 20% of training and no more than 1% at full's last step, and the wall-clock time to
-full sync's final eval loss, and what a partial step is worth in full's steps (`curves`). The
+after the first 20% of training and no more than 1% at full's last step, the wall-clock time to
+full sync's final eval loss, and what a partial step is worth in full's steps (as `curves`). The
 partial run goes on `--extra-steps` past full's last step (the job's learning rate then stays at
 its floor: its decay has a length of its own, `optim.decay_steps`), so that a run that ends short
 of full's final loss is timed when it gets there rather than never; the shared steps are compared
-as they are. The default, half the job's `run.steps`, is room for a partial step worth 2/3 of
-full's (0.77-0.86 at H = 4 on jobs/psync.yaml, docs/BENCHMARKS.md).
+as they are. The default, half the job's `run.steps`, is room for a partial step worth about 2/3
+of full's (0.77-0.86 at H = 4 on jobs/psync.yaml; steps past the schedule, at its floor rate,
+are worth less: the recorded run, at 0.77, got there 60 steps past 150; docs/BENCHMARKS.md).
 
 `curves` (one process, no MPI, no pacing: a few minutes): the eval curves of full and partial sync
 as the runtime computes them, to see how a job's quality depends on its settings (seeds, learning
@@ -46,9 +47,9 @@ of the replicas' mean, what a checkpoint's model is) and prints the pair's verdi
 bounds (`ratrain.compare.judge`) as a JSON line: the largest deviation after the first 20%, the
 signed one at the end, what a partial step is worth in full's steps (`step_efficiency`,
 `ratrain.compare`'s: 0.77 = partial's 150 steps got as far as full's first 116), both final
-losses, whether within. `--seeds S,S,...` trains a pair at each
-`init.seed` into `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end and
-step efficiency, the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
+losses, whether within. `--seeds S,S,...` trains a pair at each `init.seed` into
+`DIR/seed-S/`, a line each, then a summary (the mean deviation at the end and step efficiency,
+the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
 overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether the
 replicas want another learning rate or clip than full sync's). `--control` trains full sync against
 itself instead, the second run with the global batch in half as many micro-batches of twice the
