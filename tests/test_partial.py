@@ -258,6 +258,7 @@ def test_planner_prints_full_against_partial_on_a_link(capsys):
     assert [r[0] for r in rows] == ["full", "full,", "partial,", "partial,"]  # tiny shards
     speedups = [float(r[-1].rstrip("x")) for r in rows]
     assert speedups[2] > 1.2 and speedups[3] > speedups[2]
+    assert "the speed-up to a loss is this times" in out and "--step-efficiency" in out
     with pytest.raises(SystemExit) as e:
         main(["--config", "tiny", "--sync-periods", "0"])
     assert e.value.code == 2

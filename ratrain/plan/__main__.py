@@ -214,6 +214,10 @@ def _print_sync(cfg, cost, args) -> int:
     for r in rows:
         print(f"  {r.label:<30} {r.step_s:>9.4g} {r.tokens_per_s:>10.1f} "
               f"{r.synced_bytes / 1e6:>14.2f} {r.exposed_s:>9.3g} {r.speedup:>7.2f}x")
+    print("  speed-up: in steps/s. Partial sync is not exact: the speed-up to a loss is this "
+          "times\n  what a partial step is worth in full's (`ratrain.compare PARTIAL FULL --key "
+          "eval_loss\n  --step-efficiency` on the job's eval curves, e.g. from "
+          "`benchmarks/psync.py curves`).")
     return 0
 
 
