@@ -337,16 +337,22 @@ def test_curves_control_regroups_full_sync_alone(tmp_path):
         assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and named in err
 
 
-def test_psync_refuses_a_bad_average_in_one_line(capsys):
-    """`benchmarks/psync.py --average`: a value that is no `sync.average`, or two where one run
-    is trained, is refused in one line, exit 2, before any work; so is a negative
-    `--extra-steps`."""
+def _psync():
+    """benchmarks/psync.py as a module."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import psync
 
+    return psync
+
+
+def test_psync_refuses_a_bad_average_in_one_line(capsys):
+    """`benchmarks/psync.py --average`: a value that is no `sync.average`, or two where one run
+    is trained, is refused in one line, exit 2, before any work; so is a negative
+    `--extra-steps`."""
+    psync = _psync()
     for argv, words in ((["curves", "--average", "later"], "'later' is not one of"),
                         (["quality", "--average", "after-update,before-update"],
                          "quality trains one placement"),
@@ -363,12 +369,8 @@ def test_psync_assign_simulates_the_jobs_placement(average, capsys):
     """`benchmarks/psync.py assign`: its round-robin row is the simulator's step of the job
     itself, under the placement `--average` asks for."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    import psync
-
+    psync = _psync()
     assert psync.main(["assign", "--config", "jobs/psync.yaml", "--periods", "4",
                        "--average", average]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -414,9 +416,7 @@ def test_psync_quality_trains_both_and_reports_the_step_efficiency(tmp_path, mon
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import psync
-
+    psync = _psync()
     assert Path(sys.executable).with_name("mpirun").exists(), "no mpirun beside the interpreter"
     monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
     monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
