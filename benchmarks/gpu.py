@@ -435,7 +435,7 @@ def _attention_accuracy(x, fused, sdpa, cp) -> dict:
                                         for y, z in zip(first, again))
         spec = next(s for s in f.graphs if s.kind == "backward" and s.dtype == x.half.name)
         res["workspace_bytes"][n] = f.graphs[spec].workspace_nbytes
-        res["workspace_bound"][n] = cs.workspace_bound(spec)
+        res["workspace_bound"][n] = cs.workspace_bound(spec, f.version)
         res["engine"][n] = f.graphs[spec].engine
     return res
 

@@ -122,10 +122,14 @@ def test_dp_workspace_limit_is_set_only_while_building(cs, monkeypatch):
 def test_workspace_bound_follows_the_dp_limit(cs):
     """The dP workspace (B H ceil64(T) ceil128(T) 2 bytes) is counted only where the limit
     lets the frontend take the dP path: the 124M model's 192 MiB under the default 256 MiB,
-    not at T 2048 (768 MiB), never at limit 0."""
-    def bound(T, limit):
+    not at T 2048 (768 MiB), never at limit 0; at any limit where cuDNN predates the ordered
+    engine or its version is not known."""
+    def bound(T, limit, version=cs.ORDERED_MIN_VERSION):
         return cs.workspace_bound(cs.SdpaSpec("backward", 8, 12, 12, T, 64, "bfloat16",
-                                              dp_workspace_limit=limit))
+                                              dp_workspace_limit=limit), version)
+    for old in (cs.ORDERED_MIN_VERSION - 100, None):
+        assert bound(2048, 0, old) == bound(2048, None)
+        assert bound(1024, 0, old) == bound(1024, cs.DP_WORKSPACE_LIMIT)
     dp = 8 * 12 * 1024 * 1024 * 2
     assert bound(1024, cs.DP_WORKSPACE_LIMIT) - bound(1024, 0) == dp
     assert bound(1024, None) == bound(1024, cs.DP_WORKSPACE_LIMIT)
@@ -211,7 +215,8 @@ def test_backward_is_deterministic_and_within_its_workspace_bound(cs, card, limi
     for a, b in zip(first, second):
         assert bool(xp.array_equal(a.view(xp.uint16), b.view(xp.uint16)))
     for spec, g in s.graphs.items():
-        assert g.workspace_nbytes <= cs.workspace_bound(spec), (spec.describe(), g.engine)
+        assert g.workspace_nbytes <= cs.workspace_bound(spec, s.version), (spec.describe(),
+                                                                             g.engine, s.version)
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,6 +85,19 @@ def half_close(got, want):
     assert np.all(np.abs(got.astype(np.float64) - want) <= ulp)
 
 
+def test_numpy_compat_puts_back_what_numba_cuda_still_names():
+    """numpy 2.5 removed `row_stack`, which numba-cuda registers when it compiles its first
+    kernel: put back as vstack where missing, left alone where present."""
+    from types import SimpleNamespace
+
+    from ratrain.exec import devkernels
+
+    bare = SimpleNamespace(vstack=np.vstack)
+    assert devkernels.numpy_compat(bare) == ["row_stack"] and bare.row_stack is np.vstack
+    own = SimpleNamespace(vstack=np.vstack, row_stack=len)
+    assert devkernels.numpy_compat(own) == [] and own.row_stack is len
+
+
 @pytest.mark.parametrize("dtype", [np.float32, F16])
 def test_rmsnorm_forward_backward(dk, xp, dtype, monkeypatch):
     monkeypatch.setattr(dk, "ROW_GROUPS", 4)  # 6 rows on 4 blocks: dw partials of 1-2 rows

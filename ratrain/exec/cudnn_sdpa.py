@@ -27,7 +27,8 @@ The workspace is the caller's (`workspace=`: a device byte buffer of `workspace_
 the DDR ledger), else a cupy array from the pool.
 
 The backward is deterministic (`use_deterministic_algorithm=True`: the same bytes on every run
-with the same shapes, card and software). On Hopper with cuDNN >= 9.25 the frontend serves it
+with the same shapes, card and software). On Hopper with cuDNN >= 9.25 (ORDERED_MIN_VERSION;
+older ones take the dP path whatever the limit) the frontend serves it
 two ways, chosen when the graph is built by `CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT`, which
 `dp_workspace_limit` sets around the build (and restores): a dP workspace of
 B * H * ceil64(T) * ceil128(T) * 2 bytes while that fits the limit (None: no limit), else an
@@ -65,6 +66,10 @@ KV_ROLES = ("k", "v", "dk", "dv")  # operands with KV heads
 MAX_HEAD_DIM = 256  # cuDNN 9's fp16/bf16 SDPA, forward and backward
 DP_LIMIT_ENV = "CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT"
 DP_WORKSPACE_LIMIT = 256 << 20  # the frontend's historical cap: dP path up to 256 MiB of it
+# the first cuDNN whose Hopper backward has the ordered (linear-workspace) engine that the limit
+# selects; 9.19 took the dP path at every limit (gpu-check on an H200, 2026-11-28: 201,720,064
+# bytes of workspace for the 124M model's backward under the default limit and under 0)
+ORDERED_MIN_VERSION = 92500
 ALIGN = 16  # bytes: every operand's address and outer strides (2-byte elements)
 
 
@@ -170,11 +175,12 @@ def spec_of(kind: str, arrays: dict, causal: bool = True,
                     dp_workspace_limit if kind == "backward" else None)
 
 
-def workspace_bound(spec: SdpaSpec) -> int:
+def workspace_bound(spec: SdpaSpec, cudnn_version: int | None = None) -> int:
     """The most workspace a graph of `spec` asks for (bytes), before any card: for the
     backward the frontend's own tensors (fp32 dQ accumulator and softmax sums, fp32 full-head
-    dK/dV under GQA) plus the dP workspace where the limit lets the dP path run, and 1 MiB for
-    the engine's own. Checked against `workspace_nbytes` on a GPU (tests/test_cudnn_sdpa.py)."""
+    dK/dV under GQA) plus the dP workspace where the dP path can run (the limit lets it, or
+    `cudnn_version` predates the ordered engine, or is unknown: None), and 1 MiB for the
+    engine's own. Checked against `workspace_nbytes` on a GPU (tests/test_cudnn_sdpa.py)."""
     slack = 1 << 20
     if spec.kind == "forward":
         return slack
@@ -182,7 +188,8 @@ def workspace_bound(spec: SdpaSpec) -> int:
     own = B * H * T * D * 4 + B * H * T * 4 + (2 * B * H * T * D * 4 if spec.KV != spec.H else 0)
     dp = B * H * (-(-T // 64) * 64) * (-(-T // 128) * 128) * 2
     limit = spec.dp_workspace_limit
-    return own + (dp if limit is None or dp <= limit else 0) + slack
+    ordered = cudnn_version is not None and cudnn_version >= ORDERED_MIN_VERSION
+    return own + (dp if not ordered or limit is None or dp <= limit else 0) + slack
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,6 +434,6 @@ class CudnnSdpa:
             self.handle = None
 
 
-__all__ = ["DP_WORKSPACE_LIMIT", "DTYPES", "ROLES", "CudnnSdpa", "CudnnUnavailable", "SdpaGraph",
+__all__ = ["DP_WORKSPACE_LIMIT", "DTYPES", "ORDERED_MIN_VERSION", "ROLES", "CudnnSdpa", "CudnnUnavailable", "SdpaGraph",
            "SdpaSpec", "build", "describe", "frontend", "load", "row_major", "spec_of",
            "workspace_bound"]

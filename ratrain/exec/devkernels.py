@@ -63,11 +63,24 @@ ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over eve
 EXP_MAX = 88.72283935546875  # the smallest float32 whose expf overflows (log(FLT_MAX) < it)
 
 
+def numpy_compat(numpy=np) -> list[str]:
+    """Aliases numba-cuda's typing registry still names and numpy has removed, put back (the
+    names put back): numpy 2.5 dropped `row_stack` (= vstack), and numba-cuda (0.2x-0.30)
+    registers an overload of it when it compiles its first kernel, failing on a GPU host with
+    numpy 2.5 (seen on the device image's numpy 2.5.2, 2026-11-28)."""
+    added = []
+    if not hasattr(numpy, "row_stack"):
+        numpy.row_stack = numpy.vstack
+        added.append("row_stack")
+    return added
+
+
 @functools.cache
 def load():
     """numba.cuda (numba-cuda's, not numba's deprecated built-in target), imported on first use;
     ImportError naming the package when it is missing."""
     global cuda, float32, float64, _SIM
+    numpy_compat()
     try:
         # numba-cuda is optional: only GPU hosts and the tests (the test extra) have it
         import numba.cuda as numba_cuda
