@@ -144,7 +144,7 @@ def cases(cp, dk, act):
         "attention softmax backward": (softmax_bwd_ref, lambda: ux.softmax_backward(
             dp, p32, cp, scale=scale)),
         "adamw (124M)": (adam_ref, adam_dev),
-        "grad sum of squares (124M)": (lambda: cp.asarray(optim.block_sq_norm(g, cp)),
+        "grad sum of squares (124M)": (lambda: cp.asarray(kernels.block_sq_norm(g, cp)),
                                        lambda: dk.sum_squares(g, cp)),
         "cast fp32 -> fp16 (124M)": (cast_ref, lambda: ux.cast(p, cp.float16, cp, out=view16[1])),
     }

@@ -4,6 +4,7 @@ and cuDNN's fused attention.
     python benchmarks/gpu.py speed  [--rounds 5] [--steps 3]   # the 124M LLaMA, whole steps
     python benchmarks/gpu.py agree  [--cpu-steps 20] [--half-steps 200]
     python benchmarks/gpu.py attention [--rounds 5] [--iters 10]   # fused attention, 124M shapes
+    python benchmarks/gpu.py profile [--precisions bf16,fp32]   # where ratrain's step goes
     python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
 
 `speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,
@@ -462,9 +463,56 @@ def _interleaved(steps, a, cp, torch) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def profile(a, dev) -> dict:
+    """Where a ratrain step of the 124M model goes on the card, per precision: the step's wall
+    time as `speed` runs it; the same step with the device synchronized around every timed
+    call (`exec.profile.Profile(sync=)`: each category's kernels, launch gaps included); and
+    the host's Python functions by own time (cProfile, no synchronizing), the 25 costliest."""
+    import cProfile
+    import io
+    import pstats
+
+    from ratrain.device import synchronize
+    from ratrain.exec.profile import Profile
+
+    out = {"case": "gpu-profile", "card": dev.name, "by_precision": {}}
+    for prec in a.precisions.split(","):
+        step, _, cfg, kernels = ratrain_contender(prec, dev, a.smoke)
+        for _ in range(a.warmup):
+            step()
+        wall = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            step()
+            wall.append(time.perf_counter() - t0)
+        with Profile(sync=lambda: synchronize(dev.xp)) as prof:
+            t0 = time.perf_counter()
+            step()
+            synced = time.perf_counter() - t0
+        pr = cProfile.Profile()
+        pr.enable()
+        t0 = time.perf_counter()
+        step()
+        traced = time.perf_counter() - t0
+        pr.disable()
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+        rows = prof.rows()
+        res = {"kernels": kernels, "step_s": statistics.median(wall), "synced_step_s": synced,
+               "cprofile_step_s": traced, "categories": rows}
+        out["by_precision"][prec] = res
+        print(f"== {prec} ({kernels}): step {res['step_s'] * 1e3:.1f} ms; synchronized around "
+              f"each call {synced * 1e3:.1f} ms; under cProfile {traced * 1e3:.1f} ms", flush=True)
+        for r in rows[:20]:
+            print(f"   {r['category']:28} {r['seconds'] * 1e3:9.2f} ms {r['calls']:7d} calls",
+                  flush=True)
+        print("\n".join(text.getvalue().splitlines()[:45]), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "agree", "attention"))
+    ap.add_argument("what", choices=("speed", "agree", "attention", "profile"))
     ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--smoke", action="store_true", help="seconds-long, for the plumbing")
     ap.add_argument("--rounds", type=int, default=5)
@@ -473,6 +521,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="attention calls per contender per round")
     ap.add_argument("--cpu-steps", type=int, default=20)
     ap.add_argument("--half-steps", type=int, default=200, help="fp16, bf16 and fp32 on the device")
+    ap.add_argument("--precisions", default="bf16,fp32", help="profile: which, comma-separated")
     a = ap.parse_args(argv)
     if a.device == "standin" and not a.smoke:
         print("error: --device standin measures nothing: give --smoke, or --device gpu",
@@ -486,7 +535,8 @@ def main(argv=None) -> int:
 
     try:
         dev = open_device(a.device)
-        out = {"speed": speed, "agree": agree, "attention": attention}[a.what](a, dev)
+        out = {"speed": speed, "agree": agree, "attention": attention,
+               "profile": profile}[a.what](a, dev)
     except (DeviceError, CudnnUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,10 @@
 #   9. the device tests on the GPU: tests/test_device.py, test_devkernels.py (numba-cuda kernels
 #      on the card, not the simulator)
 #  10. the fused kernels against plain cupy (benchmarks/devkernels.py)
+#  11. where ratrain's step of the 124M model goes (bf16, fp32): per category with the device
+#      synchronized around each call, and the host's Python by own time (benchmarks/gpu.py
+#      profile)
+# RATRAIN_CHECK_ONLY="tests kernels" runs only the steps it names (a rerun after a fix).
 # Every process that computes on the card compiles numba-cuda's kernels on first use (no disk
 # cache): that is in each step's time.
 # The report is $OUT/gpu-check.txt (or ./gpu-check.txt); figures also go as benchmark records
@@ -67,6 +71,9 @@ say() { echo "$*" | tee -a "$report"; }
 step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never past the budget
   local name=$1 limit=$2
   shift 2
+  if [ -n "${RATRAIN_CHECK_ONLY:-}" ] && [[ " $RATRAIN_CHECK_ONLY " != *" $name "* ]]; then
+    return
+  fi
   local left=$(( budget - ($(date +%s) - t_start) ))
   if [ "$left" -lt 15 ]; then
     say "FAIL $name (not run: ${left}s left of the ${budget}s budget)"; failed=1; return
@@ -122,6 +129,7 @@ step tests 110 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_d
 if [ -f benchmarks/devkernels.py ] && [ "$dev" = gpu ]; then
   step kernels 30 "$py" benchmarks/devkernels.py
 fi
+step profile 90 "$py" benchmarks/gpu.py profile "${smoke[@]}"
 rm -rf "$out/hf-parity"
 say "gpu-check: $([ $failed = 0 ] && echo 'every step passed' || echo 'some steps FAILED') in $(( $(date +%s) - t_start ))s; report $report"
 exit $failed

@@ -134,3 +134,32 @@ def test_bad_choices_are_one_line_naming_the_key(toy):
         ExecContext(tiny_config().model, kernels=kernel_table(standin))
     with pytest.raises(ValueError, match="'toy': the name is empty, auto or taken"):
         register_attention("toy", lambda device, precision: Toy())
+
+
+def test_a_context_without_a_table_passes_over_an_auto_backend_that_refuses_its_model(toy):
+    """`auto` asks each backend about the model also where code builds a context without a
+    config's table (tests, tools): cuDNN's refusal of head size 4 in fp16 made a GPU's default
+    context fail at its first layer instead of taking the tiled path (gpu-check, H200)."""
+    from ratrain.exec.backends import AUTO, default_kernels
+
+    class Picky(Toy):
+        name = "picky"
+
+        def refuses(self, model, dtype):
+            return "" if model.head_dim >= 16 else f"head size {model.head_dim} is under 16"
+
+    register_attention("picky", lambda device, precision: Picky(), auto=("cpu",))
+    try:
+        assert AUTO["cpu"][0] == "picky"
+        small = tiny_config().model
+        wide = replace(small, hidden=16 * small.heads)
+        assert small.head_dim < 16 <= wide.head_dim
+        default_kernels.cache_clear()
+        with ExecContext(small) as ctx:
+            assert ctx.kernels.names["attention"] == "tiled-64"
+            assert ctx.kernels.passed_over == {"picky": "head size 8 is under 16"}
+        with ExecContext(wide) as ctx:
+            assert ctx.kernels.names["attention"] == "picky"
+    finally:
+        unregister_attention("picky")
+        default_kernels.cache_clear()

@@ -239,9 +239,10 @@ def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
 
 
 @functools.cache
-def default_kernels(xp=np, precision: str = "fp32") -> Kernels:
-    """The `auto` table of `xp` (code without a config; one per module and precision)."""
-    return kernel_table(xp, precision)
+def default_kernels(xp=np, precision: str = "fp32", model=None) -> Kernels:
+    """The `auto` table of `xp` (code without a config; one per module, precision and model:
+    `auto`'s attention passes over a backend that refuses the model's shapes)."""
+    return kernel_table(xp, precision, model=model)
 
 
 def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -> str | None:

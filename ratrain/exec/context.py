@@ -111,7 +111,7 @@ class ExecContext:
     ):
         if precision not in DTYPES:
             raise ValueError(f"precision={precision!r}: expected fp32, fp16 or bf16 (fp64: tests)")
-        self.kernels = kernels if kernels is not None else default_kernels(xp, precision)
+        self.kernels = kernels if kernels is not None else default_kernels(xp, precision, model)
         if self.kernels.device != kind_of(xp):
             raise ValueError(f"a kernel table for {self.kernels.device} given to a context "
                              f"computing on {kind_of(xp)}")

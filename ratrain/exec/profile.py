@@ -9,6 +9,11 @@ unless a profile is active.
     with Profile() as prof:
         step()
     prof.table(sgemm_gflops_per_thread)
+
+On a GPU the calls only queue work: `Profile(sync=...)` (the device's synchronize) waits for
+the device before and after each call, so a category's time is its kernels' (serialised,
+launch gaps included); the step's time under it against its time without says how much of a
+step the host's launching hides or exposes.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def add_flops(flops: float) -> None:
 
 
 class Profile:
-    def __init__(self):
+    def __init__(self, sync=None):
+        self.sync = sync  # called before and after each timed call (a device's synchronize)
         self.seconds: dict[str, float] = {}
         self.flops: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -64,12 +70,16 @@ class Profile:
         stack = getattr(_local, "stack", None)
         if stack is None:
             stack = _local.stack = []
+        if self.sync is not None:
+            self.sync()
         t0 = time.perf_counter()
         stack.append(category)
         try:
             return fn(*args, **kwargs)
         finally:
             stack.pop()
+            if self.sync is not None:
+                self.sync()
             dt = time.perf_counter() - t0
             with self._lock:
                 self.seconds[category] = self.seconds.get(category, 0.0) + dt
