@@ -26,6 +26,5 @@ def test_nested_calls_count_in_the_innermost_and_sync_wraps_each_call():
     assert len(syncs) == 2 * 3  # before and after each of the three timed calls
     assert prof.seconds["outer"] >= 0 and prof.seconds["inner"] >= 0
     assert outer() == 2 and prof.calls["outer"] == 1  # off once the block ends
-    with pytest.raises(RuntimeError, match="already running"):
-        with Profile(), Profile():
-            pass
+    with pytest.raises(RuntimeError, match="already running"), Profile(), Profile():
+        pass
