@@ -7,6 +7,12 @@ Builds a random LlamaForCausalLM, saves it with save_pretrained, trains it for N
     python benchmarks/hf_parity.py [--steps 100] [--out runs/hf-parity] [--tol 1e-4]
                                    [--hidden 128 --layers 4 --heads 4 --kv-heads 2 ...]
                                    [--device gpu]   # both sides on the GPU (issue 19)
+                                   [--precision bf16]  # ratrain's precision, PyTorch's autocast
+
+With `--precision bf16` or `fp16` ratrain runs at that precision and PyTorch under autocast to
+that dtype (fp16 with a GradScaler), masters fp32 on both: each side's 16-bit curve, set beside
+its own fp32 curve (`python -m ratrain.compare`), says how far 16 bits move a run in either
+framework (docs/BENCHMARKS.md, "16 bits against fp32").
 
 Prints `max_rel_dev=<float> steps=<n>` (ratrain.compare) and exits 1 above --tol. The torch side
 is an independent reference: it shares with ratrain only the token file, the batch contract of
@@ -34,6 +40,8 @@ def torch_reference(hf_dir, tokens_path, a, out_path):
     on = "cuda" if a.device == "gpu" else "cpu"
     model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model.to(on).train()
+    half = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.precision]
+    scaler = torch.amp.GradScaler(on) if half is torch.float16 else None
     opt = torch.optim.AdamW(
         model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay
     )
@@ -47,12 +55,21 @@ def torch_reference(hf_dir, tokens_path, a, out_path):
             win = np.stack([np.asarray(toks[i * (T + 1) : (i + 1) * (T + 1)], np.int64) for i in idx])
             x = torch.from_numpy(win[:, :-1]).to(on)
             y = torch.from_numpy(win[:, 1:]).to(on)
-            logits = model(input_ids=x).logits  # (B, T, V)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            with torch.autocast(on, dtype=half, enabled=half is not None):
+                logits = model(input_ids=x).logits  # (B, T, V)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                         y.reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-            opt.step()
+            if scaler is None:
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+                scaler.step(opt)
+                scaler.update()
             sched.step()
             f.write(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": gnorm.item()}) + "\n")
 
@@ -99,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ratrain-args", nargs="*", default=[], help="extra --set key=value for ratrain")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu", "standin"),
                     help="where both sides compute (ratrain's run.device; PyTorch on cuda for gpu)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="ratrain's precision; PyTorch autocasts to it (fp16: with a GradScaler)")
     a = ap.parse_args(argv)
 
     from ratrain.data import ensure_default_corpus
@@ -115,7 +134,7 @@ def main(argv=None) -> int:
         f"model.seq_len={a.seq_len}",
         f"parallel.micro_batch={a.micro_batch}",
         f"parallel.num_micro_batches={a.micro_batches}",
-        "precision=fp32",
+        f"precision={a.precision}",
         f"optim.lr={a.lr}",
         "optim.betas=[0.9,0.95]",
         "optim.eps=1e-8",

@@ -15,7 +15,9 @@ script exits with its status; a command that printed no JSON writes nothing. Rec
 $RATRAIN_RECORDS (default docs/records/; smoke runs point it elsewhere).
 
 Record fields: name, command (exactly what was run: this script's command line), commit (git
-rev-parse --short HEAD, "+dirty" when the tree has changes), cpu_model (/proc/cpuinfo), cores
+rev-parse --short HEAD, "+dirty" when the tree has changes; $RATRAIN_COMMIT where set, for a
+copy of the tree whose .git is not the tree's: the device machine's reported the session's
+first commit, dirty), cpu_model (/proc/cpuinfo), cores
 (os.cpu_count()), load_before, load_after (1-minute load average), date (ISO-8601 UTC), figures.
 "+dirty" leaves out docs/records/ itself (a re-measurement writes records one after another).
 """
@@ -41,6 +43,9 @@ def records_dir() -> Path:
 
 
 def commit() -> str:
+    if os.environ.get("RATRAIN_COMMIT"):
+        return os.environ["RATRAIN_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
     head = git("rev-parse", "--short", "HEAD").strip() or "unknown"

@@ -6,7 +6,9 @@
 # (pytest-mpi, nvidia-cudnn-frontend, ml_dtypes; cuda-bindings where missing) travels as wheels,
 # made here once per session:
 #     bash scripts/gpu-wheels.sh          # .whl/, about 20 MB, setup.cfg's versions
-# then, with the device tool:   run(command="bash scripts/gpu-check.sh", carry=[".whl"], timeout_s=560)
+# then, with the device tool:   run(command="RATRAIN_COMMIT=<git rev-parse --short HEAD here> bash
+# scripts/gpu-check.sh", carry=[".whl"], timeout_s=560): the tree's copy there carries a .git that
+# named the session's first commit, not the tree's (2026-11-28), so the commit is passed in.
 # The wheels go into a scratch directory on PYTHONPATH (--target: no install into the machine's
 # Python), without their dependencies.
 #
@@ -88,7 +90,7 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never past the bu
   if [ $rc -eq 0 ]; then say "PASS $name (${dt}s)"; else say "FAIL $name (exit $rc, ${dt}s)"; failed=1; fi
 }
 
-say "ratrain gpu-check, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+say "ratrain gpu-check, commit ${RATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$report"
 if [ -d .whl ] && [ "$dev" = gpu ]; then
   wheels=(pytest-mpi nvidia-cudnn-frontend ml_dtypes)

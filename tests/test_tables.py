@@ -46,6 +46,16 @@ def test_a_new_record_changes_its_row_and_the_row_names_its_host(tmp_path):
     assert tables.render(page, new, record.read_records(tmp_path)) == new  # a fixed point
 
 
+def test_the_commit_is_the_trees_or_ratrain_commit_where_set(monkeypatch):
+    """A copy of the tree whose .git is not its own (the device machine's) is told its commit."""
+    monkeypatch.delenv("RATRAIN_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert record.commit().split("+")[0] == head
+    monkeypatch.setenv("RATRAIN_COMMIT", "abc1234")
+    assert record.commit() == "abc1234" and record.host()["commit"] == "abc1234"
+
+
 def test_record_runs_a_command_takes_medians_and_ratios(tmp_path):
     code = ("import json, random; print('warming up'); "
             "print(json.dumps({'case': 'a', 'time_s': random.choice([1.0, 2.0, 3.0])})); "

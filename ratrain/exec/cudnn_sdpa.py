@@ -28,15 +28,16 @@ the DDR ledger), else a cupy array from the pool.
 
 The backward is deterministic (`use_deterministic_algorithm=True`: the same bytes on every run
 with the same shapes, card and software). On Hopper with cuDNN >= 9.25 (ORDERED_MIN_VERSION;
-older ones take the dP path whatever the limit) the frontend serves it
-two ways, chosen when the graph is built by `CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT`, which
-`dp_workspace_limit` sets around the build (and restores): a dP workspace of
-B * H * ceil64(T) * ceil128(T) * 2 bytes while that fits the limit (None: no limit), else an
-ordered dQ accumulation with workspace linear in T (0: always). The default,
-DP_WORKSPACE_LIMIT (256 MiB, the frontend's old cap: the dP path at the 124M model's 192 MiB,
-the ordered one from T 2048 at that width), stands until scripts/gpu-check.sh's timings of both
-settings decide. Which engine serves a graph is recorded (`SdpaGraph.engine`): cuDNN's own,
-unless the frontend's Python (CuTe DSL) engines are installed and claim it.
+older ones take the dP path whatever the limit) the frontend serves it two ways, chosen when
+the graph is built by `CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT`, which `dp_workspace_limit`
+sets around the build (and restores): a dP workspace of B * H * ceil64(T) * ceil128(T) * 2
+bytes while that fits the limit (None: no limit), else an ordered dQ accumulation with
+workspace linear in T (0: always). The default, DP_WORKSPACE_LIMIT (256 MiB, the frontend's
+old cap: the dP path at the 124M model's 192 MiB, the ordered one from T 2048 at that width)
+stands: the one card measured (an H200 with cuDNN 9.19) has no ordered engine, so the two
+settings could not be timed against each other. Which engine serves a graph is recorded
+(`SdpaGraph.engine`): cuDNN's own, unless the frontend's Python (CuTe DSL) engines are
+installed and claim it.
 
 Without a card (CI): `describe(spec)` builds and validate()s a graph: frontend 1.32's
 Python-native rules (shapes, head counts, head size, attributes); the C++ checks (stride
