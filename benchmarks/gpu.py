@@ -5,6 +5,7 @@ and cuDNN's fused attention.
     python benchmarks/gpu.py agree  [--cpu-steps 20] [--half-steps 200]
     python benchmarks/gpu.py attention [--rounds 5] [--iters 10]   # fused attention, 124M shapes
     python benchmarks/gpu.py profile [--precisions bf16,fp32]   # where ratrain's step goes
+    python benchmarks/gpu.py gemm                              # the 124M GEMMs: cupy, ratrain, torch
     python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
 
 `speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,
@@ -443,10 +444,14 @@ def _attention_accuracy(x, fused, sdpa, cp) -> dict:
 
 def _interleaved(steps, a, cp, torch) -> dict:
     """Median seconds per call of each of `steps`, in `a.rounds` interleaved rounds of
-    `a.iters` calls, after `a.warmup` calls each; the card synchronized around each batch."""
+    `a.iters` calls, after `a.warmup` calls each; the card synchronized around each batch
+    (`torch`: None when no PyTorch step runs on the card)."""
+    from ratrain.device import synchronize
+
     def sync():
-        cp.cuda.Device().synchronize()
-        torch.cuda.synchronize()
+        synchronize(cp)
+        if torch is not None:
+            torch.cuda.synchronize()
 
     for fn in steps.values():
         for _ in range(a.warmup):
@@ -499,7 +504,8 @@ def profile(a, dev) -> dict:
         pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
         rows = prof.rows()
         res = {"kernels": kernels, "step_s": statistics.median(wall), "synced_step_s": synced,
-               "cprofile_step_s": traced, "categories": rows}
+               "cprofile_step_s": traced, "categories": rows, "device_kernels": _kernel_table(
+                   step, dev, a.kernel_rows)}
         out["by_precision"][prec] = res
         print(f"== {prec} ({kernels}): step {res['step_s'] * 1e3:.1f} ms; synchronized around "
               f"each call {synced * 1e3:.1f} ms; under cProfile {traced * 1e3:.1f} ms", flush=True)
@@ -507,12 +513,104 @@ def profile(a, dev) -> dict:
             print(f"   {r['category']:28} {r['seconds'] * 1e3:9.2f} ms {r['calls']:7d} calls",
                   flush=True)
         print("\n".join(text.getvalue().splitlines()[:45]), flush=True)
+        kt = res["device_kernels"]
+        if kt and "error" in kt:
+            print(f"   the kernel table failed: {kt['error']}", flush=True)
+        elif kt:
+            print(f"   {kt['what']}: {kt['total_ms']:.1f} ms in {kt['count']} launches "
+                  f"over a {kt['step_ms']:.1f} ms step", flush=True)
+            for r in kt["rows"]:
+                print(f"   {r['ms']:9.3f} ms {r['count']:6d} x  {r['name'][:100]}", flush=True)
+    return out
+
+
+def _kernel_table(step, dev, rows: int) -> dict | None:
+    """One step under PyTorch's profiler (CUPTI sees every kernel of the process: cupy's,
+    numba-cuda's, cuBLAS's, cuDNN's): the `rows` kernels of most device time, their launches,
+    and the device time of all against the step's wall time (the card's busy fraction). On the
+    stand-in the host functions by own time instead. None without torch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+    except ImportError:
+        return None
+    on_card = dev.kind == "gpu" and torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_card else [])
+    try:
+        with torch_profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            step()
+            wall = time.perf_counter() - t0
+        averages = prof.key_averages()
+    except Exception as e:  # noqa: BLE001 - CUPTI refused, say: the step's other figures stand
+        return {"error": f"{type(e).__name__}: {e}"}
+
+    def own(e):  # microseconds of device (or, on the stand-in, host) time of the event itself
+        if not on_card:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    events = [e for e in averages if own(e) > 0]
+    events.sort(key=own, reverse=True)
+    return {"what": "device kernels" if on_card else "host functions (stand-in)",
+            "step_ms": wall * 1e3, "total_ms": sum(map(own, events)) / 1e3,
+            "count": sum(e.count for e in events),
+            "rows": [{"name": e.key, "ms": own(e) / 1e3, "count": e.count}
+                     for e in events[:rows]]}
+
+
+GEMM_SHAPES = {  # the 124M model's GEMMs at micro-batch 8 x 1024 tokens: (M, K, N)
+    "qkv": (8192, 768, 2304), "attn out": (8192, 768, 768), "gate|up": (8192, 768, 4096),
+    "down": (8192, 2048, 768), "head": (8192, 768, 32000), "head chunk": (131, 768, 32000)}
+GEMM_SMOKE = {"qkv": (64, 32, 96), "head chunk": (3, 32, 64)}
+
+
+def gemm(a, dev) -> dict:
+    """The 124M model's GEMM shapes, interleaved, TFLOP/s: cupy's matmul on 16-bit (or fp32)
+    operands, ratrain's `gemm.matmul` as the layers call it (fp32 activations, 16-bit weights,
+    `half=`: a cast before, the GEMM, a cast of the result back to fp32), and torch.matmul on
+    the same 16-bit operands; per shape and precision. Says whether the GEMMs or the casts
+    around them hold ratrain's steps back."""
+    from ratrain.exec import gemm as rgemm
+    from ratrain.exec.kernels import DTYPES
+
+    cp = dev.xp
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    on = "cuda" if dev.kind == "gpu" else "cpu"
+    shapes = GEMM_SMOKE if a.smoke else GEMM_SHAPES
+    rng = np.random.default_rng(0)
+    out = {"case": "gpu-gemm", "card": dev.name, "by_shape": []}
+    for prec in PRECISIONS:
+        dt = DTYPES[prec]
+        half = None if prec == "fp32" else dt
+        for name, (M, K, N) in shapes.items():
+            x32 = cp.asarray(rng.standard_normal((M, K), np.float32))
+            w = cp.asarray(rng.standard_normal((K, N), np.float32).astype(dt))
+            x = x32.astype(dt)
+            steps = {"cupy": lambda x=x, w=w: cp.matmul(x, w),
+                     "ratrain": lambda x32=x32, w=w, h=half: rgemm.matmul(x32, w, xp=cp, half=h)}
+            if torch is not None and on == "cuda":
+                tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prec]
+                tx = torch.randn(M, K, device=on, dtype=tdt)
+                tw = torch.randn(K, N, device=on, dtype=tdt)
+                steps["torch"] = lambda tx=tx, tw=tw: torch.matmul(tx, tw)
+            ms = _interleaved(steps, a, cp, torch if on == "cuda" else None)
+            row = {"precision": prec, "case": name, "shape": f"{M}x{K}x{N}",
+                   "tflops": {k: 2 * M * K * N / v / 1e12 for k, v in ms.items()},
+                   "ms": {k: v * 1e3 for k, v in ms.items()}}
+            out["by_shape"].append(row)
+            print(f"{prec} {name:>10} {row['shape']:>16}: " + "  ".join(
+                f"{k} {row['ms'][k]:8.3f} ms {row['tflops'][k]:7.1f} TFLOP/s" for k in ms),
+                flush=True)
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("speed", "agree", "attention", "profile"))
+    ap.add_argument("what", choices=("speed", "agree", "attention", "profile", "gemm"))
     ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--smoke", action="store_true", help="seconds-long, for the plumbing")
     ap.add_argument("--rounds", type=int, default=5)
@@ -522,6 +620,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-steps", type=int, default=20)
     ap.add_argument("--half-steps", type=int, default=200, help="fp16, bf16 and fp32 on the device")
     ap.add_argument("--precisions", default="bf16,fp32", help="profile: which, comma-separated")
+    ap.add_argument("--kernel-rows", type=int, default=30, help="profile: kernels listed")
     a = ap.parse_args(argv)
     if a.device == "standin" and not a.smoke:
         print("error: --device standin measures nothing: give --smoke, or --device gpu",
@@ -535,8 +634,8 @@ def main(argv=None) -> int:
 
     try:
         dev = open_device(a.device)
-        out = {"speed": speed, "agree": agree, "attention": attention,
-               "profile": profile}[a.what](a, dev)
+        out = {"speed": speed, "agree": agree, "attention": attention, "profile": profile,
+               "gemm": gemm}[a.what](a, dev)
     except (DeviceError, CudnnUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

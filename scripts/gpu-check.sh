@@ -37,8 +37,9 @@
 #      on the card, not the simulator)
 #  10. the fused kernels against plain cupy (benchmarks/devkernels.py)
 #  11. where ratrain's step of the 124M model goes (bf16, fp32): per category with the device
-#      synchronized around each call, and the host's Python by own time (benchmarks/gpu.py
-#      profile)
+#      synchronized around each call, the host's Python by own time, and the card's kernels by
+#      device time under PyTorch's profiler (benchmarks/gpu.py profile)
+#  12. the 124M model's GEMM shapes: cupy, ratrain's cast-around GEMM, PyTorch (gpu.py gemm)
 # RATRAIN_CHECK_ONLY="tests kernels" runs only the steps it names (a rerun after a fix).
 # Every process that computes on the card compiles numba-cuda's kernels on first use (no disk
 # cache): that is in each step's time.
@@ -132,6 +133,7 @@ if [ -f benchmarks/devkernels.py ] && [ "$dev" = gpu ]; then
   step kernels 30 "$py" benchmarks/devkernels.py
 fi
 step profile 90 "$py" benchmarks/gpu.py profile "${smoke[@]}"
+step gemm 45 "$py" benchmarks/record.py gpu-gemm -- "$py" benchmarks/gpu.py gemm "${smoke[@]}"
 rm -rf "$out/hf-parity"
 say "gpu-check: $([ $failed = 0 ] && echo 'every step passed' || echo 'some steps FAILED') in $(( $(date +%s) - t_start ))s; report $report"
 exit $failed

@@ -60,3 +60,19 @@ def test_attention_plumbing_on_the_standin():
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["executed"] is False and out["graphs_validated"] == 6
+
+
+def test_profile_and_gemm_plumbing_on_the_standin():
+    """`profile`: per category, synchronized, for each precision asked; `gemm`: cupy's GEMM and
+    ratrain's cast-around one at each shape and precision (PyTorch's only on a card)."""
+    p = run("profile", "--device", "standin", "--smoke", "--precisions", "bf16")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])["by_precision"]
+    assert set(out) == {"bf16"} and out["bf16"]["step_s"] > 0
+    assert {"gemm", "attention", "adamw"} <= {r["category"] for r in out["bf16"]["categories"]}
+    p = run("gemm", "--device", "standin", "--smoke")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["by_shape"]
+    assert {(r["precision"], r["case"]) for r in rows} == {
+        (p, c) for p in ("bf16", "fp16", "fp32") for c in ("qkv", "head chunk")}
+    assert all(set(r["ms"]) == {"cupy", "ratrain"} and min(r["ms"].values()) > 0 for r in rows)
