@@ -13,8 +13,9 @@ seq 1024, micro-batch 8), whole training steps (forward, backward, clipping, Ada
 contenders in interleaved rounds on the same card, each step ended by a device synchronize:
 ratrain bf16, fp16 and fp32 (`run.device: gpu`, pp = dp = 1, the kernel table `auto` gives:
 cuDNN's fused attention at 16 bits) and PyTorch + transformers AMP bf16 + SDPA, AMP fp16 +
-SDPA (GradScaler) and fp32 eager; and ratrain bf16 with `run.devkernels: off` (every op on
-cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`). Prints tokens/s (median over rounds), the ratios the issue
+SDPA (GradScaler) and fp32 eager; and two trials of ratrain bf16: `run.devkernels: off` (every
+op on cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`) and the
+head's logits in 256 MiB chunks instead of the context's 16 MiB (`head_chunk_256mib_gain_bf16`). Prints tokens/s (median over rounds), the ratios the issue
 targets (ratrain bf16 / AMP bf16 and fp16 / AMP fp16 >= 0.8, fp32 / PyTorch fp32 >= 1.0), MFU
 (model flops per token x tokens/s) against the card's dense peak for the contender's GEMMs
 (`DENSE_PEAK`: 16-bit tensor cores, or fp32), each ratrain contender's kernel table, and
@@ -80,7 +81,8 @@ DENSE_PEAK = [("H100 PCIe", 756.5e12, 51.2e12), ("H100 NVL", 835.5e12, 60.0e12),
 PRECISIONS = ("bf16", "fp16", "fp32")
 TORCH = {"bf16": "torch amp bf16 sdpa", "fp16": "torch amp fp16 sdpa", "fp32": "torch fp32 eager"}
 SPEED_TARGET = {"bf16": 0.8, "fp16": 0.8, "fp32": 1.0}  # ratrain / PyTorch tokens/s
-NO_DEVKERNELS = "ratrain bf16 devkernels off"  # speed's seventh contender
+NO_DEVKERNELS = "ratrain bf16 devkernels off"  # speed's trials beside the six contenders
+BIG_HEAD_CHUNK = "ratrain bf16 head chunk 256 MiB"
 
 
 def card_peak(name: str, precision: str) -> float | None:
@@ -97,15 +99,19 @@ def config(precision: str, device: str, smoke: bool, attention: str = "auto", se
                               f"run.attention={attention}", *sets])
 
 
-def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto", sets=()):
+def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto", sets=(),
+                      head_chunk_bytes: int | None = None):
     """(step, peak, cfg, kernels) for ratrain at `precision` on `dev` (`sets`: more config
-    keys): step() runs one whole training step and waits for the device; peak() the ledger's
-    peak bytes so far."""
+    keys; `head_chunk_bytes`: the head's logits chunk instead of the context's, a trial the
+    ledger does not count): step() runs one whole training step and waits for the device;
+    peak() the ledger's peak bytes so far."""
     from ratrain.device import synchronize
     from ratrain.lifecycle.rank import build_rank
 
     cfg = config(precision, dev.kind, smoke, attention, sets)
     rank = build_rank(cfg, None, cap=None, device=dev)
+    if head_chunk_bytes is not None:
+        rank.ctx.head_chunk_bytes = head_chunk_bytes
     m, p = cfg.model, cfg.parallel
     rng = np.random.default_rng(0)
     shape = (p.num_micro_batches, p.micro_batch, m.seq_len)
@@ -221,11 +227,15 @@ def speed(a, dev) -> dict:
         if made is not None:
             steps[TORCH[prec]] = made
             memory[TORCH[prec]] = after()
-    # what the device kernels bring: the bf16 step with every op on cupy's compositions
-    made = _warm(NO_DEVKERNELS, lambda: ratrain_contender(
-        "bf16", dev, a.smoke, sets=("run.devkernels=off",)), a.warmup, errors)
-    if made is not None:
-        steps[NO_DEVKERNELS], _, _, kernels["bf16, devkernels off"] = made
+    # trials at bf16, timed with the rest: every op on cupy's compositions (what the device
+    # kernels bring), and the head's logits in 256 MiB chunks instead of 16 MiB (the profile's
+    # 63 skinny GEMMs each way a step)
+    for name, trial in ((NO_DEVKERNELS, dict(sets=("run.devkernels=off",))),
+                        (BIG_HEAD_CHUNK, dict(head_chunk_bytes=256 << 20))):
+        made = _warm(name, lambda t=trial: ratrain_contender("bf16", dev, a.smoke, **t),
+                     a.warmup, errors)
+        if made is not None:
+            steps[name] = made[0]
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(a.rounds):  # interleaved: every contender sees the same card state
         for k, fn in steps.items():
@@ -237,7 +247,7 @@ def speed(a, dev) -> dict:
     tokens = p.micro_batch * p.num_micro_batches * m.seq_len
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     precision_of = {**{f"ratrain {p}": p for p in PRECISIONS}, **{TORCH[p]: p for p in PRECISIONS},
-                    NO_DEVKERNELS: "bf16"}
+                    NO_DEVKERNELS: "bf16", BIG_HEAD_CHUNK: "bf16"}
     peak = {k: card_peak(dev.name, precision_of[k]) for k in tps}
     mfu = {k: m.flops_per_token() * t / peak[k] if peak[k] else None for k, t in tps.items()}
     out = {"case": "gpu-speed", "card": dev.name, "tokens_per_step": tokens,
@@ -247,6 +257,9 @@ def speed(a, dev) -> dict:
            "target_vs_torch": SPEED_TARGET, "rounds": a.rounds, "steps_per_round": a.steps,
            "devkernels_gain_bf16": (tps["ratrain bf16"] / tps[NO_DEVKERNELS]
                                     if "ratrain bf16" in tps and NO_DEVKERNELS in tps else None),
+           "head_chunk_256mib_gain_bf16": (tps[BIG_HEAD_CHUNK] / tps["ratrain bf16"]
+                                           if "ratrain bf16" in tps and BIG_HEAD_CHUNK in tps
+                                           else None),
            "errors": errors}
     for prec in ("bf16", "fp16"):
         mem, amp = memory.get(f"ratrain {prec}"), memory.get(TORCH[prec])

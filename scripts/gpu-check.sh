@@ -120,7 +120,7 @@ except cs.CudnnUnavailable as e:  # expected on a CPU rehearsal, a failure on th
     raise SystemExit(int('$dev' == 'gpu'))
 libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn' in l})
 print('cuDNN', version, 'from', libs[0] if libs else '?')"
-step speed 120 "$py" benchmarks/record.py gpu-speed -- "$py" benchmarks/gpu.py speed --rounds 5 --steps 2 "${smoke[@]}"
+step speed 150 "$py" benchmarks/record.py gpu-speed -- "$py" benchmarks/gpu.py speed --rounds 5 --steps 2 "${smoke[@]}"
 step agree 90 "$py" benchmarks/record.py gpu-agree -- "$py" benchmarks/gpu.py agree "${smoke[@]}"
 step attention 60 "$py" benchmarks/record.py gpu-attention -- "$py" benchmarks/gpu.py attention "${smoke[@]}"
 step mpi-4-ranks-one-gpu 75 "$mpirun" --oversubscribe -n 4 "$py" -m pytest -q --color=no -p no:cacheprovider \
