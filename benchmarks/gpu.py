@@ -15,8 +15,9 @@ ratrain bf16, fp16 and fp32 (`run.device: gpu`, pp = dp = 1, the kernel table `a
 cuDNN's fused attention at 16 bits) and PyTorch + transformers AMP bf16 + SDPA, AMP fp16 +
 SDPA (GradScaler) and fp32 eager; and two trials of ratrain bf16: `run.devkernels: off` (every
 op on cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`) and the
-head's logits in 256 MiB chunks instead of the context's 16 MiB (`head_chunk_256mib_gain_bf16`). Prints tokens/s (median over rounds), the ratios the issue
-targets (ratrain bf16 / AMP bf16 and fp16 / AMP fp16 >= 0.8, fp32 / PyTorch fp32 >= 1.0), MFU
+head's logits in 256 MiB chunks instead of the context's 16 MiB (`head_chunk_256mib_gain_bf16`).
+Prints tokens/s (median over rounds), the ratios the issue targets (ratrain bf16 / AMP bf16
+and fp16 / AMP fp16 >= 0.8, fp32 / PyTorch fp32 >= 1.0), MFU
 (model flops per token x tokens/s) against the card's dense peak for the contender's GEMMs
 (`DENSE_PEAK`: 16-bit tensor cores, or fp32), each ratrain contender's kernel table, and
 memory, each contender built and warmed up alone: ratrain's ledger peak against the bytes
@@ -42,6 +43,12 @@ merely rounded to the dtype (the floor of any kernel returning that dtype) and P
 own, whether the backward repeats bitwise, and each setting's workspace bytes against
 `workspace_bound`. On the stand-in (`--smoke`) it builds and validates
 the graphs only: nothing runs without a card.
+
+`profile`: where ratrain's step of the 124M model goes, per precision (`--precisions`): the
+step's time, per category with the card synchronized around each call (`exec.profile`), the
+host's Python by own time (cProfile), and the card's kernels by device time (PyTorch's
+profiler, which sees every library's kernels). `gemm`: the model's GEMM shapes through cupy,
+through ratrain's `gemm.matmul` as the layers call it, and through PyTorch, TFLOP/s.
 
 Each prints one JSON object last (benchmarks/record.py takes it). Refuses in one line, exit 2,
 when `--device gpu` has no cupy or no card. `--smoke` shrinks everything to seconds and lets
@@ -649,6 +656,11 @@ def main(argv=None) -> int:
     if a.device == "standin" and not a.smoke:
         print("error: --device standin measures nothing: give --smoke, or --device gpu",
               file=sys.stderr)
+        return 2
+    bad = sorted(set(a.precisions.split(",")) - set(PRECISIONS))
+    if bad:
+        print(f"error: --precisions {a.precisions}: {', '.join(bad)} is not one of "
+              f"{', '.join(PRECISIONS)}", file=sys.stderr)
         return 2
     if a.smoke:
         a.rounds, a.steps, a.warmup, a.iters = 1, 1, 1, 1
