@@ -435,6 +435,6 @@ class CudnnSdpa:
             self.handle = None
 
 
-__all__ = ["DP_WORKSPACE_LIMIT", "DTYPES", "ORDERED_MIN_VERSION", "ROLES", "CudnnSdpa", "CudnnUnavailable", "SdpaGraph",
-           "SdpaSpec", "build", "describe", "frontend", "load", "row_major", "spec_of",
-           "workspace_bound"]
+__all__ = ["DP_WORKSPACE_LIMIT", "DTYPES", "ORDERED_MIN_VERSION", "ROLES", "CudnnSdpa",
+           "CudnnUnavailable", "SdpaGraph", "SdpaSpec", "build", "describe", "frontend", "load",
+           "row_major", "spec_of", "workspace_bound"]
