@@ -5,7 +5,7 @@ and cuDNN's fused attention.
     python benchmarks/gpu.py agree  [--cpu-steps 20] [--half-steps 200]
     python benchmarks/gpu.py attention [--rounds 5] [--iters 10]   # fused attention, 124M shapes
     python benchmarks/gpu.py profile [--precisions bf16,fp32]   # where ratrain's step goes
-    python benchmarks/gpu.py gemm                              # the 124M GEMMs: cupy, ratrain, torch
+    python benchmarks/gpu.py gemm            # the 124M GEMMs: cupy, ratrain, torch
     python benchmarks/gpu.py ... --device standin --smoke      # the plumbing, on a CPU (a test)
 
 `speed`: a 124M LLaMA (hidden 768, 12 layers, 12 heads, 12 kv heads, ffn 2048, vocab 32000,

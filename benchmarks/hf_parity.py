@@ -57,7 +57,8 @@ def torch_reference(hf_dir, tokens_path, a, out_path):
             y = torch.from_numpy(win[:, 1:]).to(on)
             with torch.autocast(on, dtype=half, enabled=half is not None):
                 logits = model(input_ids=x).logits  # (B, T, V)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                V = logits.shape[-1]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(),
                                                          y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             if scaler is None:
