@@ -19,7 +19,8 @@
 #   2. cuDNN: the frontend's and libcudnn's versions, and which libcudnn was loaded
 #   3. speed and memory of the 124M model, interleaved: ratrain bf16, fp16 (cuDNN's fused
 #      attention) and fp32 against PyTorch AMP bf16 and fp16 + SDPA and fp32 eager, tokens/s,
-#      MFU against the card's dense peaks, ledger against cupy's pool against PyTorch's
+#      MFU against the card's dense peaks, ledger against cupy's pool against PyTorch's, and
+#      two bf16 trials timed with them: devkernels off, the head in 256 MiB chunks
 #      (benchmarks/gpu.py speed)
 #   4. agreement on jobs/tiny.yaml, four runs at once: fp32 CPU vs GPU over 20 steps, fp16 and
 #      bf16 vs fp32 on the GPU over 200 (benchmarks/gpu.py agree)
@@ -41,6 +42,9 @@
 #      device time under PyTorch's profiler (benchmarks/gpu.py profile)
 #  12. the 124M model's GEMM shapes: cupy, ratrain's cast-around GEMM, PyTorch (gpu.py gemm)
 # RATRAIN_CHECK_ONLY="tests kernels" runs only the steps it names (a rerun after a fix).
+# Timings of the whole run on an H200 (2026-11-28, bc289d3 and 2b5c151): speed 54-77 s, agree
+# 64, attention 16-34, 4 ranks 22, cudnn-attention 16, hf-parity 39, tests 62, kernels 15,
+# profile 24: about 350 s with the machine's own start outside it.
 # Every process that computes on the card compiles numba-cuda's kernels on first use (no disk
 # cache): that is in each step's time.
 # The report is $OUT/gpu-check.txt (or ./gpu-check.txt); figures also go as benchmark records
