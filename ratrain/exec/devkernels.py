@@ -65,9 +65,11 @@ EXP_MAX = 88.72283935546875  # the smallest float32 whose expf overflows (log(FL
 
 def numpy_compat(numpy=np) -> list[str]:
     """Aliases numba-cuda's typing registry still names and numpy has removed, put back (the
-    names put back): numpy 2.5 dropped `row_stack` (= vstack), and numba-cuda (0.2x-0.30)
+    names put back): numpy 2.5 dropped `row_stack` (= vstack), and numba-cuda (to 0.30.4)
     registers an overload of it when it compiles its first kernel, failing on a GPU host with
-    numpy 2.5 (seen on the device image's numpy 2.5.2, 2026-11-28)."""
+    numpy 2.5 (seen on the device image's numpy 2.5.2, 2026-11-28). Upstream: NVIDIA/numba-cuda
+    issue 907, not to be fixed there (the package is in maintenance mode); numba 0.67 guards
+    its own copy."""
     added = []
     if not hasattr(numpy, "row_stack"):
         numpy.row_stack = numpy.vstack
