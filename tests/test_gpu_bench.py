@@ -44,6 +44,9 @@ def test_agree_plumbing_on_the_standin():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["cpu_vs_device_fp32_max_rel"] < 1e-5  # the stand-in's arithmetic is numpy's
     assert out["fp16_vs_fp32_max_rel"] < 1e-2 and out["bf16_vs_fp32_max_rel"] < 3e-2
+    for prec in ("fp16", "bf16"):  # the smoke's 2 steps: one window, its own last
+        win = out[f"{prec}_vs_fp32_window_rel"]
+        assert win["window"] == 2 and win["max"] == win["last"] <= out[f"{prec}_vs_fp32_max_rel"]
 
 
 def test_refuses_without_a_gpu_or_with_standin_alone():
@@ -78,3 +81,15 @@ def test_profile_and_gemm_plumbing_on_the_standin():
     assert {(r["precision"], r["case"]) for r in rows} == {
         (p, c) for p in ("bf16", "fp16", "fp32") for c in ("qkv", "head chunk")}
     assert all(set(r["ms"]) == {"cupy", "ratrain"} and min(r["ms"].values()) > 0 for r in rows)
+
+
+def test_window_rel_compares_the_curves_mean_over_windows():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", f"{ROOT}/benchmarks/gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = mod._window_rel([1.0, 3.0, 2.0, 2.0, 9.0], [2.0, 2.0, 1.0, 1.0, 1.0], 2)
+    assert got == {"max": 1.0, "last": 1.0, "window": 2}  # windows 2 vs 2, then 2 vs 1
+    assert mod._window_rel([2.0, 2.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0], 2)["max"] == 0.0
+    assert mod._window_rel([1.0], [1.0, 2.0], 1) is None and mod._window_rel(None, [1.0]) is None
