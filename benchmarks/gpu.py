@@ -530,7 +530,7 @@ def profile(a, dev) -> dict:
 
     out = {"case": "gpu-profile", "card": dev.name, "by_precision": {}}
     for prec in a.precisions.split(","):
-        step, _, cfg, kernels = ratrain_contender(prec, dev, a.smoke)
+        step, _, _, kernels = ratrain_contender(prec, dev, a.smoke)
         for _ in range(a.warmup):
             step()
         wall = []
@@ -575,17 +575,18 @@ def profile(a, dev) -> dict:
 def _kernel_table(step, dev, rows: int) -> dict | None:
     """One step under PyTorch's profiler (CUPTI sees every kernel of the process: cupy's,
     numba-cuda's, cuBLAS's, cuDNN's): the `rows` kernels of most device time, their launches,
-    and the device time of all against the step's wall time (the card's busy fraction). On the
-    stand-in the host functions by own time instead. None without torch."""
+    and the device time of all against the step's wall time (the card's busy fraction). None
+    off a card (the profiler's host side records PyTorch's own ops only: nothing of a step) or
+    without torch."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile as torch_profile
     except ImportError:
         return None
-    on_card = dev.kind == "gpu" and torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_card else [])
+    if dev.kind != "gpu" or not torch.cuda.is_available():
+        return None
     try:
-        with torch_profile(activities=acts) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             step()
             wall = time.perf_counter() - t0
@@ -593,16 +594,12 @@ def _kernel_table(step, dev, rows: int) -> dict | None:
     except Exception as e:  # noqa: BLE001 - CUPTI refused, say: the step's other figures stand
         return {"error": f"{type(e).__name__}: {e}"}
 
-    def own(e):  # microseconds of device (or, on the stand-in, host) time of the event itself
-        if not on_card:
-            return e.self_cpu_time_total
+    def own(e):  # microseconds of device time of the event itself
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
-    events = [e for e in averages if own(e) > 0]
-    events.sort(key=own, reverse=True)
-    return {"what": "device kernels" if on_card else "host functions (stand-in)",
-            "step_ms": wall * 1e3, "total_ms": sum(map(own, events)) / 1e3,
-            "count": sum(e.count for e in events),
+    events = sorted((e for e in averages if own(e) > 0), key=own, reverse=True)
+    return {"what": "device kernels", "step_ms": wall * 1e3,
+            "total_ms": sum(map(own, events)) / 1e3, "count": sum(e.count for e in events),
             "rows": [{"name": e.key, "ms": own(e) / 1e3, "count": e.count}
                      for e in events[:rows]]}
 
