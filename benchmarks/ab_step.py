@@ -2,6 +2,7 @@
 
     python benchmarks/ab_step.py OLD_TREE NEW_TREE [--precision fp32] [--rounds 15] [--threads 2]
     python benchmarks/ab_step.py . . --old-env RATRAIN_FUSED=0     # one tree, two settings
+    python benchmarks/ab_step.py OLD NEW --set model.vocab_size=32000  # the model changed
 
 Each tree gets a worker process of its own (`PYTHONPATH=TREE`) that builds `ratrain.bench`'s
 benchmark model through that tree's own code (`runtime_step(bench_config(...))`) and times one
@@ -21,11 +22,11 @@ import subprocess
 import sys
 
 WORKER = """
-import sys, time
+import json, sys, time
 from ratrain.bench import bench_config, runtime_step
 from ratrain.shim import allocator
 allocator.tune()
-step, _ = runtime_step(bench_config(sys.argv[1], int(sys.argv[2])))
+step, _ = runtime_step(bench_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
 print("ready", flush=True)
 for line in sys.stdin:
     t = time.perf_counter()
@@ -34,10 +35,11 @@ for line in sys.stdin:
 """
 
 
-def worker(tree: str, precision: str, threads: int, extra_env=()) -> subprocess.Popen:
+def worker(tree: str, precision: str, threads: int, extra_env=(), sets=()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     env.update(kv.split("=", 1) for kv in extra_env)
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, precision, str(threads)],
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, precision, str(threads),
+                             json.dumps(list(sets))],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.abspath(tree))
     if proc.stdout.readline().strip() != "ready":
@@ -63,12 +65,14 @@ def main(argv=None) -> int:
                     help="an environment variable for the old side only (repeatable)")
     ap.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for the new side only (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="a config override of the benchmark model for both sides (repeatable)")
     ap.add_argument("--record", metavar="NAME", default=None,
                     help="also write docs/records/NAME.json (the shared record format)")
     a = ap.parse_args(argv)
     load0 = os.getloadavg()
-    procs = {"old": worker(a.old, a.precision, a.threads, a.old_env),
-             "new": worker(a.new, a.precision, a.threads, a.new_env)}
+    procs = {"old": worker(a.old, a.precision, a.threads, a.old_env, a.sets),
+             "new": worker(a.new, a.precision, a.threads, a.new_env, a.sets)}
     times = {k: [] for k in procs}
     try:
         for r in range(a.warmup + a.rounds):
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
             p.wait()
     ratios = [n / o for n, o in zip(times["new"], times["old"])]
     out = {
-        "precision": a.precision, "threads": a.threads, "rounds": a.rounds,
+        "precision": a.precision, "threads": a.threads, "rounds": a.rounds, "sets": a.sets,
         "load_before": [round(x, 2) for x in load0],
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "old_step_s": round(statistics.median(times["old"]), 4),

@@ -189,15 +189,19 @@ def test_head_matches_reference_fd_and_chunks():
     xn, _ = kernels.rmsnorm_forward(x, p["norm"], M.norm_eps, np)
     ref, _ = kernels.cross_entropy_forward((xn @ p["weight"].T).reshape(B * T, -1), t.reshape(-1), np)
     results = []
-    for chunk in (1 << 20, 3 * 8 * M.vocab_size):  # one chunk / many small logits chunks
+    # one logits chunk; in the backward (9 rows a batch chunk) chunks of 26 columns of 40;
+    # chunks of 7 (the last one 5 wide); one column at a time
+    for chunk in (1 << 20, 3 * 8 * M.vocab_size, 4 * 9 * 7, 4 * 9):
         with ExecContext(M, "fp64", threads=2, head_chunk_bytes=chunk) as ctx:
             loss, cache = layers.head_forward(x, t, p, ctx)
             g = zeros_like(p)
             dx = layers.head_backward(0.5, cache, p, g, ctx)
             results.append((loss, dx, g))
             np.testing.assert_allclose(loss, ref, rtol=1e-12)
-    for a, b in zip(results[0][1:2], results[1][1:2]):
-        np.testing.assert_allclose(a, b, rtol=1e-12)
+    for other in results[1:]:
+        np.testing.assert_allclose(other[1], results[0][1], rtol=1e-12)
+        for k in ("norm", "weight"):
+            np.testing.assert_allclose(other[2][k], results[0][2][k], rtol=1e-12, atol=1e-15)
     loss, dx, g = results[0]
     with ExecContext(M, "fp64", threads=1) as ctx:
         f = lambda: 0.5 * float(layers.head_forward(x, t, p, ctx)[0])  # noqa: E731
@@ -252,6 +256,47 @@ def test_ledger_scratch_and_cache_tracking():
         layers.layer_backward(y, cache, P[1], g, ctx)
         led.free(*layers.cache_arrays(cache))
         assert led.current == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_head_workspace_is_reserved_and_near_what_numpy_allocates(precision, backward):
+    """The head reserves its workspace estimate under scratch.exec while it runs, and the
+    estimate is within -10% / +30% of what numpy allocates (tracemalloc) beyond the weights'
+    fp32 copy, which is scratch.gemm's."""
+    import tracemalloc
+
+    m = ModelConfig(vocab_size=512, hidden=64, layers=1, heads=4, kv_heads=4, ffn_hidden=128,
+                    seq_len=32)
+    rng = np.random.default_rng(3)
+    dt = kernels.DTYPES[precision]
+    B = 4
+    x = rng.standard_normal((B, m.seq_len, m.hidden)).astype(dt)
+    t = rng.integers(0, m.vocab_size, (B, m.seq_len))
+    p = {"norm": np.ones(m.hidden, dt), "weight": (0.1 * rng.standard_normal(
+        (m.vocab_size, m.hidden))).astype(dt)}
+    g = {k: np.zeros(v.shape, np.float32) for k, v in p.items()}
+    led = Ledger()
+    for chunk in (1 << 16, 1 << 20):
+        with ExecContext(m, precision, ledger=led, threads=1, head_chunk_bytes=chunk) as ctx:
+            est = layers.head_workspace_nbytes(ctx, B, m.seq_len, backward)
+            layers.head_backward(1.0, layers.head_forward(x, t, p, ctx)[1], p, g, ctx)  # warm
+            led.reset_peak()
+            tracemalloc.start()
+            try:
+                loss, cache = layers.head_forward(x, t, p, ctx)
+                base = 0
+                if backward:
+                    base = tracemalloc.get_traced_memory()[0]
+                    tracemalloc.reset_peak()
+                    layers.head_backward(1.0, cache, p, g, ctx)
+                used = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+            used -= led.peak_by_tag().get("scratch.gemm", 0)
+            assert led.peak_by_tag()[layers.WORK_TAG] == est
+            assert 0.9 * used <= est <= 1.3 * used, (chunk, est, used)
+            assert led.current == 0
 
 
 @pytest.mark.torch

@@ -440,7 +440,32 @@ def _accumulate(g, parts, pairs, ctx):
 
 
 def _head_rows(ctx, V):
+    """Rows of the forward's logits chunk: (rows, V) fp32 within `head_chunk_bytes`."""
     return max(1, ctx.head_chunk_bytes // (4 * V))
+
+
+def _head_cols(ctx, N):
+    """Vocabulary columns of the backward's logits chunk: (N, cols) fp32 within
+    `head_chunk_bytes`."""
+    return max(1, ctx.head_chunk_bytes // (4 * N))
+
+
+def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
+    """An estimate of the transient workspace of one head call on a micro-batch of `batch`
+    sequences: every batch chunk's fp32 weight-gradient part (V, C) (backward; all alive until
+    they are summed in chunk order), and, per chunk running at once, its fp32 rows (the input,
+    the normed input and the norm's temporaries; backward also dxn and a GEMM's result) and its
+    logits chunk (`head_chunk_bytes` of fp32; the forward's log-sum-exp takes a copy; on a
+    device also the 16-bit GEMM result and operand copies). The weights' fp32 copy on the host
+    is `scratch.gemm`'s."""
+    C, V = ctx.model.hidden, ctx.model.vocab_size
+    chunks = ctx.split(batch)
+    running = min(len(chunks), ctx.parts())
+    n = max(s.stop - s.start for s in chunks) * seq_len  # rows of the largest chunk
+    rows = 4 * n * ((8 if backward else 4) * C + 4)  # (n, C) fp32 arrays; rstd, lse, losses
+    per_logit = (4 if backward else 8) if ctx.host else (10 if backward else 10)
+    logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
+    return running * (rows + logits) + (len(chunks) * 4 * V * C if backward else 0)
 
 
 @timed("head")
@@ -462,27 +487,39 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
 
 @timed("head")
 def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
+    """The head's backward of one batch chunk, its logits in chunks of the vocabulary: each
+    chunk's weight gradient rows are written once (a chunk of rows would add into all of the
+    (V, C) gradient each time), and dxn (N, C), far smaller than V x C, takes the sums."""
     xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
     b, T, C = x.shape
     N = b * T
+    V = w.shape[0]
     x32 = _c(ctx, x)
     rms = (x32, kept["rstd"], p["norm"])
     xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
     xn *= _c(ctx, p["norm"])
     t = targets.reshape(N)
-    lse = kept["lse"]
-    dw = xp.zeros(w.shape, ct)  # (V, C)
+    lse = kept["lse"][:, None]  # (N, 1)
+    cols = _head_cols(ctx, N)
+    where, col = xp.divmod(t, cols)  # each target's chunk and column in it
+    rows = xp.arange(N)
+    dw = xp.empty(w.shape, ct)  # (V, C), every row written once
     dxn = xp.empty((N, C), ct)  # (N, C)
-    rows = _head_rows(ctx, w.shape[0])
-    for r0 in range(0, N, rows):
-        r1 = min(r0 + rows, N)
-        d = ops.gemm(xn[r0:r1], w.T, xp=xp, half=half16)  # logits (rows, V)
-        d -= lse[r0:r1, None]
+    part = xp.empty((N, C), ct) if cols < V else None
+    for k, v0 in enumerate(range(0, V, cols)):
+        v1 = min(v0 + cols, V)
+        wk = w[v0:v1]  # (cols, C)
+        d = ops.gemm(xn, wk.T, xp=xp, half=half16)  # logits (N, cols)
+        d -= lse
         xp.exp(d, out=d)  # softmax
-        d[xp.arange(r1 - r0), t[r0:r1]] -= 1.0
+        # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
+        d[rows, col if v1 - v0 == cols else xp.minimum(col, v1 - v0 - 1)] -= (where == k).astype(ct)
         d *= coef
-        dw += ops.gemm(d.T, xn[r0:r1], xp=xp, half=half16)
-        ops.gemm(d, w, out=dxn[r0:r1], xp=xp, half=half16)
+        ops.gemm(d.T, xn, out=dw[v0:v1], xp=xp, half=half16)
+        if k == 0:
+            ops.gemm(d, wk, out=dxn, xp=xp, half=half16)
+        else:
+            dxn += ops.gemm(d, wk, out=part, xp=xp, half=half16)
     dx, dnorm = ops.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
     ops.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
@@ -519,7 +556,8 @@ def head_forward(x, targets, p, ctx):
     ct = ctx.compute
     chunks = ctx.split(x.shape[0])
     w = _head_weight(p, ctx)
-    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2])), \
+            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
     losses = xp.concatenate([r[1] for r in res])  # (B * T,)
     loss = losses.mean(dtype=ct)
@@ -533,13 +571,14 @@ def head_backward(dscale, cache, p, g, ctx):
     coef = float(dscale) / (x.shape[0] * x.shape[1])
     dx = xp.empty(x.shape, ctx.dtype)
     w = _head_weight(p, ctx)
-    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
+            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         parts = ctx.map(
             lambda i: _head_bwd_chunk(x[chunks[i]], targets[chunks[i]], cache.parts[i], p, w,
                                       ctx, coef, dx[chunks[i]]),
             range(len(chunks)),
         )
-    _accumulate(g, parts, [("weight", "weight", 0), ("norm", "norm", 0)], ctx)
+        _accumulate(g, parts, [("weight", "weight", 0), ("norm", "norm", 0)], ctx)
     return dx
 
 
@@ -552,6 +591,7 @@ __all__ = [
     "head_backward",
     "head_forward",
     "head_logits",
+    "head_workspace_nbytes",
     "layer_backward",
     "layer_forward",
     "layer_workspace_nbytes",

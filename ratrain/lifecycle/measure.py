@@ -20,7 +20,8 @@ from ratrain.lifecycle.offload import OFFLOAD, choose_recovery
 
 def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
     """Activation bytes per recompute choice of `executor`'s blocks (see the module), with the
-    resident bytes the ledger holds now and the kernels' workspace, for `simulate_peak`.
+    resident bytes the ledger holds now and the kernels' workspace (a layer's, or the head's
+    where this stage has it and it is larger), for `simulate_peak`.
 
     Collective over the stage's replicas when the optimizer state is sharded (views are
     all-gathered); call it at the same point on every rank."""
@@ -55,6 +56,8 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
             ex.state.drop_view(b)
     params = {b.name: b.size for b in ex.state.blocks}
     extra = layers.layer_workspace_nbytes(ctx, shape[0], shape[1], backward=True)
+    if "head" in (run.role[b] for b in ex.blocks):  # the larger of the two: never at once
+        extra = max(extra, layers.head_workspace_nbytes(ctx, shape[0], shape[1], backward=True))
     if ex.info.half:
         extra += 4 * max(params.values())  # fp32 GEMM copies of a block's weights
     held_grads = sum(GRAD_BYTES_PER_PARAM * params[b] for b in ex.blocks if ex.state.has_grad(b))
