@@ -503,23 +503,25 @@ def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
     cols = _head_cols(ctx, N)
     where, col = xp.divmod(t, cols)  # each target's chunk and column in it
     rows = xp.arange(N)
+    xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
     dw = xp.empty(w.shape, ct)  # (V, C), every row written once
     dxn = xp.empty((N, C), ct)  # (N, C)
     part = xp.empty((N, C), ct) if cols < V else None
     for k, v0 in enumerate(range(0, V, cols)):
         v1 = min(v0 + cols, V)
         wk = w[v0:v1]  # (cols, C)
-        d = ops.gemm(xn, wk.T, xp=xp, half=half16)  # logits (N, cols)
+        d = ops.gemm(xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
         d -= lse
         xp.exp(d, out=d)  # softmax
         # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
         d[rows, col if v1 - v0 == cols else xp.minimum(col, v1 - v0 - 1)] -= (where == k).astype(ct)
         d *= coef
-        ops.gemm(d.T, xn, out=dw[v0:v1], xp=xp, half=half16)
+        dg = d if half16 is None else d.astype(half16)  # one cast for both GEMMs
+        ops.gemm(dg.T, xg, out=dw[v0:v1], xp=xp, half=half16)
         if k == 0:
-            ops.gemm(d, wk, out=dxn, xp=xp, half=half16)
+            ops.gemm(dg, wk, out=dxn, xp=xp, half=half16)
         else:
-            dxn += ops.gemm(d, wk, out=part, xp=xp, half=half16)
+            dxn += ops.gemm(dg, wk, out=part, xp=xp, half=half16)
     dx, dnorm = ops.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
     ops.assign(dx_out, dx)
     return {"weight": dw, "norm": dnorm}
