@@ -13,9 +13,11 @@ seq 1024, micro-batch 8), whole training steps (forward, backward, clipping, Ada
 contenders in interleaved rounds on the same card, each step ended by a device synchronize:
 ratrain bf16, fp16 and fp32 (`run.device: gpu`, pp = dp = 1, the kernel table `auto` gives:
 cuDNN's fused attention at 16 bits) and PyTorch + transformers AMP bf16 + SDPA, AMP fp16 +
-SDPA (GradScaler) and fp32 eager; and two trials of ratrain bf16: `run.devkernels: off` (every
-op on cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`) and the
-head's logits in 256 MiB chunks instead of the context's 16 MiB (`head_chunk_256mib_gain_bf16`).
+SDPA (GradScaler) and fp32 eager; and three trials of ratrain bf16: `run.devkernels: off` (every
+op on cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`), RMSNorm
+and RoPE alone on cupy (`run.reference_ops: [rmsnorm, rope]`, the two the kernels' own benchmark
+finds slower: `cupy_norm_rope_gain_bf16`) and the head's logits in 256 MiB chunks instead of the
+context's 16 MiB (`head_chunk_256mib_gain_bf16`).
 Prints tokens/s (median over rounds), the ratios the issue targets (ratrain bf16 / AMP bf16
 and fp16 / AMP fp16 >= 0.8, fp32 / PyTorch fp32 >= 1.0), MFU
 (model flops per token x tokens/s) against the card's dense peak for the contender's GEMMs
@@ -90,6 +92,7 @@ TORCH = {"bf16": "torch amp bf16 sdpa", "fp16": "torch amp fp16 sdpa", "fp32": "
 SPEED_TARGET = {"bf16": 0.8, "fp16": 0.8, "fp32": 1.0}  # ratrain / PyTorch tokens/s
 NO_DEVKERNELS = "ratrain bf16 devkernels off"  # speed's trials beside the six contenders
 BIG_HEAD_CHUNK = "ratrain bf16 head chunk 256 MiB"
+CUPY_NORM_ROPE = "ratrain bf16 rmsnorm, rope on cupy"
 
 
 def card_peak(name: str, precision: str) -> float | None:
@@ -235,9 +238,10 @@ def speed(a, dev) -> dict:
             steps[TORCH[prec]] = made
             memory[TORCH[prec]] = after()
     # trials at bf16, timed with the rest: every op on cupy's compositions (what the device
-    # kernels bring), and the head's logits in 256 MiB chunks instead of 16 MiB (the profile's
+    # kernels bring), RMSNorm and RoPE alone on cupy, and the head's logits in 256 MiB chunks instead of 16 MiB (the profile's
     # 63 skinny GEMMs each way a step)
     for name, trial in ((NO_DEVKERNELS, dict(sets=("run.devkernels=off",))),
+                        (CUPY_NORM_ROPE, dict(sets=("run.reference_ops=[rmsnorm,rope]",))),
                         (BIG_HEAD_CHUNK, dict(head_chunk_bytes=256 << 20))):
         made = _warm(name, lambda t=trial: ratrain_contender("bf16", dev, a.smoke, **t),
                      a.warmup, errors)
@@ -254,7 +258,7 @@ def speed(a, dev) -> dict:
     tokens = p.micro_batch * p.num_micro_batches * m.seq_len
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     precision_of = {**{f"ratrain {p}": p for p in PRECISIONS}, **{TORCH[p]: p for p in PRECISIONS},
-                    NO_DEVKERNELS: "bf16", BIG_HEAD_CHUNK: "bf16"}
+                    NO_DEVKERNELS: "bf16", CUPY_NORM_ROPE: "bf16", BIG_HEAD_CHUNK: "bf16"}
     peak = {k: card_peak(dev.name, precision_of[k]) for k in tps}
     mfu = {k: m.flops_per_token() * t / peak[k] if peak[k] else None for k, t in tps.items()}
     out = {"case": "gpu-speed", "card": dev.name, "tokens_per_step": tokens,
@@ -264,6 +268,9 @@ def speed(a, dev) -> dict:
            "target_vs_torch": SPEED_TARGET, "rounds": a.rounds, "steps_per_round": a.steps,
            "devkernels_gain_bf16": (tps["ratrain bf16"] / tps[NO_DEVKERNELS]
                                     if "ratrain bf16" in tps and NO_DEVKERNELS in tps else None),
+           "cupy_norm_rope_gain_bf16": (tps[CUPY_NORM_ROPE] / tps["ratrain bf16"]
+                                        if "ratrain bf16" in tps and CUPY_NORM_ROPE in tps
+                                        else None),
            "head_chunk_256mib_gain_bf16": (tps[BIG_HEAD_CHUNK] / tps["ratrain bf16"]
                                            if "ratrain bf16" in tps and BIG_HEAD_CHUNK in tps
                                            else None),

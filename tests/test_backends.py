@@ -119,6 +119,25 @@ def test_the_table_follows_the_switches_and_names_itself():
     assert tile.names["attention"] == "tiled-8" and tile.attention.block == 8
 
 
+def test_reference_ops_put_ops_back_on_their_reference():
+    from ratrain.device.standin import standin
+
+    t = kernel_table(reference_ops=("rope", "adamw"))
+    assert t.names["rope"] == t.names["adamw"] == "numpy"
+    assert t.rope_forward is kernels.rope_forward and t.adamw is None
+    if fused.available():
+        assert t.names["swiglu"] == "fused"
+        assert kernel_table(reference_ops=("rope",)).describe() == (
+            "kernels: fused (numba; rope numpy, cross-entropy numpy, grad-norm numpy), "
+            "attention tiled-64")
+    dev = kernel_table(standin, reference_ops=("rmsnorm",))
+    assert dev.names["rmsnorm"] == "standin"
+    with pytest.raises(BackendError, match=r"^run.reference_ops: 'gemm' is not an op with a "
+                       r"compiled kernel: use any of rmsnorm, rope, swiglu, cross_entropy, adamw, "
+                       r"grad_norm, cast$"):
+        kernel_table(reference_ops=("rope", "gemm"))
+
+
 def test_bad_choices_are_one_line_naming_the_key(toy):
     with pytest.raises(BackendError, match=r"^run.attention='nope' is not a registered attention "
                        r"backend: use auto or one of cudnn, tiled-1024, tiled-64, toy$"):

@@ -44,6 +44,8 @@ CASES = {
     "run.dir is a file": (JOB, ["run.dir=FILE"], ["run.dir", "FILE"], False),
     "unknown attention": (JOB, ["run.attention=nope"],
                           ["run.attention='nope' is not a registered", "tiled-64"], False),
+    "unknown reference op": (JOB, ["run.reference_ops=[rope,softmax]"],
+                             ["run.reference_ops: 'softmax' is not an op", "rmsnorm"], False),
 }
 
 

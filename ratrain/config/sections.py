@@ -403,6 +403,10 @@ class RunConfig:
         the stand-in's auto, a GPU's at fp32 or where cudnn cannot run, the banner saying why),
         cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and bf16; refused elsewhere), or one a
         program registered (docs/INTERNALS.md, "Kernel backends")
+    reference_ops: ops that run their reference (the array module's composition: numpy,
+        cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
+        cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way
+        round one that misbehaves)
     malloc: the host allocator: tuned (freed memory stays in the process, as a cluster's DDR
         pool; ratrain/shim/allocator.py) | default (glibc's own); RATRAIN_MALLOC overrides it
     """
@@ -426,6 +430,7 @@ class RunConfig:
     fused: str | bool = "auto"  # auto | on | off (RATRAIN_FUSED)
     devkernels: str | bool = "auto"  # auto | on | off | sim (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
+    reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
     malloc: str = "tuned"  # tuned | default (RATRAIN_MALLOC)
 
     SIGNALS = ("TERM", "INT", "USR1", "USR2", "HUP", "XCPU")

@@ -5,7 +5,8 @@ benchmarks, `api`) decides, for this rank's device, precision and installed pack
 implementation runs each op; the layers, the optimizer and the executor look the op up in the
 table (`ctx.kernels.rmsnorm_forward(...)`), and nothing decides again per call or reads the
 environment. The choice follows the config's switches (`run.fused`, `run.devkernels`,
-`run.attention`, which `load_config` has already merged with their RATRAIN_* variables):
+`run.attention`, which `load_config` has already merged with their RATRAIN_* variables, and
+`run.reference_ops`, the ops put back on their reference whatever the others give):
 
     op             host (cpu)                     gpu                    reference
     gemm           numpy (16-bit by fp32 tiles)   cupy (16-bit cuBLAS)   -
@@ -213,14 +214,21 @@ class Kernels:
 def kernels_for(cfg, xp=np) -> Kernels:
     """The table of a rank of `cfg` computing with `xp` (its `run.*` switches)."""
     r = cfg.run
-    return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention, cfg.model)
+    return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention, cfg.model,
+                        r.reference_ops)
 
 
 def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
-                 devkernels_mode: str = "auto", attention="auto", model=None) -> Kernels:
+                 devkernels_mode: str = "auto", attention="auto", model=None,
+                 reference_ops=()) -> Kernels:
     """The table for a rank computing with `xp` at `precision` (see the module); `attention`:
     a registered name, auto, or a backend object (tests: a tile of their own); `model`: the
-    model's section, whose shapes an attention backend may refuse (None: not asked)."""
+    model's section, whose shapes an attention backend may refuse (None: not asked);
+    `reference_ops`: ops (ENTRIES' names) that keep their reference whatever else is chosen."""
+    bad = [op for op in reference_ops if op not in ENTRIES or op == "gemm"]
+    if bad:
+        raise BackendError(f"run.reference_ops: {bad[0]!r} is not an op with a compiled kernel: "
+                           f"use any of {', '.join(op for op in ENTRIES if op != 'gemm')}")
     device = kind_of(xp)
     fast = _fast_kernels(device, precision, str(fused_mode), str(devkernels_mode))
     attn, passed = (attention, {}) if isinstance(attention, AttentionBackend) else \
@@ -232,6 +240,7 @@ def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
                      if all(f in _COMPILED[fast] for f in fields))
         if fast == "fused" and precision != "fp32":
             names["rmsnorm"] = reference  # fp16 runs: the norms' weights are fp16 views
+    names.update(dict.fromkeys(reference_ops, reference))
     table = {f: _COMPILED.get(impl, _REFERENCE)[f] for op, impl in names.items()
              for f in ENTRIES[op]}
     return Kernels(device, {**names, "attention": attn.name}, attention=attn, passed_over=passed,
