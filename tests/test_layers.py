@@ -183,14 +183,14 @@ def test_head_matches_reference_fd_and_chunks():
     P = make_params(M)
     p = P[-1]
     rng = np.random.default_rng(5)
-    B, T = 3, M.seq_len
+    B, T = 5, M.seq_len  # batch chunks of 1, 1, 1 and 2 sequences
     x = rng.standard_normal((B, T, M.hidden))
     t = rng.integers(0, M.vocab_size, (B, T))
     xn, _ = kernels.rmsnorm_forward(x, p["norm"], M.norm_eps, np)
     ref, _ = kernels.cross_entropy_forward((xn @ p["weight"].T).reshape(B * T, -1), t.reshape(-1), np)
     results = []
-    # one logits chunk; in the backward (9 rows a batch chunk) chunks of 26 columns of 40;
-    # chunks of 7 (the last one 5 wide); one column at a time
+    # one logits chunk; in the backward (at most 18 rows a batch chunk) chunks of 13 columns
+    # of 40 (the last one 1 wide), of 3 (the last 1 wide), one column at a time
     for chunk in (1 << 20, 3 * 8 * M.vocab_size, 4 * 9 * 7, 4 * 9):
         with ExecContext(M, "fp64", threads=2, head_chunk_bytes=chunk) as ctx:
             loss, cache = layers.head_forward(x, t, p, ctx)

@@ -452,20 +452,23 @@ def _head_cols(ctx, N):
 
 def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
     """An estimate of the transient workspace of one head call on a micro-batch of `batch`
-    sequences: every batch chunk's fp32 weight-gradient part (V, C) (backward; all alive until
-    they are summed in chunk order), and, per chunk running at once, its fp32 rows (the input,
-    the normed input and the norm's temporaries; backward also dxn and a GEMM's result) and its
-    logits chunk (`head_chunk_bytes` of fp32; the forward's log-sum-exp takes a copy; on a
-    device also the 16-bit GEMM result and operand copies). The weights' fp32 copy on the host
-    is `scratch.gemm`'s."""
+    sequences. Forward, per batch chunk running at once: its fp32 rows (the input, the normed
+    input, the norm's temporaries, statistics) and one logits chunk (`head_chunk_bytes` of
+    fp32; the log-sum-exp takes a copy). Backward, every batch chunk at once (they meet at each
+    vocabulary chunk): its rows (also dxn and a GEMM's result) and its weight-gradient piece
+    (columns x C fp32), and a logits chunk per chunk running. On a device the logits chunk also
+    has its 16-bit GEMM result and operand copy. The weights' fp32 copy on the host is
+    `scratch.gemm`'s."""
     C, V = ctx.model.hidden, ctx.model.vocab_size
     chunks = ctx.split(batch)
     running = min(len(chunks), ctx.parts())
     n = max(s.stop - s.start for s in chunks) * seq_len  # rows of the largest chunk
-    rows = 4 * n * ((8 if backward else 4) * C + 4)  # (n, C) fp32 arrays; rstd, lse, losses
-    per_logit = (4 if backward else 8) if ctx.host else (10 if backward else 10)
+    per_logit = (4 if backward else 8) if ctx.host else 10
     logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
-    return running * (rows + logits) + (len(chunks) * 4 * V * C if backward else 0)
+    if not backward:
+        return running * (4 * n * (4 * C + 4) + logits)
+    piece = 4 * min(_head_cols(ctx, n), V) * C
+    return len(chunks) * (4 * n * (6 * C + 4) + piece) + running * logits
 
 
 @timed("head")
@@ -485,46 +488,54 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     return {"rstd": rstd, "lse": lse}, losses
 
 
+class _HeadRows:
+    """One batch chunk's state through the head's backward (see `head_backward`)."""
+
+    def __init__(self, x, targets, kept, p, ctx, cols):
+        xp, half16 = ctx.xp, ctx.device_half
+        b, T, C = x.shape
+        self.shape, N = x.shape, b * T
+        x32 = _c(ctx, x)
+        self.rms = (x32, kept["rstd"], p["norm"])
+        xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
+        xn *= _c(ctx, p["norm"])
+        self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
+        self.lse = kept["lse"][:, None]  # (N, 1)
+        self.where, self.col = xp.divmod(targets.reshape(N), cols)  # each target's chunk, column
+        self.rows = xp.arange(N)
+        self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
+        self.part = xp.empty((N, C), ctx.compute)  # one chunk's term of it
+        self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
+
+
 @timed("head")
-def _head_bwd_chunk(x, targets, kept, p, w, ctx, coef, dx_out):
-    """The head's backward of one batch chunk, its logits in chunks of the vocabulary: each
-    chunk's weight gradient rows are written once (a chunk of rows would add into all of the
-    (V, C) gradient each time), and dxn (N, C), far smaller than V x C, takes the sums."""
-    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
-    b, T, C = x.shape
-    N = b * T
-    V = w.shape[0]
-    x32 = _c(ctx, x)
-    rms = (x32, kept["rstd"], p["norm"])
-    xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
-    xn *= _c(ctx, p["norm"])
-    t = targets.reshape(N)
-    lse = kept["lse"][:, None]  # (N, 1)
-    cols = _head_cols(ctx, N)
-    where, col = xp.divmod(t, cols)  # each target's chunk and column in it
-    rows = xp.arange(N)
-    xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
-    dw = xp.empty(w.shape, ct)  # (V, C), every row written once
-    dxn = xp.empty((N, C), ct)  # (N, C)
-    part = xp.empty((N, C), ct) if cols < V else None
-    for k, v0 in enumerate(range(0, V, cols)):
-        v1 = min(v0 + cols, V)
-        wk = w[v0:v1]  # (cols, C)
-        d = ops.gemm(xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
-        d -= lse
-        xp.exp(d, out=d)  # softmax
-        # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
-        d[rows, col if v1 - v0 == cols else xp.minimum(col, v1 - v0 - 1)] -= (where == k).astype(ct)
-        d *= coef
-        dg = d if half16 is None else d.astype(half16)  # one cast for both GEMMs
-        ops.gemm(dg.T, xg, out=dw[v0:v1], xp=xp, half=half16)
-        if k == 0:
-            ops.gemm(dg, wk, out=dxn, xp=xp, half=half16)
-        else:
-            dxn += ops.gemm(dg, wk, out=part, xp=xp, half=half16)
-    dx, dnorm = ops.rmsnorm_backward(dxn.reshape(b, T, C), rms, xp)
-    ops.assign(dx_out, dx)
-    return {"weight": dw, "norm": dnorm}
+def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
+    """Vocabulary columns [v0, v1) (chunk k) of one batch chunk's head backward: its term of
+    dxn, and its weight-gradient rows (the chunk's `piece`, returned)."""
+    xp, ops, half16 = ctx.xp, ctx.kernels, ctx.device_half
+    wk = w[v0:v1]  # (cols, C)
+    d = ops.gemm(s.xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
+    d -= s.lse
+    xp.exp(d, out=d)  # softmax
+    # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
+    last = v1 - v0 < s.piece.shape[0]  # the narrower last chunk: its columns stay in range
+    d[s.rows, xp.minimum(s.col, v1 - v0 - 1) if last else s.col] -= (s.where == k).astype(d.dtype)
+    d *= coef
+    dg = d if half16 is None else d.astype(half16)  # one cast for both GEMMs
+    piece = s.piece[: v1 - v0]
+    ops.gemm(dg.T, s.xg, out=piece, xp=xp, half=half16)  # (cols, C)
+    if k == 0:
+        ops.gemm(dg, wk, out=s.dxn, xp=xp, half=half16)
+    else:
+        s.dxn += ops.gemm(dg, wk, out=s.part, xp=xp, half=half16)
+    return piece
+
+
+@timed("head")
+def _head_bwd_finish(s, ctx, dx_out):
+    dx, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp)
+    ctx.kernels.assign(dx_out, dx)
+    return {"norm": dnorm}
 
 
 def _head_norm(x, p, ctx):
@@ -567,20 +578,38 @@ def head_forward(x, targets, p, ctx):
 
 
 def head_backward(dscale, cache, p, g, ctx):
-    """Seeds d(loss) = dscale; adds into g["norm"], g["weight"]; -> dx (B, T, C) ctx.dtype."""
+    """Seeds d(loss) = dscale; adds into g["norm"], g["weight"]; -> dx (B, T, C) ctx.dtype.
+
+    The logits are walked by chunks of the vocabulary, every batch chunk at each (in the
+    threads): each batch chunk's weight-gradient rows of the chunk (its `piece`) are added into
+    g in chunk order, as `_accumulate` adds whole parts, so no (V, C) part is ever made, and
+    the sums over chunks go into each batch chunk's dxn (tokens x hidden)."""
     xp = ctx.xp
     x, chunks, targets = cache.x, cache.chunks, cache.extra["targets"]
     coef = float(dscale) / (x.shape[0] * x.shape[1])
     dx = xp.empty(x.shape, ctx.dtype)
     w = _head_weight(p, ctx)
+    V, gw = w.shape[0], g["weight"]
+    cols = min(_head_cols(ctx, max(c.stop - c.start for c in chunks) * x.shape[1]), V)
+    n = ctx.parts()
     with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
             ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        parts = ctx.map(
-            lambda i: _head_bwd_chunk(x[chunks[i]], targets[chunks[i]], cache.parts[i], p, w,
-                                      ctx, coef, dx[chunks[i]]),
-            range(len(chunks)),
-        )
-        _accumulate(g, parts, [("weight", "weight", 0), ("norm", "norm", 0)], ctx)
+        rows = ctx.map(lambda i: _HeadRows(x[chunks[i]], targets[chunks[i]], cache.parts[i], p,
+                                           ctx, cols), range(len(chunks)))
+        for k, v0 in enumerate(range(0, V, cols)):
+            v1 = min(v0 + cols, V)
+            pieces = ctx.map(lambda s, k=k, v0=v0, v1=v1: _head_bwd_cols(s, w, k, v0, v1, coef,
+                                                                       ctx), rows)
+
+            def add(i, v0=v0, v1=v1, pieces=pieces):  # rows split across the threads
+                a, b = (v1 - v0) * i // n, (v1 - v0) * (i + 1) // n
+                for piece in pieces:  # in chunk order
+                    gw[v0 + a : v0 + b] += piece[a:b]
+
+            ctx.map(add, range(n))
+        parts = ctx.map(lambda i: _head_bwd_finish(rows[i], ctx, dx[chunks[i]]),
+                        range(len(chunks)))
+        _accumulate(g, parts, [("norm", "norm", 0)], ctx)
     return dx
 
 
