@@ -84,7 +84,7 @@ TABLES = {
          [("new_over_old", "new / old", ".3f"), ("old_step_s", "b976e9e s", ".3f"),
           ("new_step_s", "now s", ".3f")]),
         ("ab-head-vocab-chunks", "whole fp32 step, the bench model at vocab 32000 (2,048 tokens), "
-         "the head's backward by vocabulary chunks (755da2d) against by rows (e2ac156), "
+         "the head's backward by vocabulary chunks (e52c4b7) against by rows (e2ac156), "
          "interleaved", [("new_over_old", "new / old", ".3f"), ("old_step_s", "by rows s", ".3f"),
                          ("new_step_s", "by vocabulary s", ".3f")]),
         ("board_step", "whole steps with the small all-reduce board / without, 4 ranks "
