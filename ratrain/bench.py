@@ -4,6 +4,7 @@
     python -m ratrain.bench --memory              # ledger peak vs measured peak memory growth
     python -m ratrain.bench --profile             # where a step's time goes, kernel by kernel
     python -m ratrain.bench --rounds 7 --json out.json
+    python -m ratrain.bench --set model.vocab_size=32000   # the model changed, for every contender
 
 A step is a whole training step through the runtime's own path (`lifecycle.Executor` with
 pp = dp = 1): forward + backward of every block, global-norm clipping, AdamW on fp32 masters
@@ -104,9 +105,9 @@ def torch_step(cfg):
     return step
 
 
-def torch_worker(threads: int) -> int:
+def torch_worker(threads: int, sets=()) -> int:
     """The child process of `torch_remote`: one step per line read, its time printed."""
-    step = torch_step(bench_config("fp32", threads))
+    step = torch_step(bench_config("fp32", threads, sets))
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
@@ -117,12 +118,13 @@ def torch_worker(threads: int) -> int:
     return 0
 
 
-def torch_remote(threads: int, malloc: str):
+def torch_remote(threads: int, malloc: str, sets=()):
     """A step function that runs one PyTorch eager step in a child process (its own
-    allocator: `malloc` = `default` or `tuned`) and returns the child's own step time."""
+    allocator: `malloc` = `default` or `tuned`; `sets`: config overrides of the benchmark
+    model) and returns the child's own step time."""
     code = ("import sys; from ratrain.bench import torch_worker; "
             + ("from ratrain.shim import allocator; allocator.tune(); " if malloc == "tuned" else "")
-            + f"sys.exit(torch_worker({threads}))")
+            + f"sys.exit(torch_worker({threads}, {list(sets)!r}))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     first = proc.stdout.readline().strip()
@@ -146,18 +148,18 @@ def sgemm_step(threads: int, n: int = 2048):
 
 
 def throughput(a) -> dict:
-    cfg32 = bench_config("fp32", a.threads)
+    cfg32 = bench_config("fp32", a.threads, a.sets)
     tokens = cfg32.parallel.global_batch * cfg32.model.seq_len
     flops = cfg32.model.flops_per_token() * tokens
     steps = {"ratrain_fp32": runtime_step(cfg32)[0]}
     if not a.no_fp16:
-        steps["ratrain_fp16"] = runtime_step(bench_config("fp16", a.threads))[0]
+        steps["ratrain_fp16"] = runtime_step(bench_config("fp16", a.threads, a.sets))[0]
     remote = {}
     if not a.no_torch:
         try:
             import torch  # noqa: F401  (present? the worker imports it again)
 
-            remote["torch_eager"] = torch_remote(a.threads, a.torch_malloc)
+            remote["torch_eager"] = torch_remote(a.threads, a.torch_malloc, a.sets)
         except ImportError as e:
             print(f"# PyTorch eager skipped: {e}; pip install 'ratrain[bench]' installs it",
                   file=sys.stderr)
@@ -184,7 +186,7 @@ def throughput(a) -> dict:
         "threads": a.threads, "tokens_per_step": tokens, "flops_per_step": flops,
         "rounds": a.rounds, "sgemm_gflops": statistics.median(rates),
         "ratrain_malloc": "tuned" if allocator.tuned() else "default",
-        "torch_malloc": a.torch_malloc,
+        "torch_malloc": a.torch_malloc, "sets": list(a.sets),
     }
     for k, v in med.items():
         out[f"{k}_step_s"] = v
@@ -230,7 +232,7 @@ def memory(a) -> dict:
 
     out = {}
     for precision in ("fp32", "fp16"):
-        cfg = bench_config(precision, a.threads, [f"schedule.recompute={a.recompute}"])
+        cfg = bench_config(precision, a.threads, [*a.sets, f"schedule.recompute={a.recompute}"])
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         step, ex = runtime_step(cfg)
@@ -264,7 +266,7 @@ def profile(a) -> dict:
     rate = statistics.median(sgemm_step(a.threads)() for _ in range(3)) * 1e9  # flop/s
     out = {"threads": a.threads, "sgemm_gflops": round(rate / 1e9, 1)}
     for precision in ("fp32",) + (() if a.no_fp16 else ("fp16",)):
-        cfg = bench_config(precision, a.threads)
+        cfg = bench_config(precision, a.threads, a.sets)
         step, _ = runtime_step(cfg)
         for _ in range(max(1, a.warmup)):
             step()
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-malloc", choices=("default", "tuned"), default="default",
                     help="the PyTorch process's allocator (default: as PyTorch users run it)")
     ap.add_argument("--json", default="", metavar="FILE", help="also write the results to FILE")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="a config override of the benchmark model, for every contender "
+                         "(repeatable; e.g. model.vocab_size=32000)")
     a = ap.parse_args(argv)
     allocator.tune()
     out = memory(a) if a.memory else profile(a) if a.profile else throughput(a)
