@@ -491,7 +491,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
 class _HeadRows:
     """One batch chunk's state through the head's backward (see `head_backward`)."""
 
-    def __init__(self, x, targets, kept, p, ctx, cols):
+    def __init__(self, x, targets, kept, p, ctx, cols, V):
         xp, half16 = ctx.xp, ctx.device_half
         b, T, C = x.shape
         self.shape, N = x.shape, b * T
@@ -504,8 +504,13 @@ class _HeadRows:
         self.where, self.col = xp.divmod(targets.reshape(N), cols)  # each target's chunk, column
         self.rows = xp.arange(N)
         self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
-        self.part = xp.empty((N, C), ctx.compute)  # one chunk's term of it
+        self.part = xp.empty((N, C), ctx.compute) if cols < V else None  # a chunk's term of it
         self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
+
+
+@timed("head")
+def _head_bwd_rows(*args) -> _HeadRows:
+    return _HeadRows(*args)
 
 
 @timed("head")
@@ -594,8 +599,9 @@ def head_backward(dscale, cache, p, g, ctx):
     n = ctx.parts()
     with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
             ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        rows = ctx.map(lambda i: _HeadRows(x[chunks[i]], targets[chunks[i]], cache.parts[i], p,
-                                           ctx, cols), range(len(chunks)))
+        rows = ctx.map(lambda i: _head_bwd_rows(x[chunks[i]], targets[chunks[i]],
+                                                cache.parts[i], p, ctx, cols, V),
+                       range(len(chunks)))
         for k, v0 in enumerate(range(0, V, cols)):
             v1 = min(v0 + cols, V)
             pieces = ctx.map(lambda s, k=k, v0=v0, v1=v1: _head_bwd_cols(s, w, k, v0, v1, coef,
