@@ -112,8 +112,8 @@ def config(precision: str, device: str, smoke: bool, attention: str = "auto", se
 def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto", sets=(),
                       head_chunk_bytes: int | None = None):
     """(step, peak, cfg, kernels) for ratrain at `precision` on `dev` (`sets`: more config
-    keys; `head_chunk_bytes`: the head's logits chunk instead of the context's, a trial the
-    ledger does not count): step() runs one whole training step and waits for the device;
+    keys; `head_chunk_bytes`: the head's logits chunk instead of the context's, a trial: the
+    ledger counts it when the head runs, the rank's plan, measured at build, does not): step() runs one whole training step and waits for the device;
     peak() the ledger's peak bytes so far."""
     from ratrain.device import synchronize
     from ratrain.lifecycle.rank import build_rank
@@ -267,14 +267,9 @@ def speed(a, dev) -> dict:
            "vs_torch": {prec: tps[f"ratrain {prec}"] / tps[TORCH[prec]] for prec in PRECISIONS
                         if f"ratrain {prec}" in tps and TORCH[prec] in tps},
            "target_vs_torch": SPEED_TARGET, "rounds": a.rounds, "steps_per_round": a.steps,
-           "devkernels_gain_bf16": (tps["ratrain bf16"] / tps[NO_DEVKERNELS]
-                                    if "ratrain bf16" in tps and NO_DEVKERNELS in tps else None),
-           "cupy_norm_rope_gain_bf16": (tps[CUPY_NORM_ROPE] / tps["ratrain bf16"]
-                                        if "ratrain bf16" in tps and CUPY_NORM_ROPE in tps
-                                        else None),
-           "head_chunk_256mib_gain_bf16": (tps[BIG_HEAD_CHUNK] / tps["ratrain bf16"]
-                                           if "ratrain bf16" in tps and BIG_HEAD_CHUNK in tps
-                                           else None),
+           "devkernels_gain_bf16": _over(tps, "ratrain bf16", NO_DEVKERNELS),
+           "cupy_norm_rope_gain_bf16": _over(tps, CUPY_NORM_ROPE, "ratrain bf16"),
+           "head_chunk_256mib_gain_bf16": _over(tps, BIG_HEAD_CHUNK, "ratrain bf16"),
            "errors": errors}
     for prec in ("bf16", "fp16"):
         mem, amp = memory.get(f"ratrain {prec}"), memory.get(TORCH[prec])
@@ -306,6 +301,11 @@ def _losses(proc, run_dir) -> list[float] | None:
         return None
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
+def _over(tps: dict, a: str, b: str) -> float | None:
+    """tokens/s of contender `a` over `b`'s; None when either failed."""
+    return tps[a] / tps[b] if a in tps and b in tps else None
 
 
 def _max_rel(a: list[float] | None, b: list[float] | None) -> float | None:
@@ -612,9 +612,12 @@ def _kernel_table(step, dev, rows: int) -> dict | None:
                      for e in events[:rows]]}
 
 
-GEMM_SHAPES = {  # the 124M model's GEMMs at micro-batch 8 x 1024 tokens: (M, K, N)
+GEMM_SHAPES = {  # the 124M model's GEMMs at micro-batch 8 x 1024 tokens: (M, K, N); the head's
+    # in 16 MiB chunks: the forward's 131 rows, the backward's 512 columns (logits, weight
+    # gradient rows, dxn's term)
     "qkv": (8192, 768, 2304), "attn out": (8192, 768, 768), "gate|up": (8192, 768, 4096),
-    "down": (8192, 2048, 768), "head": (8192, 768, 32000), "head chunk": (131, 768, 32000)}
+    "down": (8192, 2048, 768), "head": (8192, 768, 32000), "head chunk": (131, 768, 32000),
+    "head cols": (8192, 768, 512), "head dw": (512, 8192, 768), "head dx": (8192, 512, 768)}
 GEMM_SMOKE = {"qkv": (64, 32, 96), "head chunk": (3, 32, 64)}
 
 
