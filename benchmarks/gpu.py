@@ -16,8 +16,9 @@ cuDNN's fused attention at 16 bits) and PyTorch + transformers AMP bf16 + SDPA, 
 SDPA (GradScaler) and fp32 eager; and three trials of ratrain bf16: `run.devkernels: off` (every
 op on cupy's compositions: what the numba-cuda kernels bring, `devkernels_gain_bf16`), RMSNorm
 and RoPE alone on cupy (`run.reference_ops: [rmsnorm, rope]`, the two the kernels' own benchmark
-finds slower: `cupy_norm_rope_gain_bf16`) and the head's logits in 256 MiB chunks instead of the
-context's 16 MiB (`head_chunk_256mib_gain_bf16`).
+finds slower: `cupy_norm_rope_gain_bf16`) and the head's logits in the host's 16 MiB chunks
+(`run.head_chunk_mib: 16`) instead of a device's 256 MiB (`head_chunk_gain_bf16`: the device's
+chunk over the host's).
 Prints tokens/s (median over rounds), the ratios the issue targets (ratrain bf16 / AMP bf16
 and fp16 / AMP fp16 >= 0.8, fp32 / PyTorch fp32 >= 1.0), MFU
 (model flops per token x tokens/s) against the card's dense peak for the contender's GEMMs
@@ -91,7 +92,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 TORCH = {"bf16": "torch amp bf16 sdpa", "fp16": "torch amp fp16 sdpa", "fp32": "torch fp32 eager"}
 SPEED_TARGET = {"bf16": 0.8, "fp16": 0.8, "fp32": 1.0}  # ratrain / PyTorch tokens/s
 NO_DEVKERNELS = "ratrain bf16 devkernels off"  # speed's trials beside the six contenders
-BIG_HEAD_CHUNK = "ratrain bf16 head chunk 256 MiB"
+SMALL_HEAD_CHUNK = "ratrain bf16 head chunk 16 MiB"
 CUPY_NORM_ROPE = "ratrain bf16 rmsnorm, rope on cupy"
 
 
@@ -109,19 +110,15 @@ def config(precision: str, device: str, smoke: bool, attention: str = "auto", se
                               f"run.attention={attention}", *sets])
 
 
-def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto", sets=(),
-                      head_chunk_bytes: int | None = None):
+def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto", sets=()):
     """(step, peak, cfg, kernels) for ratrain at `precision` on `dev` (`sets`: more config
-    keys; `head_chunk_bytes`: the head's logits chunk instead of the context's, a trial: the
-    ledger counts it when the head runs, the rank's plan, measured at build, does not): step() runs one whole training step and waits for the device;
-    peak() the ledger's peak bytes so far."""
+    keys): step() runs one whole training step and waits for the device; peak() the ledger's
+    peak bytes so far."""
     from ratrain.device import synchronize
     from ratrain.lifecycle.rank import build_rank
 
     cfg = config(precision, dev.kind, smoke, attention, sets)
     rank = build_rank(cfg, None, cap=None, device=dev)
-    if head_chunk_bytes is not None:
-        rank.ctx.head_chunk_bytes = head_chunk_bytes
     m, p = cfg.model, cfg.parallel
     rng = np.random.default_rng(0)
     shape = (p.num_micro_batches, p.micro_batch, m.seq_len)
@@ -238,12 +235,12 @@ def speed(a, dev) -> dict:
             steps[TORCH[prec]] = made
             memory[TORCH[prec]] = after()
     # trials at bf16, timed with the rest: every op on cupy's compositions (what the device
-    # kernels bring), RMSNorm and RoPE alone on cupy, and the head's logits in 256 MiB chunks
-    # instead of 16 MiB (63 chunks each way a step: 131 rows in the forward, 512 columns in the
-    # backward)
+    # kernels bring), RMSNorm and RoPE alone on cupy, and the head's logits in the host's 16 MiB
+    # chunks, the device's before (63 chunks each way a step: 131 rows in the forward, 512
+    # columns in the backward; 256 MiB: 4 each way)
     for name, trial in ((NO_DEVKERNELS, dict(sets=("run.devkernels=off",))),
                         (CUPY_NORM_ROPE, dict(sets=("run.reference_ops=[rmsnorm,rope]",))),
-                        (BIG_HEAD_CHUNK, dict(head_chunk_bytes=256 << 20))):
+                        (SMALL_HEAD_CHUNK, dict(sets=("run.head_chunk_mib=16",)))):
         made = _warm(name, lambda t=trial: ratrain_contender("bf16", dev, a.smoke, **t),
                      a.warmup, errors)
         if made is not None:
@@ -259,7 +256,7 @@ def speed(a, dev) -> dict:
     tokens = p.micro_batch * p.num_micro_batches * m.seq_len
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     precision_of = {**{f"ratrain {p}": p for p in PRECISIONS}, **{TORCH[p]: p for p in PRECISIONS},
-                    NO_DEVKERNELS: "bf16", CUPY_NORM_ROPE: "bf16", BIG_HEAD_CHUNK: "bf16"}
+                    NO_DEVKERNELS: "bf16", CUPY_NORM_ROPE: "bf16", SMALL_HEAD_CHUNK: "bf16"}
     peak = {k: card_peak(dev.name, precision_of[k]) for k in tps}
     mfu = {k: m.flops_per_token() * t / peak[k] if peak[k] else None for k, t in tps.items()}
     out = {"case": "gpu-speed", "card": dev.name, "tokens_per_step": tokens,
@@ -269,7 +266,7 @@ def speed(a, dev) -> dict:
            "target_vs_torch": SPEED_TARGET, "rounds": a.rounds, "steps_per_round": a.steps,
            "devkernels_gain_bf16": _over(tps, "ratrain bf16", NO_DEVKERNELS),
            "cupy_norm_rope_gain_bf16": _over(tps, CUPY_NORM_ROPE, "ratrain bf16"),
-           "head_chunk_256mib_gain_bf16": _over(tps, BIG_HEAD_CHUNK, "ratrain bf16"),
+           "head_chunk_gain_bf16": _over(tps, "ratrain bf16", SMALL_HEAD_CHUNK),
            "errors": errors}
     for prec in ("bf16", "fp16"):
         mem, amp = memory.get(f"ratrain {prec}"), memory.get(TORCH[prec])

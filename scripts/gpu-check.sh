@@ -21,7 +21,7 @@
 #      attention) and fp32 against PyTorch AMP bf16 and fp16 + SDPA and fp32 eager, tokens/s,
 #      MFU against the card's dense peaks, ledger against cupy's pool against PyTorch's, and
 #      three bf16 trials timed with them: devkernels off, RMSNorm and RoPE on cupy, the head
-#      in 256 MiB chunks
+#      in the host's 16 MiB chunks (a device's are 256 MiB)
 #      (benchmarks/gpu.py speed)
 #   4. agreement on jobs/tiny.yaml, four runs at once: fp32 CPU vs GPU over 20 steps, fp16 and
 #      bf16 vs fp32 on the GPU over 200 (benchmarks/gpu.py agree)

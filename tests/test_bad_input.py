@@ -46,6 +46,8 @@ CASES = {
                           ["run.attention='nope' is not a registered", "tiled-64"], False),
     "unknown reference op": (JOB, ["run.reference_ops=[rope,softmax]"],
                              ["run.reference_ops: 'softmax' is not an op", "rmsnorm"], False),
+    "negative head chunk": (JOB, ["run.head_chunk_mib=-16"],
+                            ["run.head_chunk_mib=-16 must be >= 0", "gpu 256"], True),
 }
 
 

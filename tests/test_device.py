@@ -73,6 +73,26 @@ def test_standin_allows_what_cupy_allows_and_counts_syncs():
     assert to_host(t).tolist() == [2.0, 1.0]
 
 
+def test_standin_counts_device_operations_not_views():
+    a = xp.zeros((4, 6), xp.float32)
+
+    def ops(f) -> int:
+        COUNTS.clear()
+        f()
+        return COUNTS["ops"]
+
+    for none in (lambda: a.reshape(6, 4), lambda: a.T, lambda: a[1:3], lambda: xp.empty(3),
+                 lambda: a.astype(np.float32, copy=False), lambda: xp.ascontiguousarray(a)):
+        assert ops(none) == 0  # views, an allocation, no-op casts: no device work
+    for one in (lambda: a + a, lambda: a.__iadd__(1.0), lambda: xp.exp(a), lambda: np.exp(a),
+                lambda: a.sum(axis=0), lambda: a.astype(np.float16), lambda: a @ a.T,
+                lambda: a.__setitem__(slice(0, 2), 1.0), lambda: xp.zeros(3),
+                lambda: a.T.reshape(24), lambda: np.concatenate([a, a]), lambda: a.copy()):
+        assert ops(one) == 1  # a kernel each (a reshape that copies is one)
+    idx = xp.arange(2)
+    assert ops(lambda: a[idx]) == 1  # a gather
+
+
 def test_transfers_and_staging():
     h = np.arange(4, dtype=np.float32)
     assert to_host(h) is h and to_device(np, h) is h  # the host: no copies
@@ -186,6 +206,39 @@ def test_layer_embed_and_head_agree_with_the_host(device, precision):
         assert a.dtype == b.dtype and a.shape == b.shape
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-30)
+
+
+def test_head_chunk_is_the_devices_unless_the_config_gives_one():
+    """cpu 16 MiB (a core's cache), a device 256 MiB (fewer, larger launches); the config's
+    `run.head_chunk_mib` over both, as far as the rank's context; on the stand-in a smaller
+    chunk is more device operations for the same loss and gradients."""
+    from ratrain.exec.context import HEAD_CHUNK_BYTES
+
+    assert HEAD_CHUNK_BYTES == {"cpu": 16 << 20, "gpu": 256 << 20, "standin": 256 << 20}
+    assert ExecContext(M).head_chunk_bytes == 16 << 20
+    assert ExecContext(M, xp=standin).head_chunk_bytes == 256 << 20
+    assert ExecContext(M, head_chunk_bytes=3 << 20).head_chunk_bytes == 3 << 20
+    cfg = tiny_config()
+    for mib, want in ((0, 16 << 20), (3, 3 << 20)):
+        c = replace(cfg, run=replace(cfg.run, head_chunk_mib=mib))
+        assert ExecContext.from_config(c).head_chunk_bytes == want
+        assert build_rank(c, None, cap=None).ctx.head_chunk_bytes == want
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, M.seq_len, M.hidden)).astype(np.float32)
+    t = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    P = {k: to_device(xp, v) for k, v in make_params(M, np.float32, scale=0.1)[-1].items()}
+    res = {}
+    for chunk in (4 * 5 * M.vocab_size, 256 << 20):  # 5 rows / columns at a time, or all
+        with ExecContext(M, "fp32", xp, threads=1, head_chunk_bytes=chunk) as ctx:
+            COUNTS.clear()
+            loss, cache = layers.head_forward(to_device(xp, x), to_device(xp, t), P, ctx)
+            g = {k: xp.zeros(v.shape, xp.float32) for k, v in P.items()}
+            dx = layers.head_backward(1.0, cache, P, g, ctx)
+            res[chunk] = COUNTS["ops"], [host(a) for a in (loss, dx, *g.values())]
+    (small, a), (big, b) = res.values()
+    assert small > 2 * big > 0, (small, big)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
 
 
 SMALL = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=1, ffn_hidden=16,

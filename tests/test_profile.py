@@ -1,5 +1,6 @@
 """`exec.profile.Profile`: time per category, a nested category's time counted only in the
-innermost, and `sync=` (a device's synchronize) called around every timed call."""
+innermost, `sync=` (a device's synchronize) called around every timed call, and a `counter=`
+shared out by category the same way."""
 
 from __future__ import annotations
 
@@ -28,3 +29,27 @@ def test_nested_calls_count_in_the_innermost_and_sync_wraps_each_call():
     assert outer() == 2 and prof.calls["outer"] == 1  # off once the block ends
     with pytest.raises(RuntimeError, match="already running"), Profile(), Profile():
         pass
+
+
+def test_a_counter_is_shared_out_by_category_nested_calls_subtracted():
+    n = [0]
+
+    @timed("leaf")
+    def leaf():
+        n[0] += 2
+
+    @timed("branch")
+    def branch():
+        n[0] += 1
+        leaf()
+        leaf()
+
+    with Profile(counter=lambda: n[0]) as prof:
+        branch()
+        n[0] += 7  # outside every category
+    assert prof.counts == {"branch": 1, "leaf": 4}
+    rows = {r["category"]: r for r in prof.rows()}
+    assert rows["leaf"]["count"] == 4 and rows["branch"]["count"] == 1
+    with Profile() as prof:
+        branch()
+    assert all("count" not in r for r in prof.rows())

@@ -407,6 +407,9 @@ class RunConfig:
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
         cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way
         round one that misbehaves)
+    head_chunk_mib: the bound, in MiB, on the fp32 logits the head's loss makes at once (its
+        forward by rows, its backward by vocabulary columns; the ledger counts the chunk's
+        workspace); 0 = the device's (cpu 16, a core's cache; gpu and standin 256)
     malloc: the host allocator: tuned (freed memory stays in the process, as a cluster's DDR
         pool; ratrain/shim/allocator.py) | default (glibc's own); RATRAIN_MALLOC overrides it
     """
@@ -431,6 +434,7 @@ class RunConfig:
     devkernels: str | bool = "auto"  # auto | on | off | sim (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
     reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
+    head_chunk_mib: int = 0  # the head's logits chunk, MiB; 0 = the device's (cpu 16, gpu 256)
     malloc: str = "tuned"  # tuned | default (RATRAIN_MALLOC)
 
     SIGNALS = ("TERM", "INT", "USR1", "USR2", "HUP", "XCPU")
@@ -448,6 +452,9 @@ class RunConfig:
         _positive(self, "run", "trace_bytes")
         if self.threads < 0:
             raise ConfigError(f"run.threads={self.threads} must be >= 0 (0 = auto)")
+        if self.head_chunk_mib < 0:
+            raise ConfigError(f"run.head_chunk_mib={self.head_chunk_mib} must be >= 0 (0 = the "
+                              "device's: cpu 16, gpu 256)")
         if self.device not in DEVICES:
             raise ConfigError(f"run.device={self.device!r} is not a device: use one of "
                               f"{', '.join(DEVICES)}")

@@ -13,7 +13,11 @@ return 0-d arrays, not host scalars. It allows what cupy allows: `np.*` ufuncs a
 device arrays (they dispatch to the device, `__array_ufunc__` / `__array_function__`),
 `float(a)`, `int(a)`, `bool(a)`, `a.item()`, `a.tolist()` (host syncs), `a.get()`,
 `xp.asnumpy(a)` (downloads) and `xp.asarray(host)`, `a.set(host)` (uploads). Each host sync
-and transfer is counted (`COUNTS`), so a test can hold a step to the syncs it needs. The
+and transfer is counted (`COUNTS`), so a test can hold a step to the syncs it needs, and so is
+each device operation (`COUNTS["ops"]`: a call that would queue device work on cupy, a ufunc,
+operator, reduction, cast, copy, fill, gather or scatter; not a view, nor an `empty`), about a
+kernel launch each (a cupy reduction may launch two), the host's cost of a step on a card that
+`benchmarks/launches.py` counts. The
 arithmetic is numpy's, so a run on the stand-in is bitwise the numpy run: the CPU suite runs
 every device code path, and a missing transfer fails there as it would on a GPU.
 """
@@ -26,11 +30,32 @@ import types
 import ml_dtypes
 import numpy as np
 
-COUNTS: collections.Counter = collections.Counter()  # syncs, downloads, uploads
+COUNTS: collections.Counter = collections.Counter()  # syncs, downloads, uploads, ops
 
 _REFUSED = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
             "construct a NumPy array explicitly.")
 _UPLOADERS = frozenset({"asarray", "array", "asanyarray", "ascontiguousarray"})
+# calls that queue no device work: allocation, shape and dtype queries; and calls that may return
+# a view or their input (an op only when they copy: a reshape of a non-contiguous array, a cast
+# to another dtype)
+_NO_WORK = frozenset({"empty", "empty_like", "shape", "ndim", "size", "result_type", "dtype",
+                      "broadcast_shapes", "iinfo", "finfo", "can_cast", "promote_types"})
+_VIEWS = frozenset({"reshape", "transpose", "swapaxes", "squeeze", "ravel", "view",
+                    "broadcast_to", "expand_dims", "moveaxis", "atleast_1d", "atleast_2d",
+                    "split", "array_split", "astype", "asarray", "ascontiguousarray"})
+
+
+def _op(name: str, result, inputs) -> None:
+    """Count one device operation, unless `name` queues no work or made a view of an input."""
+    if name in _NO_WORK:
+        return
+    if name in _VIEWS:
+        res = result if isinstance(result, (list, tuple)) else (result,)
+        base = [_unwrap(a) for a in inputs if type(a) is StandinArray]
+        if all(isinstance(r, np.ndarray) and any(np.shares_memory(r, b) for b in base)
+               for r in res):
+            return
+    COUNTS["ops"] += 1
 
 
 def _unwrap(v, host_ok: bool = False):
@@ -83,12 +108,15 @@ def _matmul(a, b, *args, **kwargs):
     return np.matmul(a, b, *args, **kwargs)
 
 
-def _device_call(f, host_ok: bool = False):
+def _device_call(f, host_ok: bool = False, name: str | None = None, this=None):
     if f is np.matmul:
         f = _matmul
+    name = name or getattr(f, "__name__", "call")
 
     def call(*args, **kwargs):
-        return _wrap(f(*_unwrap(args, host_ok), **_unwrap(kwargs, host_ok)))
+        r = f(*_unwrap(args, host_ok), **_unwrap(kwargs, host_ok))
+        _op(name, r, (this, *args))
+        return _wrap(r)
     call.__name__ = getattr(f, "__name__", "call")
     call.__doc__ = getattr(f, "__doc__", None)
     return call
@@ -112,6 +140,7 @@ class _Ufunc:
 def _binary(uf, reflected: bool = False):
     def op(self, other):
         o = _unwrap(other)
+        COUNTS["ops"] += 1
         return _wrap(uf(o, self._a) if reflected else uf(self._a, o))
     return op
 
@@ -119,12 +148,14 @@ def _binary(uf, reflected: bool = False):
 def _inplace(uf):
     def op(self, other):
         uf(self._a, _unwrap(other), out=self._a)
+        COUNTS["ops"] += 1
         return self
     return op
 
 
 def _unary(uf):
     def op(self):
+        COUNTS["ops"] += 1
         return _wrap(uf(self._a))
     return op
 
@@ -198,12 +229,15 @@ class StandinArray:
     # ---- the protocols by which np.* reaches the device ----
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         f = _matmul if ufunc is np.matmul and method == "__call__" else getattr(ufunc, method)
+        COUNTS["ops"] += 1
         return _wrap(f(*_unwrap(inputs), **_unwrap(kwargs)))
 
     def __array_function__(self, func, types, args, kwargs):
         if func.__name__ in _UPLOADERS:
             raise TypeError(_REFUSED)
-        return _wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+        r = func(*_unwrap(args), **_unwrap(kwargs))
+        _op(func.__name__, r, args)
+        return _wrap(r)
 
     # ---- attributes ----
     shape = property(lambda self: self._a.shape)
@@ -225,7 +259,7 @@ class StandinArray:
 
     def __getattr__(self, name):
         if name in _METHODS:
-            return _device_call(getattr(self._a, name))
+            return _device_call(getattr(self._a, name), name=name, this=self)
         raise AttributeError(f"'cupy.ndarray' (stand-in) has no attribute {name!r}")
 
     # ---- indexing ----
@@ -236,10 +270,14 @@ class StandinArray:
         return (_wrap(x) for x in self._a)
 
     def __getitem__(self, key):
-        return _wrap(self._a[_unwrap(key)])
+        r = self._a[_unwrap(key)]
+        if isinstance(r, np.ndarray) and r.size and not np.shares_memory(r, self._a):
+            COUNTS["ops"] += 1  # a gather (advanced indexing); a basic index is a view
+        return _wrap(r)
 
     def __setitem__(self, key, value):
         self._a[_unwrap(key)] = _unwrap(value)
+        COUNTS["ops"] += 1
 
     # ---- operators (numpy's ufuncs on the storage; host arrays refused) ----
     __add__, __radd__ = _binary(np.add), _binary(np.add, True)
@@ -279,7 +317,7 @@ class _Module(types.ModuleType):
             sub._np = attr
             return sub
         if callable(attr) and not isinstance(attr, type):
-            return _device_call(attr, host_ok=name in _UPLOADERS)
+            return _device_call(attr, host_ok=name in _UPLOADERS, name=name)
         return attr  # dtypes, scalar types, constants, finfo/iinfo
 
 

@@ -91,6 +91,14 @@ def sgemm_rate(threads: int, n: int = 1024):
 
 
 BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the thread count
+# Each device's bound on the fp32 logits of one head chunk (`run.head_chunk_mib: 0`). The host's
+# is a core's cache: the head is GEMM-bound there, and its transient memory is DDR. A device's
+# is 16 times that: at 16 MiB the 124M model's head (vocab 32000, 8192 tokens) makes 63 chunks
+# each way a step, each a GEMM and half a dozen small launches, 1,829 device operations a step
+# more than at 256 MiB (benchmarks/launches.py, bf16), each some microseconds of the host's
+# time on a card; at 256 MiB 4 chunks each way, GEMMs of 2048 rows, and a transient of about
+# 640 MiB (10 bytes a logit there: `layers.head_workspace_nbytes`).
+HEAD_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "standin": 256 << 20}
 
 
 class ExecContext:
@@ -106,7 +114,7 @@ class ExecContext:
         xp=np,
         ledger=None,
         threads: int = 0,
-        head_chunk_bytes: int = 16 << 20,
+        head_chunk_bytes: int | None = None,
         kernels: Kernels | None = None,
     ):
         if precision not in DTYPES:
@@ -129,13 +137,15 @@ class ExecContext:
         # accumulation), else None: the host keeps fp32 GEMMs (16-bit operands converted by
         # tiles, `exec.gemm`)
         self.device_half = self.dtype if self.half and not self.host else None
-        self.head_chunk_bytes = head_chunk_bytes  # bound on the fp32 logits of one head chunk
+        # bound on the fp32 logits of one head chunk: the device's unless given
+        self.head_chunk_bytes = head_chunk_bytes or HEAD_CHUNK_BYTES[self.kernels.device]
         self._rope: dict[int, tuple] = {}
         self._pool = None
 
     @classmethod
     def from_config(cls, cfg, xp=np, ledger=None, **kw) -> ExecContext:
         kw.setdefault("kernels", kernels_for(cfg, xp))
+        kw.setdefault("head_chunk_bytes", cfg.run.head_chunk_mib << 20)  # 0: the device's
         return cls(cfg.model, cfg.precision, xp, ledger, cfg.run.threads, **kw)
 
     # -- numerics ---------------------------------------------------------------------------
@@ -208,4 +218,4 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BATCH_CHUNKS", "BLAS", "ExecContext", "auto_threads", "sgemm_rate"]
+__all__ = ["BATCH_CHUNKS", "BLAS", "HEAD_CHUNK_BYTES", "ExecContext", "auto_threads", "sgemm_rate"]

@@ -13,7 +13,9 @@ unless a profile is active.
 On a GPU the calls only queue work: `Profile(sync=...)` (the device's synchronize) waits for
 the device before and after each call, so a category's time is its kernels' (serialised,
 launch gaps included); the step's time under it against its time without says how much of a
-step the host's launching hides or exposes.
+step the host's launching hides or exposes. `Profile(counter=...)` (a function returning a
+running count, such as the stand-in's device operations) also gives each category its share of
+that count, nested calls subtracted as for the time.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def add_flops(flops: float) -> None:
 
 
 class Profile:
-    def __init__(self, sync=None):
+    def __init__(self, sync=None, counter=None):
         self.sync = sync  # called before and after each timed call (a device's synchronize)
+        self.counter = counter  # a running count to share out by category (or None)
+        self.counts: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.flops: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -72,6 +76,7 @@ class Profile:
             stack = _local.stack = []
         if self.sync is not None:
             self.sync()
+        c0 = self.counter() if self.counter is not None else 0
         t0 = time.perf_counter()
         stack.append(category)
         try:
@@ -81,18 +86,24 @@ class Profile:
             if self.sync is not None:
                 self.sync()
             dt = time.perf_counter() - t0
+            dc = self.counter() - c0 if self.counter is not None else 0
             with self._lock:
                 self.seconds[category] = self.seconds.get(category, 0.0) + dt
                 self.calls[category] = self.calls.get(category, 0) + 1
+                self.counts[category] = self.counts.get(category, 0) + dc
                 if stack:  # the caller's category does not count this time again
                     self.seconds[stack[-1]] = self.seconds.get(stack[-1], 0.0) - dt
+                    self.counts[stack[-1]] = self.counts.get(stack[-1], 0) - dc
 
     def rows(self, gemm_rate: float | None = None) -> list[dict]:
-        """One row per category, most time first: seconds, calls, GFLOP/s where flops were
-        counted, and their fraction of `gemm_rate` (flop/s of one thread's sgemm)."""
+        """One row per category, most time first: seconds, calls, the counter's share where a
+        counter runs, GFLOP/s where flops were counted, and their fraction of `gemm_rate`
+        (flop/s of one thread's sgemm)."""
         out = []
         for cat, s in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
             row = {"category": cat, "seconds": round(s, 4), "calls": self.calls.get(cat, 0)}
+            if self.counter is not None:
+                row["count"] = self.counts.get(cat, 0)
             fl = self.flops.get(cat)
             if fl and s > 0:
                 row["gflops"] = round(fl / s / 1e9, 1)

@@ -200,7 +200,8 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
         if load is not None:
             load(state)
         ctx = ExecContext(cfg.model, cfg.precision, xp, ledger=ledger,
-                          threads=local_threads(cfg, comm), kernels=kernels)
+                          threads=local_threads(cfg, comm), kernels=kernels,
+                          head_chunk_bytes=cfg.run.head_chunk_mib << 20)
         pacer = Pacer(profile) if profile.emulate else None
         executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer, tier=tier)
         # measured and chosen here, at the same point on every rank (collective when sharded)

@@ -1,0 +1,92 @@
+"""Device operations a training step queues, by category, counted on the CPU stand-in.
+
+    python benchmarks/launches.py [--precision bf16] [--set KEY=VALUE ...] [--against KEY=VALUE ...]
+
+On a card each cupy operation (a ufunc, an operator, a reduction, a cast, a copy, a gather) is a
+kernel launch or two, and each costs the host some microseconds of Python and driver whatever
+its size; a step of small launches is bound by the host, not the card. The stand-in
+(`run.device: standin`) runs the device's code paths on numpy and counts each such operation
+(`device.standin.COUNTS["ops"]`); this runs one whole training step of the 124M model (the one
+`benchmarks/gpu.py speed` times: hidden 768, 12 layers, vocab 32000, seq 1024, micro-batch 8)
+there and shares the count out by the profile's categories (`exec.profile.Profile(counter=)`).
+`--against` counts a second configuration (the same model with those keys changed) beside it.
+
+What it counts is what the device path would queue with `run.devkernels: off`: the numba-cuda
+kernels would run in numba-cuda's simulator here, one Python thread per CUDA thread, far too
+slow at these shapes, so RMSNorm, RoPE, SwiGLU, the cross-entropy's log-sum-exp, AdamW and the
+gradient norm count as cupy's compositions (on a card with the kernels, one or two launches a
+call: their categories' `calls`). The attention is the stand-in's `tiled-1024`; a card's cuDNN
+runs a call as one graph. The counts do not depend on the host, its load or its threads (the
+stand-in computes in one thread, as a device rank does).
+Prints a table and, last, one JSON line (for `benchmarks/record.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BASE = ("run.devkernels=off", "run.attention=tiled-1024")
+
+
+def count(precision: str, sets) -> dict:
+    """One counted step (after one warm-up step) of the 124M model on the stand-in."""
+    from gpu import ratrain_contender
+
+    from ratrain.device import open_device
+    from ratrain.device.standin import COUNTS
+    from ratrain.exec.profile import Profile
+
+    dev = open_device("standin")
+    step, _, cfg, kernels = ratrain_contender(precision, dev, False, sets=(*BASE, *sets))
+    step()
+    COUNTS.clear()
+    with Profile(counter=lambda: COUNTS["ops"]) as prof:
+        t0 = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - t0
+    rows = [{"category": r["category"], "ops": r["count"], "calls": r["calls"]}
+            for r in prof.rows()]
+    total = COUNTS["ops"]
+    rows.append({"category": "(outside the categories)", "calls": 0,
+                 "ops": total - sum(r["ops"] for r in rows)})
+    rows.sort(key=lambda r: -r["ops"])
+    return {"sets": list(sets), "kernels": kernels, "ops": total, "stand_in_seconds": seconds,
+            "by_category": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                    help="also count the model with these keys changed")
+    a = ap.parse_args(argv)
+    runs = {"this": count(a.precision, a.sets)}
+    if a.against:
+        runs["against"] = count(a.precision, [*a.sets, *a.against])
+    for name, r in runs.items():
+        print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
+        print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
+              f"{r['stand_in_seconds']:.1f} s)")
+        for row in r["by_category"]:
+            print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
+    out = {"case": "launches", "precision": a.precision, "model": "124M",
+           "ops": {k: r["ops"] for k, r in runs.items()},
+           "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}
+                           for k, r in runs.items()},
+           "sets": {k: r["sets"] for k, r in runs.items()}}
+    if "against" in runs:
+        out["against_over_this"] = runs["against"]["ops"] / runs["this"]["ops"]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
