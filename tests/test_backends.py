@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from ratrain.exec import fused, kernels, layers
-from ratrain.exec.attention import AttentionBackend, AttentionCache, TiledAttention
+from ratrain.device.standin import standin
+from ratrain.exec.attention import (
+    DEVICE_GROUP_BYTES,
+    TILE_BYTES,
+    AttentionBackend,
+    AttentionCache,
+    TiledAttention,
+)
 from ratrain.exec.backends import (
     ATTENTION,
     BackendError,
@@ -97,6 +104,13 @@ def test_the_layer_workspace_is_its_own_plus_its_attention_backends(toy):
     with ExecContext(m, threads=threads, kernels=kernel_table(attention="toy")) as ctx:
         assert layers.layer_workspace_nbytes(ctx, B, T, backward=True) == \
             4 * B * T * per_token + 12 * B * H * T**2
+    # a device's tiled backend takes the batch chunk's sequences as one group: their tiles
+    table = kernel_table(standin, attention="tiled-1024")
+    assert table.attention.group_bytes == DEVICE_GROUP_BYTES
+    assert kernel_table(attention="tiled-1024").attention.group_bytes == TILE_BYTES
+    with ExecContext(m, xp=standin, kernels=table) as ctx:
+        want = 4 * (B * T * per_token + 4 * H * 1024**2 * B)
+        assert layers.layer_workspace_nbytes(ctx, B, T, backward=True) == want
 
 
 def test_the_table_follows_the_switches_and_names_itself():
@@ -111,8 +125,6 @@ def test_the_table_follows_the_switches_and_names_itself():
                                    "numpy), attention tiled-64")
     else:
         assert auto.names == off.names
-    from ratrain.device.standin import standin
-
     assert kernel_table(standin).names["attention"] == "tiled-1024"  # a device's tile
     assert kernel_table(standin).describe() == "kernels: standin, attention tiled-1024"
     tile = kernel_table(attention=TiledAttention(8))
@@ -120,8 +132,6 @@ def test_the_table_follows_the_switches_and_names_itself():
 
 
 def test_reference_ops_put_ops_back_on_their_reference():
-    from ratrain.device.standin import standin
-
     t = kernel_table(reference_ops=("rope", "adamw"))
     assert t.names["rope"] == t.names["adamw"] == "numpy"
     assert t.rope_forward is kernels.rope_forward and t.adamw is None
@@ -148,8 +158,6 @@ def test_bad_choices_are_one_line_naming_the_key(toy):
         kernel_table(gpu, devkernels_mode="sim")
     with pytest.raises(ValueError, match="a kernel table for standin given to a context "
                        "computing on cpu"):
-        from ratrain.device.standin import standin
-
         ExecContext(tiny_config().model, kernels=kernel_table(standin))
     with pytest.raises(ValueError, match="'toy': the name is empty, auto or taken"):
         register_attention("toy", lambda device, precision: Toy())

@@ -150,17 +150,22 @@ def test_flash_equals_plain(T, block, H, KV):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11)
 
 
-def test_flash_batch_groups_equal(monkeypatch):
+def test_flash_batch_groups_equal():
+    """One sequence per group, two, or all (a device's group) give the same bits."""
     B, H, KV, T, D = 3, 4, 2, 13, 4
     q, k, v = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D)
     do = rand(B, H, T, D)
-    o, c = attention.flash_attention_forward(q, k, v, np, block=4)
-    ref = attention.flash_attention_backward(do, c, np, 4)
-    monkeypatch.setattr(attention, "TILE_BYTES", 1)  # one sequence per group
-    o1, c1 = attention.flash_attention_forward(q, k, v, np, block=4)
-    np.testing.assert_array_equal(o1, o)
-    for a, b in zip(attention.flash_attention_backward(do, c1, np, 4), ref):
-        np.testing.assert_array_equal(a, b)
+    tile = H * 4 * 4 * 8  # one sequence's (H, block, block) fp64 score tile
+    assert attention._batch_groups(B, H, 4, 8, tile) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert attention._batch_groups(B, H, 4, 8, 2 * tile) == [slice(0, 2), slice(2, 3)]
+    assert attention._batch_groups(B, H, 4, 8, attention.DEVICE_GROUP_BYTES) == [slice(0, 3)]
+    o, c = attention.flash_attention_forward(q, k, v, np, block=4, group_bytes=tile)
+    ref = attention.flash_attention_backward(do, c, np, 4, group_bytes=tile)
+    for group in (2 * tile, attention.DEVICE_GROUP_BYTES):
+        o1, c1 = attention.flash_attention_forward(q, k, v, np, block=4, group_bytes=group)
+        np.testing.assert_array_equal(o1, o)
+        for a, b in zip(attention.flash_attention_backward(do, c1, np, 4, group), ref):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_flash_fd_and_strided_out():

@@ -47,6 +47,18 @@ from ratrain.exec.kernels import NEG_INF, as_dtype, compute_dtype, gqa_shape
 from ratrain.exec.profile import add_flops, timed
 
 WORKSPACE_TAG = "scratch.attention"  # a backend's own workspace in the ledger (owns_workspace)
+TILE_BYTES = 256 << 10  # score tiles of a batch group stay in a core's L2 cache (the host)
+# a device's bound on a group's score tile: at tile 1024 one 124M sequence's is 48 MiB (12
+# heads), so 8 sequences (micro-batch 8) go as one group, a few dozen launches a layer call
+# instead of 8 times as many; its four tiles in flight, 1.5 GiB, are the layer's workspace
+DEVICE_GROUP_BYTES = 512 << 20
+
+
+def _group_size(H, block, itemsize, group_bytes=TILE_BYTES) -> int:
+    """Sequences per batch group: their (H, block, block) score tiles within `group_bytes`."""
+    return max(1, group_bytes // (H * block * block * itemsize))
+
+
 
 
 @dataclass
@@ -87,27 +99,35 @@ class AttentionBackend:
 
 
 class TiledAttention(AttentionBackend):
-    """`flash_attention_*` by tiles of `block` queries x `block` keys."""
+    """`flash_attention_*` by tiles of `block` queries x `block` keys, over groups of sequences
+    whose score tiles fit `group_bytes` (a core's L2 on the host; on a device all of a batch
+    chunk's sequences at once, up to `DEVICE_GROUP_BYTES`: each group is a few dozen launches
+    whatever its size)."""
 
-    def __init__(self, block: int):
+    def __init__(self, block: int, group_bytes: int = TILE_BYTES):
         if block < 1:
             raise ValueError(f"attention tile {block}: must be at least 1")
         self.block = block
+        self.group_bytes = group_bytes
         self.name = f"tiled-{block}"
 
     def forward(self, q, k, v, ctx, out=None):
-        return flash_attention_forward(q, k, v, ctx.xp, self.block, out=out)
+        return flash_attention_forward(q, k, v, ctx.xp, self.block, out=out,
+                                       group_bytes=self.group_bytes)
 
     def backward(self, do, cache, ctx):
-        return flash_attention_backward(do, cache, ctx.xp, self.block)
+        return flash_attention_backward(do, cache, ctx.xp, self.block, self.group_bytes)
 
     def workspace_nbytes(self, ctx, batch, seq_len, backward=False):
-        """Four fp32 (heads, block, block) score tiles per sequence in flight (one per thread,
-        at most one per batch chunk); nothing for a single token."""
+        """Four fp32 (heads, block, block) score tiles per sequence of a group in flight (a
+        group per thread, at most one per batch chunk); nothing for a single token."""
         if seq_len <= 1:
             return 0
-        in_flight = min(batch, ctx.threads, len(ctx.split(batch)))
-        return 4 * 4 * ctx.model.heads * self.block**2 * in_flight
+        chunks = ctx.split(batch)
+        in_flight = min(batch, ctx.threads, len(chunks))
+        per_group = min(max(c.stop - c.start for c in chunks),
+                        _group_size(ctx.model.heads, self.block, 4, self.group_bytes))
+        return 4 * 4 * ctx.model.heads * self.block**2 * in_flight * per_group
 
 
 class CudnnAttention(AttentionBackend):
@@ -229,28 +249,26 @@ def _causal_bias(i0, i1, j0, j1, ct, xp):
     return xp.where(cols > rows, NEG_INF, 0.0).astype(ct)  # (bq, bk)
 
 
-TILE_BYTES = 256 << 10  # score tiles of a batch group stay in a core's L2 cache
-
-
-def _batch_groups(B, H, block, itemsize):
-    n = max(1, TILE_BYTES // (H * block * block * itemsize))
+def _batch_groups(B, H, block, itemsize, group_bytes=TILE_BYTES):
+    n = _group_size(H, block, itemsize, group_bytes)
     return [slice(b0, min(b0 + n, B)) for b0 in range(0, B, n)]
 
 
 @timed("attention")
-def flash_attention_forward(q, k, v, xp, block=128, out=None):
+def flash_attention_forward(q, k, v, xp, block=128, out=None, group_bytes=TILE_BYTES):
     """Causal GQA attention by blocks of `block` queries x `block` keys with an online softmax.
 
     q (B, H, T, D); k, v (B, KV, T, D) -> o (B, H, T, D) (written into `out` when given, which
     may be a strided view), `AttentionCache` with lse (B, H, T) the log-sum-exp of each row of
-    scaled scores. Transient memory: a few (B, H, block, block) tiles."""
+    scaled scores. Transient memory: a few (b, H, block, block) tiles, b the sequences whose
+    tiles fit `group_bytes` (at least one)."""
     B, H, T, D, KV, G = gqa_shape(q, k)
     ct = compute_dtype(q, k, v)
     q, k, v = as_dtype(q, ct), as_dtype(k, ct), as_dtype(v, ct)
     scale = 1.0 / math.sqrt(D)
     o = xp.empty((B, H, T, D), ct) if out is None else out
     lse = xp.empty((B, H, T), ct)
-    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
+    for bs in _batch_groups(B, H, block, ct.itemsize, group_bytes):  # a few sequences at a time
         _flash_fwd_group(q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp)
     return o, AttentionCache(q, k, v, o, lse)
 
@@ -298,7 +316,7 @@ def _flash_fwd_group(q, k, v, o, lse, block, scale, xp):
 
 
 @timed("attention")
-def flash_attention_backward(do, cache, xp, block=128):
+def flash_attention_backward(do, cache, xp, block=128, group_bytes=TILE_BYTES):
     """Blocked backward from the cache (q, k, v, o, lse): scores are recomputed tile by tile
     (`block` as the forward's, for the same bits as a recomputed forward).
 
@@ -311,7 +329,7 @@ def flash_attention_backward(do, cache, xp, block=128):
     dq = xp.empty((B, H, T, D), ct)
     dk = xp.empty((B, KV, T, D), ct)
     dv = xp.empty((B, KV, T, D), ct)
-    for bs in _batch_groups(B, H, block, ct.itemsize):  # a few sequences at a time
+    for bs in _batch_groups(B, H, block, ct.itemsize, group_bytes):  # a few sequences at a time
         _flash_bwd_group(do[bs], q[bs], k[bs], v[bs], o[bs], lse[bs], block, scale, xp,
                          dq[bs], dk[bs], dv[bs])
     return dq, dk, dv
@@ -361,5 +379,5 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
     dq *= scale
 
 
-__all__ = ["WORKSPACE_TAG", "AttentionBackend", "AttentionCache", "CudnnAttention",
+__all__ = ["DEVICE_GROUP_BYTES", "WORKSPACE_TAG", "AttentionBackend", "AttentionCache", "CudnnAttention",
            "TiledAttention", "flash_attention_backward", "flash_attention_forward"]
