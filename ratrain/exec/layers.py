@@ -103,6 +103,12 @@ def _c(ctx, a):
     return _as(ctx, a, ctx.compute)
 
 
+def _g(ctx, a):
+    """`a` as an operand of two GEMMs: in the device's 16-bit GEMM dtype, cast once (the same
+    bits each GEMM's own cast gives), or itself where the GEMMs are fp32."""
+    return a if ctx.device_half is None else _as(ctx, a, ctx.device_half)
+
+
 def _add_into(a, b, out, ctx):
     """out[...] = a + b, summed in the compute type and rounded once into out's dtype (as
     numpy's add into a float16 out does); `b` is overwritten when out's dtype differs."""
@@ -306,17 +312,21 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     b, T, _ = dy.shape
     N = b * T
     dy32 = _c(ctx, dy).reshape(N, C)  # (N, C)
+    # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
+    # dy32), else dy32
+    dyg = dy32 if half16 is None else _as(ctx, dy.reshape(N, C), half16)
     h, gu = _c(ctx, kept["h"]), _c(ctx, kept["gu"])  # (b, T, C), (N, 2F)
-    dact = ops.gemm(dy32, w["wd"], xp=xp, half=half16)  # (N, F)
+    dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
     _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
                                     out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
     del dact, gu
-    parts["wd"] = ops.gemm(dy32.T, act, xp=xp, half=half16)  # (C, F)
-    del act
+    parts["wd"] = ops.gemm(dyg.T, act, xp=xp, half=half16)  # (C, F)
+    del act, dyg
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
     xn2 *= _c(ctx, p["mlp_norm"])
+    dgu = _g(ctx, dgu)  # both GEMMs' operand
     parts["wgu"] = ops.gemm(dgu.T, xn2.reshape(N, C), xp=xp, half=half16)  # (2F, C)
     del xn2
     dxn2 = ops.gemm(dgu, w["wgu"], xp=xp, half=half16)  # (N, C)
@@ -347,10 +357,11 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
         lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
         if ctx.half:
             o = _as(ctx, ops.cast(o, ctx.dtype), adt)
-    dh2 = dh.reshape(N, C)
+    dh2 = _g(ctx, dh.reshape(N, C))  # both GEMMs' operand
     parts["wo"] = ops.gemm(dh2.T, o.reshape(N, HD), xp=xp, half=half16)  # (C, HD)
     do = xp.empty((N, HD), adt)  # (N, HD), in the dtype the attention backend takes
     ops.gemm(dh2, w["wo"], out=do, xp=xp, half=half16)
+    del dh2
     dq, dk, dv = attn.backward(_heads(do.reshape(b, T, HD), H),
                                AttentionCache(q, k, v, _heads(o, H), lse), ctx)
     del do, q, k, v, o
@@ -365,6 +376,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
     xn1 *= _c(ctx, p["attn_norm"])
+    dqkv = _g(ctx, dqkv)  # both GEMMs' operand
     parts["wqkv"] = ops.gemm(dqkv.T, xn1.reshape(N, C), xp=xp, half=half16)  # (HD + 2 KVD, C)
     del xn1
     dxn1 = ops.gemm(dqkv, w["wqkv"], xp=xp, half=half16)  # (N, C)
