@@ -10,6 +10,8 @@ its size; a step of small launches is bound by the host, not the card. The stand
 `benchmarks/gpu.py speed` times: hidden 768, 12 layers, vocab 32000, seq 1024, micro-batch 8)
 there and shares the count out by the profile's categories (`exec.profile.Profile(counter=)`).
 `--against` counts a second configuration (the same model with those keys changed) beside it.
+Last, one layer's tiled attention alone, its sequences grouped as a device groups them and as
+the host does.
 
 What it counts is what the device path would queue with `run.devkernels: off`: the numba-cuda
 kernels would run in numba-cuda's simulator here, one Python thread per CUDA thread, far too
@@ -61,6 +63,36 @@ def count(precision: str, sets) -> dict:
             "by_category": rows}
 
 
+def attention_groups(precision: str) -> dict:
+    """Device operations of one layer's tiled attention (tile 1024, forward and backward) at
+    the 124M shapes on the stand-in: its sequences grouped as on a device (the micro-batch at
+    once, `DEVICE_GROUP_BYTES`) and as on the host (`TILE_BYTES`: one at a time here)."""
+    import numpy as np
+    from gpu import MODEL_124M
+
+    from ratrain.config import load_config
+    from ratrain.device.standin import COUNTS, standin
+    from ratrain.exec.attention import DEVICE_GROUP_BYTES, TILE_BYTES, TiledAttention
+    from ratrain.exec.context import ExecContext
+    from ratrain.exec.kernels import DTYPES
+
+    cfg = load_config(None, [*MODEL_124M, f"precision={precision}"])
+    m, B = cfg.model, cfg.parallel.micro_batch
+    rng = np.random.default_rng(0)
+    dt = DTYPES["fp32"]  # the tiled path computes in fp32 whatever the precision
+    q = standin.asarray(rng.standard_normal((B, m.heads, m.seq_len, m.head_dim)).astype(dt))
+    kv = standin.asarray(rng.standard_normal((B, m.kv_heads, m.seq_len, m.head_dim)).astype(dt))
+    out = {}
+    with ExecContext(m, "fp32", standin) as ctx:
+        for name, group in (("device", DEVICE_GROUP_BYTES), ("host", TILE_BYTES)):
+            attn = TiledAttention(1024, group)
+            COUNTS.clear()
+            o, cache = attn.forward(q, kv, kv, ctx)
+            attn.backward(o, cache, ctx)
+            out[name] = COUNTS["ops"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -71,13 +103,18 @@ def main(argv=None) -> int:
     runs = {"this": count(a.precision, a.sets)}
     if a.against:
         runs["against"] = count(a.precision, [*a.sets, *a.against])
+    groups = attention_groups(a.precision)
     for name, r in runs.items():
         print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
         print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
               f"{r['stand_in_seconds']:.1f} s)")
         for row in r["by_category"]:
             print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
+    print(f"== one layer's tiled attention (tile 1024), forward and backward: "
+          f"{groups['device']:,} device operations with a device's groups (the micro-batch at "
+          f"once), {groups['host']:,} with the host's (one sequence at a time)")
     out = {"case": "launches", "precision": a.precision, "model": "124M",
+           "attention_layer_ops": groups,
            "ops": {k: r["ops"] for k, r in runs.items()},
            "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}
                            for k, r in runs.items()},
