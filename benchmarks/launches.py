@@ -11,7 +11,10 @@ its size; a step of small launches is bound by the host, not the card. The stand
 there and shares the count out by the profile's categories (`exec.profile.Profile(counter=)`).
 `--against` counts a second configuration (the same model with those keys changed) beside it.
 Last, one layer's tiled attention alone, its sequences grouped as a device groups them and as
-the host does.
+the host does. `--smoke`: gpu.py's tiny model instead (2 layers, hidden 64), whose device
+kernels do run in the simulator there, each launch counted: what the kernel table sends to
+cupy's compositions rather than to a kernel shows there (slow: about 3 minutes a step in the
+simulator, on an AMD EPYC core).
 
 What it counts is what the device path would queue with `run.devkernels: off`: the numba-cuda
 kernels would run in numba-cuda's simulator here, one Python thread per CUDA thread, far too
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,18 +39,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BASE = ("run.devkernels=off", "run.attention=tiled-1024")
+SMOKE = ("run.devkernels=sim", "run.attention=tiled-1024")  # numba-cuda's simulator
 
 
-def count(precision: str, sets) -> dict:
-    """One counted step (after one warm-up step) of the 124M model on the stand-in."""
+def count(precision: str, sets, smoke: bool = False) -> dict:
+    """One counted step (after one warm-up step) of the 124M model (`smoke`: gpu.py's tiny one,
+    with the device kernels in numba-cuda's simulator, each launch counted) on the stand-in."""
     from gpu import ratrain_contender
 
     from ratrain.device import open_device
     from ratrain.device.standin import COUNTS
     from ratrain.exec.profile import Profile
 
+    if smoke:  # the simulator's cost is per block and thread; a launch counts once at any grid
+        from ratrain.exec import devkernels
+
+        devkernels.MAX_BLOCKS, devkernels.ROW_GROUPS, devkernels.SIM_THREADS = 1, 1, 8
     dev = open_device("standin")
-    step, _, cfg, kernels = ratrain_contender(precision, dev, False, sets=(*BASE, *sets))
+    step, _, cfg, kernels = ratrain_contender(precision, dev, smoke,
+                                              sets=(*(SMOKE if smoke else BASE), *sets))
     step()
     COUNTS.clear()
     with Profile(counter=lambda: COUNTS["ops"]) as prof:
@@ -99,21 +110,27 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
                     help="also count the model with these keys changed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="gpu.py's tiny model, its device kernels run (and counted) in "
+                         "numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1)")
     a = ap.parse_args(argv)
-    runs = {"this": count(a.precision, a.sets)}
+    if a.smoke:
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    runs = {"this": count(a.precision, a.sets, a.smoke)}
     if a.against:
-        runs["against"] = count(a.precision, [*a.sets, *a.against])
-    groups = attention_groups(a.precision)
+        runs["against"] = count(a.precision, [*a.sets, *a.against], a.smoke)
+    groups = attention_groups(a.precision) if not a.smoke else {}
     for name, r in runs.items():
         print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
         print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
               f"{r['stand_in_seconds']:.1f} s)")
         for row in r["by_category"]:
             print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
-    print(f"== one layer's tiled attention (tile 1024), forward and backward: "
-          f"{groups['device']:,} device operations with a device's groups (the micro-batch at "
-          f"once), {groups['host']:,} with the host's (one sequence at a time)")
-    out = {"case": "launches", "precision": a.precision, "model": "124M",
+    if groups:
+        print(f"== one layer's tiled attention (tile 1024), forward and backward: "
+              f"{groups['device']:,} device operations with a device's groups (the micro-batch "
+              f"at once), {groups['host']:,} with the host's (one sequence at a time)")
+    out = {"case": "launches", "precision": a.precision, "model": "smoke" if a.smoke else "124M",
            "attention_layer_ops": groups,
            "ops": {k: r["ops"] for k, r in runs.items()},
            "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}

@@ -321,9 +321,18 @@ def _dk(*arrays) -> bool:
     return all(a is None or a.dtype in _DK for a in arrays)
 
 
+def _dk_in(a):
+    """An input as the device kernels take it: a bfloat16 one (a bf16 run's norm weights, the
+    fused attention's dq and dk) as its fp32 copy, converted exactly, as the reference computes
+    with it; anything else itself. Without it those calls of a bf16 run went to cupy's
+    compositions, about ten launches a call instead of two."""
+    return a.astype(np.float32) if a is not None and a.dtype == kernels.BF16 else a
+
+
 @timed("rmsnorm")
 def _dev_rmsnorm_forward(x, w, eps, xp, out=None):
     x = kernels.as_dtype(x, kernels.compute_dtype(x, w))
+    w = _dk_in(w)
     if _dk(x, w, out) and x.flags.c_contiguous:
         return devkernels.rmsnorm_forward(x, w, eps, xp, out=out)
     return kernels.rmsnorm_forward(x, w, eps, xp, out)
@@ -331,15 +340,17 @@ def _dev_rmsnorm_forward(x, w, eps, xp, out=None):
 
 @timed("rmsnorm")
 def _dev_rmsnorm_backward(dy, cache, xp):
-    x, _, w = cache
+    x, rstd, w = cache
     dy = kernels.as_dtype(dy, x.dtype)
-    if _dk(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
+    cache = (x, rstd, _dk_in(w))
+    if _dk(x, dy, cache[2]) and x.flags.c_contiguous and dy.flags.c_contiguous:
         return devkernels.rmsnorm_backward(dy, cache, xp)
     return kernels.rmsnorm_backward(dy, cache, xp)
 
 
 @timed("rope")
 def _dev_rope_forward(x, cos, sin, xp, out=None):
+    x = _dk_in(x)
     if _dk(x, cos, sin, out):
         return devkernels.rope_forward(x, cos, sin, xp, out=out)
     return kernels.rope_forward(x, cos, sin, xp, out)
@@ -347,6 +358,7 @@ def _dev_rope_forward(x, cos, sin, xp, out=None):
 
 @timed("rope")
 def _dev_rope_backward(dy, cache, xp, out=None):
+    dy = _dk_in(dy)
     if _dk(dy, *cache, out):
         return devkernels.rope_backward(dy, cache, xp, out=out)
     return kernels.rope_backward(dy, cache, xp, out)
@@ -354,6 +366,7 @@ def _dev_rope_backward(dy, cache, xp, out=None):
 
 @timed("swiglu")
 def _dev_swiglu_forward(gate, up, xp, out=None):
+    gate, up = _dk_in(gate), _dk_in(up)
     if gate.ndim == 2 and _dk(gate, up, out):
         return devkernels.swiglu_forward(gate, up, xp, out=out)
     return kernels.swiglu_forward(gate, up, xp, out)
@@ -361,6 +374,7 @@ def _dev_swiglu_forward(gate, up, xp, out=None):
 
 @timed("swiglu")
 def _dev_swiglu_backward(dact, cache, xp, out=None, with_act=False):
+    dact, cache = _dk_in(dact), tuple(_dk_in(a) for a in cache)
     if cache[0].ndim == 2 and _dk(dact, *cache, *(out or ())):
         return devkernels.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
     return kernels.swiglu_backward(dact, cache, xp, out, with_act)
