@@ -56,6 +56,17 @@ TABLES = {
         ("gpu-hf-parity", "loss against PyTorch + HF LlamaForCausalLM on one H200, fp32",
          [("loss_max_rel_dev", "loss max rel. dev.", ".2e"),
           ("grad_norm_max_rel_dev", "grad-norm max rel. dev.", ".2e"), ("steps", "steps", "d")]),
+        ("launches-124m-bf16", "device operations (about a kernel launch each) of one bf16 "
+         "step of the 124M model, counted on the stand-in (every op on cupy's compositions): "
+         "the head in a device's 256 MiB chunks and in the host's 16 MiB; one layer's tiled "
+         "attention grouped as a device and as the host groups it",
+         [("ops.this", "ops, 256 MiB", "d"), ("ops.against", "ops, 16 MiB", "d"),
+          ("attention_layer_ops.device", "attention, device groups", "d"),
+          ("attention_layer_ops.host", "attention, host groups", "d")]),
+        ("launches-smoke-bf16", "the same on gpu.py's tiny model with the device kernels in "
+         "numba-cuda's simulator (each launch counted): RMSNorm on its kernel, as bf16 runs now "
+         "take it, and on cupy's composition, as they took it before",
+         [("ops.this", "ops, kernel", "d"), ("ops.against", "ops, composition", "d")]),
         ("comm-tree-8B", "all-reduce of 8 B at 4 ranks against MPI_Allreduce: the tree, and "
          "the default (auto: hier on the topology's communicators)",
          [("tree_over_mpi", "tree / MPI's", ".2f"), ("auto_over_mpi", "auto / MPI's", ".2f")]),
