@@ -228,7 +228,11 @@ def test_head_chunk_is_the_devices_unless_the_config_gives_one():
     for mib, want in ((0, 16 << 20), (3, 3 << 20)):
         c = replace(cfg, run=replace(cfg.run, head_chunk_mib=mib))
         assert ExecContext.from_config(c).head_chunk_bytes == want
-        assert build_rank(c, None, cap=None).ctx.head_chunk_bytes == want
+        rank = build_rank(c, None, cap=None)
+        try:
+            assert rank.ctx.head_chunk_bytes == want
+        finally:
+            rank.close()
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, M.seq_len, M.hidden)).astype(np.float32)
     t = rng.integers(0, M.vocab_size, (2, M.seq_len))

@@ -54,11 +54,9 @@ TILE_BYTES = 256 << 10  # score tiles of a batch group stay in a core's L2 cache
 DEVICE_GROUP_BYTES = 512 << 20
 
 
-def _group_size(H, block, itemsize, group_bytes=TILE_BYTES) -> int:
+def _group_size(H, block, itemsize, group_bytes) -> int:
     """Sequences per batch group: their (H, block, block) score tiles within `group_bytes`."""
     return max(1, group_bytes // (H * block * block * itemsize))
-
-
 
 
 @dataclass
@@ -379,5 +377,5 @@ def _flash_bwd_group(do, q, k, v, o, lse, block, scale, xp, dq, dk, dv):
     dq *= scale
 
 
-__all__ = ["DEVICE_GROUP_BYTES", "WORKSPACE_TAG", "AttentionBackend", "AttentionCache", "CudnnAttention",
-           "TiledAttention", "flash_attention_backward", "flash_attention_forward"]
+__all__ = ["DEVICE_GROUP_BYTES", "TILE_BYTES", "WORKSPACE_TAG", "AttentionBackend",
+           "AttentionCache", "CudnnAttention", "TiledAttention", "flash_attention_backward", "flash_attention_forward"]

@@ -94,7 +94,7 @@ BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the
 # Each device's bound on the fp32 logits of one head chunk (`run.head_chunk_mib: 0`). The host's
 # is a core's cache: the head is GEMM-bound there, and its transient memory is DDR. A device's
 # is 16 times that: at 16 MiB the 124M model's head (vocab 32000, 8192 tokens) makes 63 chunks
-# each way a step, each a GEMM and half a dozen small launches, 1,829 device operations a step
+# each way a step, each a GEMM and half a dozen small launches, 1,770 device operations a step
 # more than at 256 MiB (benchmarks/launches.py, bf16), each some microseconds of the host's
 # time on a card; at 256 MiB 4 chunks each way, GEMMs of 2048 rows, and a transient of about
 # 640 MiB (10 bytes a logit there: `layers.head_workspace_nbytes`).

@@ -314,7 +314,7 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     dy32 = _c(ctx, dy).reshape(N, C)  # (N, C)
     # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
     # dy32), else dy32
-    dyg = dy32 if half16 is None else _as(ctx, dy.reshape(N, C), half16)
+    dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
     h, gu = _c(ctx, kept["h"]), _c(ctx, kept["gu"])  # (b, T, C), (N, 2F)
     dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
