@@ -1,14 +1,14 @@
 """The lifecycle ablation (issue 15): from `baseline-1f1b` to `ratrain`, one component at a time.
 
     python benchmarks/ablation.py ladder                  # the variants, for --policies
-    mpirun -n 8 --oversubscribe python -m ratrain.lifecycle.bench time \\
+    mpirun -n 8 --oversubscribe python -m ratrain.runtime.bench time \\
         --config jobs/bench-lifecycle.yaml --rounds 2 --policies "$(python benchmarks/ablation.py ladder)" \\
         | grep '^{' > measured.jsonl
     python benchmarks/ablation.py table --config jobs/bench-lifecycle.yaml --measured measured.jsonl
     python benchmarks/ablation.py weight --config jobs/bench-lifecycle.yaml --like jobs/llama2-7b.yaml
     python benchmarks/ablation.py simulate jobs/llama2-7b.yaml jobs/baichuan2-13b.yaml ...
 
-`table` prints, per variant, the measured step (`lifecycle.bench time --config`, median of its
+`table` prints, per variant, the measured step (`runtime.bench time --config`, median of its
 rounds) beside the simulator's (`plan.simulate.simulate_config` on the variant's config with the
 layers the run recomputed, x the job's time_scale), and the loss (the same for every variant).
 `weight` prints the `--set` overrides that give a job the per-parameter weight of another (the
@@ -24,7 +24,7 @@ import argparse
 import json
 
 from ratrain.config import load_config
-from ratrain.lifecycle.bench import variant_sets
+from ratrain.runtime.bench import variant_sets
 from ratrain.lifecycle.policies import PRESETS, policy_of
 from ratrain.plan.check import run_plan
 from ratrain.plan.simulate import simulate_config

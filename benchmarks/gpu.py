@@ -115,7 +115,7 @@ def ratrain_contender(precision: str, dev, smoke: bool, attention: str = "auto",
     keys): step() runs one whole training step and waits for the device; peak() the ledger's
     peak bytes so far."""
     from ratrain.device import synchronize
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     cfg = config(precision, dev.kind, smoke, attention, sets)
     rank = build_rank(cfg, None, cap=None, device=dev)

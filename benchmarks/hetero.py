@@ -12,7 +12,7 @@ by node): its best plan (`asymmetric`) and its best symmetric one (`symmetric`)
 best plan for a uniform cluster of the same total compute (`uniform`,
 `ratrain.plan.hetero.uniform_like`). The plans run under one `mpirun -n RANKS` (or the
 `--launcher` prefix, e.g. `scripts/cluster.sh run --name hx --` for emulated nodes), each a few
-steps of the job as the trainer wires it (`lifecycle.bench`'s `_job_run`: DDR cap, link
+steps of the job as the trainer wires it (`runtime.bench`'s `_job_run`: DDR cap, link
 throttle, compute and DDR pacing per rank class), in `--rounds` rotated rounds; the median step
 gives tokens/s. Printed, one JSON object per plan: its layout, measured and predicted tokens/s
 (the simulator's step x time_scale), and their ratio; then a summary with each plan's speed
@@ -50,7 +50,7 @@ def worker(args) -> None:
     from mpi4py import MPI  # the benchmark's ranks
 
     from ratrain.config import load_config
-    from ratrain.lifecycle.bench import job_rounds
+    from ratrain.runtime.bench import job_rounds
     from ratrain.plan.hetero import best_plans, predict, uniform_like
     from ratrain.train.startup import rank_classes
 

@@ -1,7 +1,7 @@
 """The planner's simulator against a measured emulated job: per policy, the predicted step
 (`ratrain.plan.simulate.simulate_config` on the job's config, with the layers the run
 recomputed) x the job's time_scale, next to the measured step of
-`python -m ratrain.lifecycle.bench time --config JOB` (its JSON lines).
+`python -m ratrain.runtime.bench time --config JOB` (its JSON lines).
 
     python benchmarks/nodes_sim.py --config jobs/bench-lifecycle.yaml --measured runs.jsonl \\
         [--set parallel.placement=dp ...]

@@ -85,7 +85,7 @@ for part in $PARTS; do
     echo "exit $rc after $(echo "$(date +%s.%N) - $t0" | bc) s; $(grep -a 'lost node' "$OUT/kill.err")" ;;
   sim)  # the simulator against the emulated lifecycle job on 2 nodes, each placement
     for pl in pp dp; do
-      "${TWO[@]}" "$PY" -m ratrain.lifecycle.bench time --config jobs/bench-lifecycle.yaml \
+      "${TWO[@]}" "$PY" -m ratrain.runtime.bench time --config jobs/bench-lifecycle.yaml \
         --rounds "$ROUNDS" --steps 4 --set "platform.time_scale=$TS" \
         --set "parallel.placement=$pl" | grep '^{' > "$OUT/sim-$pl.jsonl"
       "$PY" benchmarks/nodes_sim.py --config jobs/bench-lifecycle.yaml --measured "$OUT/sim-$pl.jsonl" \

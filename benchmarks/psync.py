@@ -16,7 +16,7 @@
 placement of `--average`, a comma list of `sync.average` values, none: the job's; variant
 `partial-H`, or `partial-H-after` under after-update), run under one `mpirun -n RANKS` (or the
 `--launcher` prefix, e.g. `scripts/cluster.sh run --name ps --` for 2 emulated nodes), each
-`--steps` steps of random tokens as the trainer wires it (`lifecycle.bench.job_rounds`: link
+`--steps` steps of random tokens as the trainer wires it (`runtime.bench.job_rounds`: link
 throttle, compute and DDR pacing), the variants in `--rounds` rotated rounds (interleaved). A
 variant's step is the mean over the steps after `--skip` (a whole number of periods: partial steps
 differ through a period), its round's slowest rank; the median over rounds is measured. Printed,
@@ -115,7 +115,7 @@ def worker(args) -> None:
     from mpi4py import MPI  # the benchmark's ranks
 
     from ratrain.config import load_config
-    from ratrain.lifecycle.bench import job_rounds
+    from ratrain.runtime.bench import job_rounds
     from ratrain.plan.simulate import simulate_config
 
     comm = MPI.COMM_WORLD
@@ -249,7 +249,7 @@ def _curve(cfg, partial: bool, path: Path, regroup: bool = False) -> None:
     import numpy as np
 
     from ratrain.data import check_data, eval_batches, open_datasets
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     from tests._partial_ref import Replicas
 
@@ -375,7 +375,7 @@ def assign(args) -> int:
     """The simulator's step of the job under each candidate assignment (see the module)."""
     from ratrain.config import load_config
     from ratrain.exec.spec import block_role
-    from ratrain.lifecycle.partial import PartialSync
+    from ratrain.lifecycle.passes.partial import PartialSync
     from ratrain.lifecycle.pipeline import PipelinePlan
     from ratrain.plan.cost import CostModel
     from ratrain.plan.simulate import Group, simulate_grid
@@ -389,9 +389,7 @@ def assign(args) -> int:
         row = {"period": h}
         size = {b: cost.grad_bytes(block_role(b)) for b in blocks}
         for name, phase in assignments(blocks, h, size.__getitem__).items():
-            plan = PipelinePlan.build(base.policy, base.blocks, base.num_micro_batches,
-                                      cfg.precision, base.dp, [i.block_bytes for i in base.stages],
-                                      partial=PartialSync(h, phase, base.partial.after))
+            plan = base.with_pass(PartialSync(h, phase, base.pass_named("partial").after))
             res = simulate_grid([Group(tuple(range(base.dp)), plan, (cost,) * base.pp)],
                                 recompute_for(plan.blocks, cfg.schedule.recompute, None), 1)
             row[name] = round(res.step_s * cfg.platform.time_scale, 4)

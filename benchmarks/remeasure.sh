@@ -62,7 +62,7 @@ for part in $PARTS; do
       "${MPI[@]}" -n 4 "$PY" -m ratrain.comm.bench --op allreduce --algo ring \
       --sizes "$(s 1M 64M)" --iters "$(s 2 5)" --warmup 1 --link --bandwidth 1e9 --latency 2e-5 ;;
   lifecycle)  # ~4 min: jobs/bench-lifecycle.yaml, 3 policies x 3 rounds on 8 ranks
-    rec lifecycle -- "${MPI[@]}" -n 8 "$PY" -m ratrain.lifecycle.bench time \
+    rec lifecycle -- "${MPI[@]}" -n 8 "$PY" -m ratrain.runtime.bench time \
       --config jobs/bench-lifecycle.yaml --rounds "$(s 1 3)" --steps "$(s 3 5)" --skip "$(s 1 2)" ;;
   hetero)  # ~30 min: jobs/mixed.yaml, the planner's plan against the best symmetric one on 8
     # ranks of one host and on 2 emulated nodes (root), and against a uniform cluster of the

@@ -42,7 +42,7 @@ import numpy as np
 
 from ratrain.config import load_config
 from ratrain.exec import layers as layer_kernels
-from ratrain.lifecycle.offload import OFFLOAD
+from ratrain.lifecycle.passes.offload import OFFLOAD
 from ratrain.plan.search import search
 from ratrain.plan.simulate import simulate_config
 from ratrain.plan.tierplan import tier_search
@@ -78,7 +78,7 @@ def watch_peak(ledger, tier_ledger) -> dict:
 
 def _run(cfg, comm, steps: int, skip: int) -> dict:
     """Train `cfg` for `steps` steps (every rank); this rank's figures."""
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     rank = build_rank(cfg, comm, watchdog_s=300)
     ex = rank.executor
@@ -184,7 +184,7 @@ def cmd_table(a) -> None:
 def cmd_peaks(a) -> None:
     from mpi4py import MPI  # the benchmark's ranks
 
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     comm = MPI.COMM_WORLD
     cfgs = {"none": load_config(a.config, [*a.set, "platform.ddr_bytes=0", "run.steps=1",

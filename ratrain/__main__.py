@@ -31,7 +31,7 @@ COMMANDS = {  # subcommand: (module, what it does)
     "plan": ("ratrain.plan", "plan a model's layout at scale (cost model, simulator)"),
     "bench": ("ratrain.bench", "single-rank throughput against PyTorch eager"),
     "comm-bench": ("ratrain.comm.bench", "collective and point-to-point benchmark (mpirun)"),
-    "lifecycle-bench": ("ratrain.lifecycle.bench", "schedule grid, memory, and timing"),
+    "lifecycle-bench": ("ratrain.runtime.bench", "schedule grid, memory, and timing"),
     "config-doc": ("ratrain.configdoc", "print docs/CONFIG.md (every config key)"),
 }
 

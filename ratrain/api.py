@@ -11,7 +11,7 @@
 
     res = api.evaluate(cfg, comm, "runs/tiny/checkpoints")   # any pp x dp layout; collective
 
-A `Model` is one process's rank at pp = dp = 1, built by `lifecycle.rank.build_rank` (the one
+A `Model` is one process's rank at pp = dp = 1, built by `runtime.rank.build_rank` (the one
 way to build a rank) with the checkpoint's masters loaded, no DDR cap and no pacing; its
 logits run the block kernels (`exec.layers`) on the executor's views: the same arithmetic as
 training's forward, in the run's precision unless `precision=` says otherwise. `evaluate`
@@ -46,7 +46,7 @@ from ratrain.data import (
 from ratrain.device import to_device, to_host
 from ratrain.exec import layers
 from ratrain.hf import CONFIG, import_model_section, load_hf_params
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.rank import build_rank
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from ratrain.config import load_config
 from ratrain.exec.context import sgemm_rate
 from ratrain.exec.profile import Profile
 from ratrain.fileio import atomic_write
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.rank import build_rank
 from ratrain.shim import allocator
 
 BENCH = [

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5's speed and memory targets on jobs/bench-lifecycle.yaml, every policy in one session
-# (python -m ratrain.lifecycle.bench time --config: the trainer's wiring, DDR cap, link throttle,
+# (python -m ratrain.runtime.bench time --config: the trainer's wiring, DDR cap, link throttle,
 # compute and DDR pacing from the job's platform section; random tokens, the same for every
 # policy). Prints JSON lines and a summary per part. Usage:
 #   scripts/bench-lifecycle.sh [main|memory|sweep|all] [OUT_DIR]      (default: all, runs/bench-lifecycle)
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 
 bench() {  # bench N ARGS...: one mpirun, every policy (or --policies) in the same session
   local n=$1; shift
-  "$MPIRUN" -n "$n" --oversubscribe "$PY" -m ratrain.lifecycle.bench time --config "$JOB" "$@"
+  "$MPIRUN" -n "$n" --oversubscribe "$PY" -m ratrain.runtime.bench time --config "$JOB" "$@"
 }
 
 summary() {  # summary FILE TITLE

@@ -11,8 +11,8 @@ from ratrain.config import (
     RunConfig,
     ScheduleConfig,
 )
-from ratrain.lifecycle.rank import build_rank
-from ratrain.lifecycle.trace import Timeline
+from ratrain.runtime.rank import build_rank
+from ratrain.runtime.trace import Timeline
 
 MODEL = ModelConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=64, seq_len=16)
 

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from ratrain.comm.algos import reference
-from ratrain.lifecycle.partial import Averager
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.passes import Averager
+from ratrain.runtime.rank import build_rank
 
 
 def _mean(bufs):
@@ -55,13 +55,15 @@ class Replicas:
         self.engine = SumsEngine()
         self.after_update = after_update
         for ex in self.executors:  # after the update: the step's own averages do nothing
-            ex.averager = Averager(ex.state, 1 if after_update else dp, self.engine, None,
-                                   ex._pace_memory)
+            ex.runners["partial"] = Averager.of_executor(ex, None)
+            ex.runners["partial"].dp = 1 if after_update else dp
+            ex.runners["partial"].engine = self.engine
+            ex.handlers = ex._dispatch_table()  # the table holds the new runner's handlers
 
     def step(self, step: int, batches) -> list:
         """Every replica's `StepResult` of step `step`, replica r on `batches[r]`."""
         exs = self.executors
-        now = exs[0].plan.partial.blocks_at(step)
+        now = exs[0].plan.pass_named("partial").blocks_at(step)
         self.engine.sums.clear()
         for b in () if self.after_update else now:
             total = reference([ex.state.master_flat(b) for ex in exs], "hier")

@@ -16,7 +16,7 @@ from ratrain.exec import fused
 from ratrain.exec.gemm import matmul
 from ratrain.exec.kernels import BF16
 from ratrain.exec.optim import LossScaler
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.rank import build_rank
 from tests._executor_util import global_batch, tiny_config, train
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ratrain.config import ConfigError, config_from_dict
 from ratrain.data import TokenDataset, write_tokens
-from ratrain.lifecycle.facts import FactsLayout
+from ratrain.runtime.facts import FactsLayout
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan.hetero import resolve, with_measured_rates
 from ratrain.shim.pacing import Pacer

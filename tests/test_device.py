@@ -25,7 +25,7 @@ from ratrain.device.standin import COUNTS, StandinArray, standin
 from ratrain.exec import devkernels, kernels, layers
 from ratrain.exec.backends import kernel_table, kernels_for
 from ratrain.exec.context import ExecContext
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.rank import build_rank
 from ratrain.plan.check import run_plan
 from tests._devices import DEVICES, GPU, MODULES, host
 from tests._executor_util import global_batch, tiny_config

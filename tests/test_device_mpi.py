@@ -1,5 +1,5 @@
 """Device ranks under MPI: pipeline messages and collectives of device arrays go through host
-staging (`lifecycle.staged`), and a 2 x 2 grid of device ranks matches one host rank, its three
+staging (`runtime.staged`), and a 2 x 2 grid of device ranks matches one host rank, its three
 policies bitwise equal (issues 19 and 29's 4-ranks-on-one-GPU check; here on the stand-in, on a
 GPU too when there is one, where fp16 and bf16 run cuDNN's fused attention).
 

@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from ratrain.config import ConfigError, OffloadConfig, PlatformConfig, ScheduleConfig, load_config
+from ratrain.exec.spec import OFFLOAD, block_role
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.offload import OFFLOAD, TierCheck, hidden_layers, place
-from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.lifecycle.passes import offload as off
+from ratrain.lifecycle.passes.offload import OffloadPass, TierCheck, place
+from ratrain.lifecycle.pipeline import PipelinePlan, stage_block_names
+from ratrain.lifecycle.recovery import hidden_layers
 from ratrain.lifecycle.validate import ScheduleError, check_lifecycle
 from ratrain.shim.tier import TierFull, TierLedger
 from ratrain.shim.tierstore import TierError, TierStore
@@ -56,8 +59,10 @@ def test_activations_offload_on_a_device_twin(tmp_path):
 
 def _plan(policy="ratrain", pp=2, m=4, dp=1, precision="fp16", state="off", offload_all=True):
     cfg = tiny_config(pp=pp, dp=dp, m=m, precision=precision, policy=policy)
+    layers = [tuple(b for b in names if block_role(b) == "layer") if offload_all else ()
+              for names in stage_block_names(cfg.model, pp)]
     return PipelinePlan.of_model(cfg.model, PipelinePlan.from_config(cfg).policy, pp, dp, m,
-                                 precision, offload_all=offload_all, offload_state=state)
+                                 precision, passes=(OffloadPass(layers, state),))
 
 
 def _events(actions, blocks):
@@ -70,34 +75,37 @@ def test_transfers_sit_around_their_compute_double_buffered(policy):
     for s, info in enumerate(plan.stages):
         names = _events(plan.step_list(s, carry=True), info.blocks)
         for i, (_, e) in enumerate(names):
-            if isinstance(e, sched.Offload) and e.what == "act":
+            if isinstance(e, off.Offload) and e.what == "act":
                 # right after its own forward (its own hooks between)
                 back = next(j for j in range(i - 1, -1, -1) if names[j][0] is not None)
                 assert names[back][0] == e.block and isinstance(names[back][1], sched.Forward)
-            if isinstance(e, sched.WaitFetch) and e.what == "act":
+            if isinstance(e, off.WaitFetch) and e.what == "act":
                 ahead = next(j for j in range(i + 1, len(names)) if names[j][0] is not None)
                 assert names[ahead][0] == e.block and isinstance(names[ahead][1], sched.Backward)
             if isinstance(e, sched.Update):
-                assert isinstance(names[i - 1][1], (sched.Fetch, sched.WaitFetch))
+                assert isinstance(names[i - 1][1], (off.Fetch, off.WaitFetch))
 
 
 def test_the_validator_refuses_a_backward_before_its_fetch():
     plan = _plan("baseline-1f1b", pp=1, m=2)
     info = plan.stages[0]
     # leave out the read of layer 1's activations of micro-batch 0: its backward finds nothing
-    gone = (sched.Fetch("layers.1", 0), sched.WaitFetch("layers.1", 0))
+    gone = (off.Fetch("layers.1", 0), off.WaitFetch("layers.1", 0))
     bad = [replace(a, pre=tuple(h for h in a.pre if h[1] not in gone),
                    post=tuple(h for h in a.post if h[1] not in gone))
            if a.group == "compute" else a for a in plan.step_list(0) if a not in gone]
     with pytest.raises(ScheduleError, match="before its activations are back"):
-        check_lifecycle([bad], info.blocks, info.num_micro_batches, 0, True, False, info.offload)
+        check_lifecycle([bad], info.blocks, info.num_micro_batches, 0, True, False, plan.passes)
     # and a second write started before the first is waited for: not double-buffered
     check = TierCheck(lambda e, msg: (_ for _ in ()).throw(ScheduleError(msg)), ("layers.0", "layers.1"))
-    check.use("layers.0", sched.Forward(0))
-    check.use("layers.1", sched.Forward(0))
-    check._move(sched.Offload("layers.0", 0), "layers.0", None)
+    check.before("layers.0", sched.Forward(0))
+    check.before("layers.1", sched.Forward(0))
+    check._move(off.Offload("layers.0", 0), "layers.0", None)
     with pytest.raises(ScheduleError, match="double-buffered"):
-        check._move(sched.Offload("layers.1", 0), "layers.1", None)
+        check._move(off.Offload("layers.1", 0), "layers.1", None)
+    # without the pass, its actions reach an interpreter that has no handler for them
+    with pytest.raises(TypeError, match="no handler for Offload"):
+        check_lifecycle([plan.step_list(0)], info.blocks, info.num_micro_batches, 0, True, False)
 
 
 def test_placement_is_pure_and_leaves_lists_without_a_tier_alone():
@@ -105,7 +113,7 @@ def test_placement_is_pure_and_leaves_lists_without_a_tier_alone():
     for s, info in enumerate(plan.stages):
         lst = plan.step_list(s, True)
         assert place(lst, info.blocks) == lst
-        assert not any(type(e) in sched.TIER_ACTIONS for _, e in _events(lst, info.blocks))
+        assert not any(type(e) in off.TIER_ACTIONS for _, e in _events(lst, info.blocks))
 
 
 def test_config_rules():
@@ -149,7 +157,7 @@ def test_hidden_layers_weighs_the_tier_against_compute():
 
 def _cap_between(cfg, tmp_path):
     """A DDR cap the tiny job's stage fits only with some layers out of the DDR."""
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     peaks = []
     for rec in ("none", "full"):
@@ -161,7 +169,7 @@ def _cap_between(cfg, tmp_path):
 
 
 def test_recompute_auto_keeps_recomputes_or_offloads_under_the_cap(tmp_path):
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     base = tiny_config(precision="fp16", policy="baseline-1f1b", m=3, steps=2)
     base = replace(base, schedule=replace(base.schedule, recompute="auto"))
@@ -186,7 +194,7 @@ def test_the_ddr_peak_drops_by_the_offloaded_bytes_less_the_double_buffer(tmp_pa
     """Offloaded: the activation bytes in the tier when the DDR peaks; the double buffer: a
     layer's activations being written and one being read."""
     from ratrain.exec import layers
-    from ratrain.lifecycle.rank import build_rank
+    from ratrain.runtime.rank import build_rank
 
     cfg = tiny_config(precision="fp32", policy="baseline-1f1b", m=2, steps=1)
     base, _, _ = train(cfg)

@@ -1,4 +1,4 @@
-"""Partial synchronization (`sync.mode: partial`, `lifecycle.partial`) without MPI: the
+"""Partial synchronization (`sync.mode: partial`, `lifecycle.passes.partial`) without MPI: the
 assignment, the step lists every policy gets, the validator's rules, the refusals, the
 simulator's view of it, and dp = 1 bitwise equal to full sync."""
 
@@ -8,8 +8,9 @@ import pytest
 
 from ratrain.config import ConfigError, SyncConfig, load_config
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.partial import PartialSync, check_config
-from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.lifecycle.passes.offload import Offload, OffloadPass, WaitFetch
+from ratrain.lifecycle.passes.partial import AverageParams, PartialSync, WaitAverage
+from ratrain.lifecycle.pipeline import PipelinePlan, check_passes
 from ratrain.lifecycle.policies import POLICIES, Policy
 from ratrain.lifecycle.validate import ScheduleError, check_lifecycle
 from ratrain.plan.simulate import simulate_config
@@ -25,7 +26,10 @@ def plan(policy="baseline-1f1b", period=3, dp=2, m=3, precision="fp32", blocks=B
     pol = Policy(policy, components=replace(pol.components, shard=pol.components.shard
                                             if shard is None else shard))
     return PipelinePlan.build(pol, blocks, m, precision, dp,
-                              partial=PartialSync.round_robin(every, period, after))
+                              passes=(PartialSync.round_robin(every, period, after),))
+
+
+PARTIAL = (PartialSync.round_robin([b for s in BLOCKS for b in s], 3),)  # the validator's pass
 
 
 def test_round_robin_averages_every_block_once_a_period():
@@ -49,7 +53,7 @@ def test_every_policy_averages_each_block_of_a_step_after_its_last_backward(poli
         for s in range(p.pp):
             events = [e for a in p.step_list(s, k > 0, k) for _, e in sched.expand(a, BLOCKS[s])]
             assert not any(isinstance(e, (sched.SyncGrad, sched.WaitGrad)) for e in events)
-            averaged += [b for e in events if isinstance(e, sched.AverageParams) for b in e.blocks]
+            averaged += [b for e in events if isinstance(e, AverageParams) for b in e.blocks]
         assert sorted(averaged) == sorted(b for b in every if every.index(b) % period == k % period)
 
 
@@ -57,16 +61,16 @@ def test_deferred_updates_wait_for_the_previous_steps_averages():
     p = plan("ratrain", period=2, shard=False)
     first = p.step_list(0, False, 0)
     avg = [b for a in first for _, e in sched.expand(a, BLOCKS[0])
-           if isinstance(e, sched.AverageParams) for b in e.blocks]
+           if isinstance(e, AverageParams) for b in e.blocks]
     assert avg == ["layers.1", "embed"]  # backward order
     nxt = [a for a in p.step_list(0, True, 1) if not isinstance(a, sched.Backward)]
-    waits = [a.blocks[0] for a in nxt if isinstance(a, sched.WaitAverage)]
+    waits = [a.blocks[0] for a in nxt if isinstance(a, WaitAverage)]
     assert waits == ["embed", "layers.1"]  # before their (deferred) updates, model order
     for b in waits:
-        i = nxt.index(sched.WaitAverage((b,)))
+        i = nxt.index(WaitAverage((b,)))
         assert nxt[i + 1] == sched.Update(b)
     flush = p.flush_list(0, 0)
-    assert sched.WaitAverage(("embed",)) in flush and sched.WaitAverage(("layers.0",)) not in flush
+    assert WaitAverage(("embed",)) in flush and WaitAverage(("layers.0",)) not in flush
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -92,7 +96,7 @@ def test_after_update_averages_every_update_of_a_due_block_right_after_it(policy
                 j = k if seen_norm else k - 1
                 if isinstance(e, sched.Update):
                     updated.append((j, e.block))
-                if isinstance(e, sched.AverageParams):
+                if isinstance(e, AverageParams):
                     assert events[i - 1] == sched.Update(e.blocks[0]), (k, e)
                     averaged.append((j, e.blocks[0]))
         due = [(j, b) for j, b in updated if every.index(b) % period == j % period]
@@ -106,32 +110,32 @@ def test_after_update_waits_behind_the_next_forward_under_a_deferred_update():
     for precision in ("fp32", "fp16"):
         p = plan("ratrain", period=2, shard=False, precision=precision, after=True)
         events = [(b, e) for a in p.step_list(0, True, 1) for b, e in sched.expand(a, BLOCKS[0])]
-        i = events.index((None, sched.WaitAverage(("layers.1",))))  # step 0 averaged embed, L1
+        i = events.index((None, WaitAverage(("layers.1",))))  # step 0 averaged embed, L1
         part = [(b, type(e)) for b, e in events]
         assert part[i - 1] == ("layers.0", sched.Forward)
         assert part[i + 1] == ((None, sched.MaterializeView) if precision == "fp16"
                                else ("layers.1", sched.Forward))
-        assert events.index((None, sched.AverageParams(("layers.1",)))) < \
+        assert events.index((None, AverageParams(("layers.1",)))) < \
             part.index(("embed", sched.Forward))
 
 
 def test_validator_refuses_misplaced_averages_after_the_update():
     lists = [list(x) for x in plan("ratrain", 2, shard=False, after=True).stage_steps(0, 3, True)]
-    check_lifecycle(lists, BLOCKS[0], 3, fp16=False, partial=True)
+    check_lifecycle(lists, BLOCKS[0], 3, fp16=False, passes=PARTIAL)
     hooked = [a for a in lists[1] if isinstance(a, sched.Forward) and a.pre]
     bare = [replace(a, pre=()) if a in hooked else a for a in lists[1]]  # no wait
     with pytest.raises(ScheduleError, match="master of embed read while its average"):
-        check_lifecycle([lists[0], bare], BLOCKS[0], 3, fp16=False, partial=True)
+        check_lifecycle([lists[0], bare], BLOCKS[0], 3, fp16=False, passes=PARTIAL)
     upd = lists[1].index(sched.Update("embed"))
-    twice = lists[1][:upd + 2] + [sched.WaitAverage(("embed",)), sched.AverageParams(("embed",))]
+    twice = lists[1][:upd + 2] + [WaitAverage(("embed",)), AverageParams(("embed",))]
     with pytest.raises(ScheduleError, match="average of embed neither"):
-        check_lifecycle([lists[0], twice], BLOCKS[0], 3, fp16=False, partial=True)
+        check_lifecycle([lists[0], twice], BLOCKS[0], 3, fp16=False, passes=PARTIAL)
     half = [list(x) for x in plan("ratrain", 2, shard=False, precision="fp16",
                                   after=True).stage_steps(0, 2, True)]
     upd = half[1].index(sched.Update("embed"))
     early = half[1][:upd + 2] + [sched.MaterializeView("embed")]  # the view mid-average
     with pytest.raises(ScheduleError, match="view of embed made from its master while"):
-        check_lifecycle([half[0], early], BLOCKS[0], 3, fp16=True, partial=True)
+        check_lifecycle([half[0], early], BLOCKS[0], 3, fp16=True, passes=PARTIAL)
 
 
 def _lists(policy="baseline-1f1b", precision="fp32"):
@@ -141,44 +145,47 @@ def _lists(policy="baseline-1f1b", precision="fp32"):
 
 def test_validator_refuses_misplaced_averages():
     steps = _lists()
-    check_lifecycle(steps, BLOCKS[0], 3, fp16=False, partial=True)
+    check_lifecycle(steps, BLOCKS[0], 3, fp16=False, passes=PARTIAL)
     with pytest.raises(ScheduleError, match="gradient sync under partial"):
-        check_lifecycle([[sched.SyncGrad(("embed",))] + steps[0]], BLOCKS[0], 3, partial=True)
-    with pytest.raises(ScheduleError, match="average without partial"):
+        check_lifecycle([[sched.SyncGrad(("embed",))] + steps[0]], BLOCKS[0], 3, passes=PARTIAL)
+    with pytest.raises(TypeError, match="no handler for AverageParams"):  # without the pass
         check_lifecycle(steps, BLOCKS[0], 3, fp16=False)
-    early = [sched.AverageParams(("embed",))] + steps[0]  # before its backward
+    early = [AverageParams(("embed",))] + steps[0]  # before its backward
     with pytest.raises(ScheduleError, match="average of embed neither between its last "
                        "backward and its update nor after"):
-        check_lifecycle([early], BLOCKS[0], 3, partial=True)
-    no_wait = [a for a in steps[0] if not isinstance(a, sched.WaitAverage)]
+        check_lifecycle([early], BLOCKS[0], 3, passes=PARTIAL)
+    no_wait = [a for a in steps[0] if not isinstance(a, WaitAverage)]
     with pytest.raises(ScheduleError, match="update of .* while its average is in flight"):
-        check_lifecycle([no_wait], BLOCKS[0], 3, partial=True)
+        check_lifecycle([no_wait], BLOCKS[0], 3, passes=PARTIAL)
 
 
 def test_validator_refuses_a_master_read_while_averaged():
     """fp32 unsharded: the view is the master, so no forward may read it mid-average."""
     blocks = ("embed",)
     step = [sched.MaterializeView("embed"), sched.AllocGrad("embed"), sched.Forward(0),
-            sched.Backward(0, post=(("embed", sched.AverageParams(blocks)),)), sched.GradNorm()]
+            sched.Backward(0, post=(("embed", AverageParams(blocks)),)), sched.GradNorm()]
     late = [sched.Forward(0)]  # the next step's forward, its average still in flight
     with pytest.raises(ScheduleError, match="master of embed read while its average"):
-        check_lifecycle([step, late], blocks, 1, fp16=False, partial=True)
+        check_lifecycle([step, late], blocks, 1, fp16=False, passes=PARTIAL)
 
 
-def test_sharded_optimizer_state_is_refused_in_one_line():
-    cfg = load_config("tiny", ["parallel.dp=2", "sync.mode=partial"])
+def test_partial_sync_picks_whole_optimizer_state_and_refuses_a_sharded_one_in_one_line():
+    cfg = load_config("tiny", ["parallel.dp=2", "sync.mode=partial"])  # unset: whole, by itself
+    assert cfg.schedule.shard_optimizer is False and PipelinePlan.from_config(cfg).shards == 1
+    check_passes(cfg)
+    assert load_config("tiny", ["parallel.dp=2"]).schedule.shard_optimizer is None  # full sync
+    cfg = load_config("tiny", ["parallel.dp=2", "sync.mode=partial",
+                               "schedule.shard_optimizer=true"])
     with pytest.raises(ValueError) as e:
-        check_config(cfg)
+        check_passes(cfg)
     msg = str(e.value)
     assert "\n" not in msg and "sync.mode=partial" in msg
-    assert "schedule.shard_optimizer=false" in msg and "parallel.dp=2" in msg
+    assert "schedule.shard_optimizer=true" in msg and "parallel.dp=2" in msg
     with pytest.raises(ValueError, match="shard_optimizer"):
         PipelinePlan.from_config(cfg)
     with pytest.raises(ValueError, match="shard_optimizer"):
         plan("ratrain")
-    check_config(load_config("tiny", ["parallel.dp=2", "sync.mode=partial",
-                                      "schedule.shard_optimizer=false"]))
-    check_config(load_config("tiny", ["sync.mode=partial"]))  # dp 1: nothing is sharded
+    check_passes(load_config("tiny", ["sync.mode=partial"]))  # dp 1: nothing is sharded
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -189,21 +196,20 @@ def test_partial_sync_composes_with_the_tier(policy):
     offloaded = [tuple(b for b in s if b.startswith("layers.")) for s in BLOCKS]
     pol = Policy(policy)
     pol = Policy(policy, components=replace(pol.components, shard=False))
-    p = PipelinePlan.build(pol, BLOCKS, 3, "fp32", 2, offloaded=offloaded,
-                           offload_state="moments",
-                           partial=PartialSync.round_robin(every, 3))
+    ps = PartialSync.round_robin(every, 3)
+    p = PipelinePlan.build(pol, BLOCKS, 3, "fp32", 2,
+                           passes=(ps, OffloadPass(offloaded, "moments")))
     for step in range(3):
         kinds = {type(e) for a in p.step_list(0, step > 0, step)
                  for _, e in sched.expand(a, BLOCKS[0])}  # with the hooks on compute
-        assert sched.Offload in kinds and sched.WaitFetch in kinds
-        assert (sched.AverageParams in kinds) == bool(p.partial.blocks_at(step) & set(BLOCKS[0]))
+        assert Offload in kinds and WaitFetch in kinds
+        assert (AverageParams in kinds) == bool(ps.blocks_at(step) & set(BLOCKS[0]))
     with pytest.raises(ValueError) as e:
-        PipelinePlan.build(pol, BLOCKS, 3, "fp16", 2, offload_state="masters",
-                           partial=PartialSync.round_robin(every, 3))
+        PipelinePlan.build(pol, BLOCKS, 3, "fp16", 2, passes=(ps, OffloadPass((), "masters")))
     msg = str(e.value)
     assert "\n" not in msg and "sync.mode=partial" in msg and "offload.optimizer=moments" in msg
     with pytest.raises(ValueError, match="offload.optimizer=masters"):
-        check_config(load_config("tiny", ["sync.mode=partial", "offload.optimizer=masters",
+        check_passes(load_config("tiny", ["sync.mode=partial", "offload.optimizer=masters",
                                           "precision=fp16"]))
 
 
@@ -399,7 +405,7 @@ def test_reference_after_update_averages_the_updated_masters():
         average = "after-update" if after else "before-update"
         reps = Replicas(replace(cfg, sync=replace(cfg.sync, average=average)))
         reps.step(0, batches)
-        now = reps.executors[0].plan.partial.blocks_at(0)
+        now = reps.executors[0].plan.pass_named("partial").blocks_at(0)
         for b in reps.executors[0].blocks:
             a, c = (ex.state.master_flat(b) for ex in reps.executors)
             assert np.array_equal(a, c) == (after and b in now), (after, b)

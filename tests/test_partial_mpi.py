@@ -12,7 +12,7 @@ import pytest
 
 from ratrain.comm.algos import reference as allreduce_reference
 from ratrain.config import OffloadConfig, SyncConfig
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime.rank import build_rank
 from tests._executor_util import global_batch, params_digest, tiny_config, train
 from tests._partial_ref import Replicas
 

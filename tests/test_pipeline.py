@@ -38,9 +38,10 @@ def test_bare_order_is_a_policy_without_lifecycle(name, order):
 def test_plan_is_validated_once_when_made():
     blocks = [("layers.0",), ("layers.1",)]
     plan = PipelinePlan.build(Policy("baseline-1f1b"), blocks, 2)
-    broken = tuple(a for a in plan.first[0] if type(a).__name__ != "SendForward")
-    bad = PipelinePlan(plan.policy, 1, plan.stages, (broken, plan.first[1]), plan.carried,
-                       plan.flushes)
+    first, carried, flush = plan.lists[0][0]
+    broken = tuple(a for a in first if type(a).__name__ != "SendForward")
+    bad = PipelinePlan(plan.policy, 1, plan.stages,
+                       (((broken, carried, flush),), plan.lists[1]))
     with pytest.raises(ScheduleError):
         bad.validate()
 
@@ -55,7 +56,7 @@ def test_executor_is_handed_its_parts_and_runs_no_collective_when_made():
     from ratrain.exec.context import ExecContext
     from ratrain.exec.params import StageState
     from ratrain.exec.spec import stage_blocks
-    from ratrain.lifecycle.executor import Executor
+    from ratrain.runtime.executor import Executor
     from ratrain.shim.ledger import Ledger
 
     class NoEngine:

@@ -176,7 +176,7 @@ def test_presets_are_components():
 
 def test_the_schedule_section_switches_components():
     from ratrain.config import ConfigError, load_config
-    from ratrain.lifecycle.bench import variant_sets
+    from ratrain.runtime.bench import variant_sets
     from ratrain.lifecycle.policies import policy_of
 
     cfg = load_config("jobs/tiny.yaml", variant_sets("baseline-1f1b+sync=layer+update=next-step"))

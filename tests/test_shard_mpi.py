@@ -96,10 +96,10 @@ def _executor(cfg, comm, topo, engine, policy=None):
     from ratrain.exec.context import ExecContext
     from ratrain.exec.params import StageState
     from ratrain.exec.spec import stage_blocks
-    from ratrain.lifecycle.executor import Executor
-    from ratrain.lifecycle.measure import fit_rank_recompute
+    from ratrain.runtime.executor import Executor
+    from ratrain.runtime.measure import fit_rank_recompute
     from ratrain.lifecycle.pipeline import PipelinePlan
-    from ratrain.lifecycle.rank import shard_state
+    from ratrain.runtime.rank import shard_state
     from ratrain.shim.ledger import Ledger
 
     ledger = Ledger(None, comm.Get_rank())

@@ -5,7 +5,7 @@ set beside its ledger peak."""
 from __future__ import annotations
 
 from ratrain.config import RunConfig
-from ratrain.lifecycle.trace import CHUNK, EVENT, TAG, Timeline
+from ratrain.runtime.trace import CHUNK, EVENT, TAG, Timeline
 from ratrain.shim.allocator import resident_bytes
 from ratrain.shim.ledger import Ledger
 from tests._executor_util import tiny_config, train

@@ -358,7 +358,7 @@ def test_comm_bench_refuses_one_rank(capsys):
 
 
 def test_threads_follow_the_launchers_cores(monkeypatch):
-    from ratrain.lifecycle import rank
+    from ratrain.runtime import rank
 
     cfg = load_config(None)
     monkeypatch.setattr(rank, "_affinity", lambda: set(range(12)))

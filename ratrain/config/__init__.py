@@ -61,6 +61,10 @@ class Config:
             if hasattr(sub, "check"):
                 sub.check()
         _choice(self, "", "precision", PRECISIONS)
+        if self.sync.partial and self.schedule.shard_optimizer is None:
+            # partial synchronization's replicas differ between averages, so no replica can own
+            # a segment of the optimizer state for all: unset, it is whole on every replica
+            object.__setattr__(self, "schedule", replace(self.schedule, shard_optimizer=False))
         check_offload(self)
         m, p = self.model, self.parallel
         if p.pp > m.layers:

@@ -226,7 +226,8 @@ class ScheduleConfig:
     buffers: resident (views and gradients held all step) | per-block (a gradient from the
         block's first backward, a separate view dropped after its last); unset: the policy's
     shard_optimizer: with dp > 1, shard each block's fp32 master and AdamW moments over the
-        replicas (ZeRO-1 per block; reduce-scatter + all-gather); unset: the policy's (ratrain)
+        replicas (ZeRO-1 per block; reduce-scatter + all-gather); unset: the policy's (ratrain),
+        but false under sync.mode partial (which cannot shard it)
     prefetch: sharded: wait for each view's gather just before the block's first forward
         (overlapping the earlier blocks) instead of all at step start; unset: the policy's
     recovery: recompute auto: per-layer (the fewest layers that fit) | uniform (all or none);

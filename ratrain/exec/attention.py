@@ -18,7 +18,7 @@ softmax statistics; cuDNN's `sdpa` returns them as its stats). The layer keeps o
 
 A backend is made once per rank, so it may keep state per shape (a compiled graph, say); its
 transient memory is what `workspace_nbytes` says, which the layer reserves in the DDR ledger
-(`scratch.exec`) around each call and the memory plan counts (`lifecycle.measure`). A backend
+(`scratch.exec`) around each call and the memory plan counts (`runtime.measure`). A backend
 whose inputs are half precision says so with `dtype` (ctx.dtype); the layer then hands it the
 rounded q, k, v it keeps, and o comes back in that dtype.
 

@@ -8,7 +8,7 @@ runs) and the compute threads.
 
 Threads: a micro-batch of B sequences is cut into `min(B, BATCH_CHUNKS)` contiguous chunks
 whatever the thread count (`split`), and `threads` (run.threads; 0 = auto = the usable cores;
-a rank built by `lifecycle.rank` shares them with the node's other ranks) Python threads run
+a rank built by `runtime.rank` shares them with the node's other ranks) Python threads run
 the chunks, each thread a contiguous group of them, every GEMM on single-threaded BLAS (numpy
 releases the GIL in matmul and most ufunc loops). Weight-gradient partials of the chunks are
 summed in chunk order. So every reduction (the GEMMs' own, inside a chunk of fixed shape, and

@@ -101,7 +101,7 @@ class StageState:
         shard: (q, p): hold only segment q of p of each block's master and moments (see the
             module); None or p = 1: whole blocks.
         external: {buffer: flat fp32 array of `held_size`} for the state buffers that live
-            outside the DDR (in the memory tier: `lifecycle.offloader`), used instead of an
+            outside the DDR (in the memory tier: `runtime.passes.offload`), used instead of an
             allocation from the ledger; a block's segment is then served from a DDR copy while
             one is placed (`place`, `unplace`).
     """

@@ -27,6 +27,15 @@ INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range default
 ROLES = ("embed", "layer", "head")  # what a block does in the model
 PHASES = ("forward", "backward")
 RECOMPUTE = ("none", "selective", "full")  # what a layer's backward recomputes (schedule.recompute)
+# A layer's recovery is a recompute mode, or `offload`: it keeps everything (as `none`), but in the
+# memory tier between its forward and its backward (`lifecycle.passes.offload`).
+OFFLOAD = "offload"
+
+
+def kernel_recompute(choice: str) -> str:
+    """What the kernels re-run for a recovery choice (an offloaded layer keeps everything)."""
+    return "none" if choice == OFFLOAD else choice
+
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,7 @@ __all__ = [
     "BlockSpec",
     "INIT_STD",
     "PHASES",
+    "OFFLOAD",
     "RECOMPUTE",
     "ROLES",
     "ParamSpec",
@@ -225,4 +235,5 @@ __all__ = [
     "recompute_flops",
     "stage_blocks",
     "stage_layers",
+    "kernel_recompute",
 ]

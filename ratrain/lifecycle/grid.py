@@ -23,12 +23,7 @@ wait-view L     wait for block L's view all-gather     drop-view L   release blo
 alloc-grad L    allocate block L's gradient            free-grad L   release it
 sync L          start block L's gradient all-reduce    sync-scatter L   ... its reduce-scatter
 wait-sync L     wait for that collective               update L      AdamW of block L
-avg L           start block L's parameter average (sync.mode partial)   wait-avg L   its mean
 norm            the step's global facts (gradient norm, overflow, loss): every rank meets
-offload mbI L / wait-offload mbI L   write layer L's activations to the tier / wait for it
-fetch mbI L / wait-fetch mbI L       read them back before L's backward / wait for it
-fetch-state L ... offload-state L    block L's optimizer state from / to the tier around its
-fetch-master L ... drop-master L     update; its master read for a view cast, then dropped
 L<i> = layers.<i>; embed, head as they are"""
 
 _RECV, _SEND, _NORM, _COMPUTE, _LIFE = "recv", "send", "norm", "compute", "lifecycle"
@@ -36,8 +31,8 @@ _PLAY = dispatch_table("grid.timeline", {
     sched.RecvForward: (_RECV, "fwd", 0), sched.RecvBackward: (_RECV, "bwd", 0),
     sched.SendForward: (_SEND, "fwd", +1), sched.SendBackward: (_SEND, "bwd", -1),
     sched.GradNorm: (_NORM,), sched.Forward: (_COMPUTE,), sched.Backward: (_COMPUTE,),
-}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update,
-           sched.AverageParams, sched.WaitAverage, *sched.TIER_ACTIONS), default=(_LIFE,))
+}, ignore=(sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad, sched.Update),
+   default=(_LIFE,), others=(_LIFE,))  # a pass's actions: lifecycle, like these
 
 
 class _Player:
@@ -120,7 +115,7 @@ def timeline(lists, blocks=None, f: int = 1, b: int = 1):
 
 
 def grid(lists, blocks=None, f: int = 1, b: int = 1, lifecycle: bool = True,
-         legend: bool = False) -> str:
+         legend: bool | str = False) -> str:
     """The step x rank grid as text: one row per tick, one column per stage."""
     cells = timeline(lists, blocks, f, b)
     end = max((c[0] for cs in cells for c in cs), default=0)
@@ -141,8 +136,14 @@ def grid(lists, blocks=None, f: int = 1, b: int = 1, lifecycle: bool = True,
         if tick in rows:
             lines.append(f"{tick:4d} | " + " | ".join(x.ljust(width) for x in rows[tick]))
     if legend:
-        lines += ["", LEGEND]
+        lines += ["", legend if isinstance(legend, str) else LEGEND]
     return "\n".join(line.rstrip() for line in lines)
 
 
-__all__ = ["LEGEND", "grid", "timeline"]
+def legend(passes=()) -> str:
+    """`LEGEND` with the words of `passes` (each pass's `legend`, where it has one)."""
+    extra = [p.legend for p in passes if getattr(p, "legend", "")]
+    return "\n".join([LEGEND, *extra])
+
+
+__all__ = ["LEGEND", "grid", "legend", "timeline"]

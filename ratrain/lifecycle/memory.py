@@ -11,10 +11,14 @@ pipeline's message buffers, and transients (a recomputed layer's full activation
 backward, the optimizer's scratch of the updated part). `simulate_peak` plays a rank's action
 lists with these sizes and returns the peak, so the same model serves the executor's
 `recompute: auto` (with activation sizes measured from the kernels' caches,
-`lifecycle.measure`) and the planner (with sizes computed from shapes, `stage_sizes`).
+`runtime.measure`) and the planner (with sizes computed from shapes, `stage_sizes`).
 
     act = {"none": ..., "full": ...}                      # bytes per layer per micro-batch
     recompute, peak = choose_recompute(cap, sizes, lists) # fewest layers recomputed that fit
+    walk = play(lists, blocks, sizes, plan.passes)        # each pass's part: walk.parts[name]
+
+A pass over the step (`lifecycle.passes`) gives the walk its part: the bytes its actions hold
+(the memory tier's transfers, `lifecycle.passes.offload.MemoryTier`, with the tier's own peak).
 """
 
 from __future__ import annotations
@@ -28,16 +32,9 @@ from ratrain.exec.params import (
     shard_size,
     view_bytes_per_param,
 )
-from ratrain.exec.spec import RECOMPUTE, block_params, block_role
+from ratrain.exec.spec import OFFLOAD, RECOMPUTE, block_params, block_role, kernel_recompute
 from ratrain.exec.layers import layer_cache_nbytes
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.offload import (
-    OFFLOAD,
-    STATE_TIER_BYTES,
-    MemoryTier,
-    held_params,
-    kernel_recompute,
-)
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 
@@ -54,7 +51,6 @@ class StageSizes:
     extra: int = 0  # anything else resident (scratch reserve, comm buffers)
     recompute: dict[str, str] = field(default_factory=dict)  # block -> choice ("none" if absent)
     shards: int = 1  # dp segments of the optimizer state (1: whole blocks on every replica)
-    offload_state: str = "off"  # offload.optimizer: the state that lives in the tier
 
     def kept(self, block: str) -> int:
         """Bytes `block` keeps per micro-batch (an offloaded layer: what it moves to the tier,
@@ -98,8 +94,7 @@ def layer_activation_bytes(model, micro_batch: int, precision: str, recompute: s
 
 
 def stage_sizes(model, micro_batch: int, precision: str, blocks,
-                recompute: dict[str, str] | None = None, shards: int = 1,
-                offload_state: str = "off") -> StageSizes:
+                recompute: dict[str, str] | None = None, shards: int = 1) -> StageSizes:
     """`StageSizes` of one stage on the platform, from shapes.
 
     Layers keep `layer_activation_bytes` per micro-batch (and hold their full activations
@@ -124,34 +119,32 @@ def stage_sizes(model, micro_batch: int, precision: str, blocks,
         else:
             act[b] = {"none": 8 * tokens}  # int64 token ids
     return StageSizes(precision=precision, params=params, act=act, full_act=full,
-                      message_bytes=x, recompute=dict(recompute or {}), shards=shards,
-                      offload_state=offload_state)
+                      message_bytes=x, recompute=dict(recompute or {}), shards=shards)
 
 
-class _Walk:
-    """One rank's bytes held, event by event (see the module)."""
+class Walk:
+    """One rank's bytes held, event by event (see the module); `parts[name]`: each pass's."""
 
-    def __init__(self, blocks, sizes: StageSizes):
-        self.sizes, self.first_block = sizes, blocks[0]
+    def __init__(self, blocks, sizes: StageSizes, passes=()):
+        self.sizes, self.blocks, self.first_block = sizes, tuple(blocks), blocks[0]
         shards = sizes.shards
         self.separate = is_half(sizes.precision) or shards > 1  # views are buffers of their own
         self.vb = view_bytes_per_param(sizes.precision, shards)
-        resident = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[sizes.offload_state]
         static = sizes.static if sizes.static is not None else (
-            resident * sum(shard_size(sizes.params[b], shards) for b in blocks))
-        self.cur = self.peak = static + sizes.extra
+            STATE_BYTES_PER_PARAM * sum(shard_size(sizes.params[b], shards) for b in blocks))
+        self.cur = static + sizes.extra
         self.views: set[str] = set()
         self.grads: dict[str, int] = {}  # block -> bytes held
         self.msgs = 0  # received activations held until their micro-batch's backward
-        self.tier = MemoryTier(self, held_params(sizes, blocks))  # offload's transfers
+        self.parts = {p.name: x for p in passes if (x := p.memory(self)) is not None}
+        self.peak = self.cur  # after the parts: what a pass keeps out of the DDR is not held
         self.table = dispatch_table("memory.simulate_peak", {
-            **self.tier.handlers(),
             sched.Forward: self._forward, sched.Backward: self._backward, sched.MaterializeView: self._view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.WaitGrad: self._wait,
             sched.FreeGrad: self._free, sched.Update: self._update, sched.RecvForward: self._recv_forward,
             sched.SendForward: self._message, sched.RecvBackward: self._message, sched.SendBackward: self._message,
-        }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm,
-                   sched.AverageParams, sched.WaitAverage))  # averages: in place
+            **{t: f for x in self.parts.values() for t, f in x.handlers().items()},
+        }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm), passes=passes)
 
     def bump(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.cur + extra)
@@ -213,23 +206,24 @@ class _Walk:
         self.bump(self.sizes.message_bytes)
 
 
-def simulate_peak(lists, blocks, sizes: StageSizes) -> int:
-    """Peak bytes of a rank running `lists` (successive steps) in order, from nothing held."""
-    return simulate_peaks(lists, blocks, sizes)[0]
-
-
-def simulate_peaks(lists, blocks, sizes: StageSizes) -> tuple[int, int]:
-    """(peak DDR bytes, peak bytes in the tier) of a rank running `lists` in order."""
-    walk = _Walk(blocks, sizes)
+def play(lists, blocks, sizes: StageSizes, passes=()) -> Walk:
+    """The walk of a rank running `lists` (successive steps) in order, from nothing held, with
+    the plan's `passes` (those whose actions the lists hold)."""
+    walk = Walk(blocks, sizes, passes)
     for actions in lists:
         for a in actions:
             for blk, e in expand(a, blocks):
                 walk.event(blk, e)
-    return int(walk.peak), int(walk.tier.peak)
+    return walk
 
 
-def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True
-                     ) -> tuple[dict[str, str], int]:
+def simulate_peak(lists, blocks, sizes: StageSizes, passes=()) -> int:
+    """Peak bytes of a rank running `lists` (successive steps) in order, from nothing held."""
+    return int(play(lists, blocks, sizes, passes).peak)
+
+
+def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True,
+                     passes=()) -> tuple[dict[str, str], int]:
     """The fewest layers fully recomputed (the first ones of the stage) whose simulated peak
     fits `cap`; returns ({layer: recompute choice}, peak). All of them when nothing fits.
     `per_layer=False` (uniform recovery): no layer, or every layer."""
@@ -238,12 +232,12 @@ def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_laye
     best: tuple[dict[str, str], int] = ({}, 0)
     for k in counts:
         choice = {b: ("full" if i < k else "none") for i, b in enumerate(layers)}
-        peak = simulate_peak(lists, blocks, sizes.with_recompute(choice))
+        peak = simulate_peak(lists, blocks, sizes.with_recompute(choice), passes)
         best = (choice, peak)
         if cap is None or peak <= cap:
             return best
     return best
 
 
-__all__ = ["StageSizes", "act_itemsize", "choose_recompute", "layer_activation_bytes",
-           "simulate_peak", "simulate_peaks", "stage_sizes"]
+__all__ = ["StageSizes", "Walk", "act_itemsize", "choose_recompute", "layer_activation_bytes",
+           "play", "simulate_peak", "stage_sizes"]

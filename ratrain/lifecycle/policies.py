@@ -73,8 +73,6 @@ class StageInfo:
     block_bytes: tuple[int, ...]  # fp32 gradient bytes of each block
     precision: str = "fp32"
     shards: int = 1  # dp segments of each block's master and moments (1: whole on every replica)
-    offload: tuple[str, ...] = ()  # layers whose activations go to the tier (`lifecycle.offload`)
-    offload_state: str = "off"  # the optimizer state that lives in the tier (offload.optimizer)
 
     @property
     def half(self) -> bool:

@@ -9,10 +9,11 @@ action belongs to one group:
 - p2p: `RecvForward`, `SendForward`, `RecvBackward`, `SendBackward` of micro-batch `mb`, absent
   at the pipeline's ends;
 - lifecycle, per block: `MaterializeView`, `WaitView`, `DropView`, `AllocGrad`, `FreeGrad`,
-  `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts; under partial
-  synchronization (`sync.mode: partial`, `lifecycle.partial`) `AverageParams` / `WaitAverage`
-  in place of the gradient syncs; the memory tier's transfers `Offload`, `WaitOffload`,
-  `Fetch`, `WaitFetch` (`TIER_ACTIONS`, placed by `lifecycle.offload`).
+  `SyncGrad`, `WaitGrad`, `Update`, and `GradNorm`, the step's global facts.
+
+These are the core vocabulary (`ACTIONS`). A pass over the step (`lifecycle.passes`) brings its
+own actions and places them: partial synchronization's parameter averages, the memory tier's
+transfers.
 
 A lifecycle action may ride on a compute action as a hook (`Backward(mb, post=(("layers.3",
 SyncGrad(("layers.3",))),))`): it runs just before (`pre`) or just after (`post`) that block's part
@@ -25,8 +26,8 @@ action (`B mb3 L5`). Traces, the grid, the validator's errors and the simulator 
 
 Interpreters: the executor, the validator, the grid printer, the memory model and the simulator
 each read actions through one `{action type: handler}` table made by `dispatch_table`, which
-refuses a table that neither handles nor explicitly ignores some action type: a new action
-cannot be silently skipped by one of them.
+refuses a table that neither handles nor explicitly ignores some action type, its passes'
+included: a new action cannot be silently skipped by one of them.
 
 Builders here are pure functions of (pp, stage, num_micro_batches); `policies.py` adds the
 lifecycle actions.
@@ -234,97 +235,12 @@ class Update(_OfBlock):
     word: ClassVar[str] = "update"
 
 
-# -- partial synchronization (`sync.mode: partial`, lifecycle/partial.py places them) ----------
-
-
-@dataclass(frozen=True)
-class AverageParams(_OfBlocks):
-    """Start the data-parallel sum of these blocks' fp32 masters (one collective per block, in
-    place; DreamDDP's layer-wise parameter averaging): placed after the block's last backward,
-    so it runs under the rest of the backward; `WaitAverage` completes the mean."""
-
-    word: ClassVar[str] = "avg"
-
-
-@dataclass(frozen=True)
-class WaitAverage(_OfBlocks):
-    """Wait for these blocks' parameter sums and divide them by dp (every replica then holds the
-    same master), before the blocks' update."""
-
-    word: ClassVar[str] = "wait-avg"
-
-
-# -- the memory tier below the DDR (placed by `lifecycle.offload`) ------------------------------
-
-TIER_WHAT = ("act", "state", "master")
-
-
-@dataclass(frozen=True)
-class _Tier(Action):
-    """A transfer between the DDR and the tier (`offload.*`): `what` is `act`, a layer's saved
-    activations of micro-batch `mb`; `state`, the block's optimizer state (its moments, and its
-    fp32 master when masters are offloaded), around its update; `master`, the block's master
-    fetched read-only for a view cast (dropped, not written back)."""
-
-    block: str
-    mb: int = -1  # act: the micro-batch; -1 otherwise
-    what: str = "act"
-    group: ClassVar[str] = "lifecycle"
-
-    def __post_init__(self):
-        if self.what not in TIER_WHAT or (self.what == "act") != (self.mb >= 0):
-            raise ValueError(f"{type(self).__name__}: what={self.what!r} mb={self.mb}: "
-                             f"what is one of {TIER_WHAT}, with a micro-batch for act only")
-
-    def verb(self) -> str:
-        return self.word + ("" if self.what == "act" else f"-{self.what}")
-
-    def name(self) -> str:
-        mb = f" mb{self.mb}" if self.what == "act" else ""
-        return f"{self.verb()}{mb} {block_label(self.block)}"
-
-
-@dataclass(frozen=True)
-class Offload(_Tier):
-    """Start writing to the tier (in the tier's thread): a layer's activations after its forward
-    (the DDR copy is released at `WaitOffload`), a block's optimizer state after its update;
-    `master` drops the read-only copy at once (nothing is written)."""
-
-    word: ClassVar[str] = "offload"
-
-    def verb(self) -> str:
-        return "drop-master" if self.what == "master" else super().verb()
-
-
-@dataclass(frozen=True)
-class WaitOffload(_Tier):
-    """Wait for that write; the DDR copy is released."""
-
-    word: ClassVar[str] = "wait-offload"
-
-
-@dataclass(frozen=True)
-class Fetch(_Tier):
-    """Start reading back from the tier into a new DDR buffer (accounted from here): a layer's
-    activations before its backward, a block's optimizer state (or master) before its use."""
-
-    word: ClassVar[str] = "fetch"
-
-
-@dataclass(frozen=True)
-class WaitFetch(_Tier):
-    """Wait for that read, before the first use of what it brings."""
-
-    word: ClassVar[str] = "wait-fetch"
-
-
-TIER_ACTIONS: tuple[type[Action], ...] = (Offload, WaitOffload, Fetch, WaitFetch)
-
+# The core vocabulary, which every interpreter handles; a pass over the step adds its own
+# (`lifecycle.passes`: `Pass.actions`), which it gives each interpreter handlers for.
 ACTIONS: tuple[type[Action], ...] = (
     Forward, Backward, RecvForward, SendForward, RecvBackward, SendBackward, MaterializeView,
     WaitView, DropView, AllocGrad, FreeGrad, SyncGrad, WaitGrad, GradNorm, Update,
-    AverageParams, WaitAverage,
-) + TIER_ACTIONS
+)
 
 
 def event_name(action: Action, block: str | None = None) -> str:
@@ -332,19 +248,47 @@ def event_name(action: Action, block: str | None = None) -> str:
     return action.name() if block is None else f"{action.name()} {block_label(block)}"
 
 
+_REFUSE = object()  # ActionTable(others=...) unset: an action of an unknown pass is an error
+
+
+class ActionTable(dict):
+    """An interpreter's `{action type: handler}` table (see `dispatch_table`). An action type it
+    does not hold belongs to a pass the interpreter was not given: `others` handles it (an
+    interpreter to which every pass's action is alike, as the pipeline checks), or it is an
+    error naming the action and the interpreter."""
+
+    def __init__(self, consumer: str, others=_REFUSE):
+        super().__init__()
+        self.consumer, self.others = consumer, others
+
+    def __missing__(self, t):
+        if self.others is not _REFUSE and isinstance(t, type) and issubclass(t, Action):
+            return self.others
+        raise TypeError(f"{self.consumer}: no handler for {getattr(t, '__name__', t)}: an "
+                        "action of a pass over the step that this interpreter was not given "
+                        "(build it with the plan's passes)")
+
+
 def dispatch_table(consumer: str, handlers: Mapping[type, Callable],
-                   ignore: Iterable[type] = (), default: Callable = lambda *a, **k: None
-                   ) -> dict[type, Callable]:
-    """A consumer's `{action type: handler}` table, checked to cover every action type: each is
-    handled, or listed in `ignore` (mapped to `default`, a no-op unless given). A type neither
-    handled nor ignored, or an unknown one, is a programming error raised here."""
+                   ignore: Iterable[type] = (), default: Callable = lambda *a, **k: None,
+                   passes=(), others=_REFUSE) -> ActionTable:
+    """A consumer's `{action type: handler}` table, checked to cover every core action type
+    (`ACTIONS`) and every action of each pass in `passes` (`Pass.actions`, handled through
+    the pass's own handlers merged into `handlers`): each is handled, or listed in `ignore`
+    (mapped to `default`, a no-op unless given). A type neither handled nor ignored is a
+    programming error raised here. `others`: the entry of actions of passes not in `passes`
+    (unset: such an action is an error when it comes)."""
     ignore = tuple(ignore)
-    unknown = [t.__name__ for t in (*handlers, *ignore) if t not in ACTIONS]
+    known = set(ACTIONS).union(*(p.actions for p in passes))
+    unknown = [t.__name__ for t in (*handlers, *ignore) if t not in known]
     missing = [t.__name__ for t in ACTIONS if t not in handlers and t not in ignore]
+    missing += [f"{t.__name__} (pass {p.name})" for p in passes for t in p.actions
+                if t not in handlers and t not in ignore]
     if unknown or missing:
         raise TypeError(f"{consumer}: action table " + (f"names unknown types {unknown}"
                         if unknown else f"neither handles nor ignores {missing}"))
-    table = dict.fromkeys(ignore, default)
+    table = ActionTable(consumer, others)
+    table.update(dict.fromkeys(ignore, default))
     table.update(handlers)
     return table
 
@@ -477,31 +421,24 @@ def expand(action: Action, blocks) -> list[tuple[str | None, Action]]:
 
 __all__ = [
     "ACTIONS",
-    "AverageParams",
     "BUILDERS",
     "GROUPS",
     "Action",
+    "ActionTable",
     "AllocGrad",
     "Backward",
     "DropView",
-    "Fetch",
     "Forward",
     "FreeGrad",
     "GradNorm",
     "MaterializeView",
-    "Offload",
     "RecvBackward",
     "RecvForward",
     "SendBackward",
     "SendForward",
     "SyncGrad",
-    "TIER_ACTIONS",
-    "TIER_WHAT",
     "Update",
-    "WaitAverage",
-    "WaitFetch",
     "WaitGrad",
-    "WaitOffload",
     "WaitView",
     "add_hooks",
     "block_label",

@@ -18,13 +18,10 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
   update; nothing left pending after the flush. With the optimizer state sharded over the dp
   replicas (`sharded=True`) every sync must be a reduce-scatter and every view made by an
   all-gather (and none otherwise); a gathered view is usable only after its `WaitView`, and the
-  view is never the master (it goes stale at the update, as in fp16). Under partial
-  synchronization (`partial=True`, `lifecycle.partial`) there is no gradient sync; a block's
-  average starts after its last backward and is waited for before its update, or starts after
-  its update (no update pending) and is waited for before its next read; no forward, backward,
-  view or update reads a master while it is being averaged, and a view made before the mean
-  is stale. Transfers to and from the memory tier
-  are checked by `lifecycle.offload.TierCheck`.
+  view is never the master (it goes stale at the update, as in fp16). Each pass over the step
+  (`lifecycle.passes`) checks its own actions, and may hook every other event, through an
+  `Extension` of its own (`Pass.validator`): partial synchronization's averages
+  (`lifecycle.passes.partial`), the memory tier's transfers (`lifecycle.passes.offload`).
 
 `validate_policy(policy, info_per_stage)` runs all three over a few steps.
 """
@@ -32,13 +29,11 @@ Three checks, all pure (no MPI), each reading actions through its own `dispatch_
 from __future__ import annotations
 
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.offload import TierCheck
 from ratrain.lifecycle.policies import Policy
 from ratrain.lifecycle.schedule import dispatch_table, expand
 
 LIFECYCLE = (sched.MaterializeView, sched.WaitView, sched.DropView, sched.AllocGrad, sched.FreeGrad, sched.SyncGrad, sched.WaitGrad,
-             sched.GradNorm, sched.Update, sched.AverageParams, sched.WaitAverage,
-             *sched.TIER_ACTIONS)
+             sched.GradNorm, sched.Update)
 
 
 class ScheduleError(ValueError):
@@ -56,7 +51,7 @@ _NEEDS = dispatch_table("validate.check_pipeline", {
     sched.SendBackward: lambda first, last: [sched.Backward],
     sched.RecvForward: lambda first, last: [],
     sched.RecvBackward: lambda first, last: [],
-}, ignore=LIFECYCLE, default=None)
+}, ignore=LIFECYCLE, default=None, others=None)  # a pass's actions: lifecycle
 _NOT_AT = {sched.RecvForward: "first", sched.SendBackward: "first", sched.SendForward: "last", sched.RecvBackward: "last"}
 
 
@@ -103,7 +98,8 @@ _RENDEZVOUS = dispatch_table("validate.simulate", {
     sched.SendBackward: ("bwd", -1, "send"),
     sched.RecvBackward: ("bwd", +1, "recv"),
     sched.GradNorm: _COLLECTIVE,
-}, ignore=(sched.Forward, sched.Backward, *[t for t in LIFECYCLE if t is not sched.GradNorm]), default=_LOCAL)
+}, ignore=(sched.Forward, sched.Backward, *[t for t in LIFECYCLE if t is not sched.GradNorm]),
+   default=_LOCAL, others=_LOCAL)  # a pass's actions: local to the rank
 
 
 def simulate(lists) -> list[list[int]]:
@@ -176,29 +172,50 @@ class _Block:
         self.synced = None  # step last synced
         self.waited = None  # step last waited
         self.gathering = False  # a view all-gather in flight (sharded)
-        self.averaging = None  # step whose parameter average is in flight (partial sync)
-        self.fresh = False  # updated since its last average (partial sync)
+
+
+class Extension:
+    """A pass's part of one stage's lifecycle check (`Pass.validator(life)`, `life` the stage's
+    `_Lifecycle`: its `fail`, `stage`, `m`, step `k`, blocks' states `st`). `handlers()`:
+    `{action type: f(action, block, block state)}` for its own actions (and any core action it
+    checks instead of the core); `before` / `after`: called around every other event, with its
+    block (None for a lifecycle action); `unsettled()`: what it leaves in flight at the end of
+    a list (an error); `end()`: its last check after the flush."""
+
+    def handlers(self) -> dict:
+        return {}
+
+    def before(self, blk, e) -> None:
+        pass
+
+    def after(self, blk, e) -> None:
+        pass
+
+    def unsettled(self) -> list[str]:
+        return []
+
+    def end(self) -> None:
+        pass
 
 
 class _Lifecycle:
     """The lifecycle state machine of one rank's blocks (see the module)."""
 
-    def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool, offloaded=(),
-                 offload_state: str = "off", partial: bool = False):
+    def __init__(self, blocks, m: int, stage: int, fp16: bool, sharded: bool, passes=()):
         self.st = {b: _Block() for b in blocks}
-        self.m, self.stage, self.sharded, self.partial = m, stage, sharded, partial
+        self.m, self.stage, self.sharded = m, stage, sharded
         self.view_is_master = not fp16 and not sharded
         self.norm_step = None
         self.k = 0
-        self.tier = TierCheck(self.fail, offloaded, offload_state)  # offload's transfers
+        self.ext = [x for x in (p.validator(self) for p in passes) if x is not None]
         self.table = dispatch_table("validate.check_lifecycle", {
-            **self.tier.handlers(),
             sched.Forward: self._use_view, sched.Backward: self._backward,
             sched.MaterializeView: self._materialize, sched.WaitView: self._wait_view,
             sched.DropView: self._drop_view, sched.AllocGrad: self._alloc, sched.SyncGrad: self._sync,
             sched.WaitGrad: self._wait, sched.Update: self._update, sched.FreeGrad: self._free,
-            sched.AverageParams: self._average, sched.WaitAverage: self._wait_average,
-        }, ignore=(sched.RecvForward, sched.SendForward, sched.RecvBackward, sched.SendBackward, sched.GradNorm))
+            **{t: f for x in self.ext for t, f in x.handlers().items()},
+        }, ignore=(sched.RecvForward, sched.SendForward, sched.RecvBackward, sched.SendBackward, sched.GradNorm),
+            passes=passes)
 
     def fail(self, e, msg):
         raise ScheduleError(f"stage {self.stage}, step {self.k}, {e}: {msg}")
@@ -208,27 +225,24 @@ class _Lifecycle:
         if flag is not None and getattr(e, flag) != self.sharded:
             self.fail(e, f"{flag}={getattr(e, flag)} on a stage whose optimizer state is "
                          f"{'' if self.sharded else 'not '}sharded")
-        if self.partial and isinstance(e, (sched.SyncGrad, sched.WaitGrad)):
-            self.fail(e, "a gradient sync under partial synchronization")
-        if not self.partial and isinstance(e, (sched.AverageParams, sched.WaitAverage)):
-            self.fail(e, "a parameter average without partial synchronization")
         if isinstance(e, sched.GradNorm):
-            late = [b for b, x in self.st.items() if x.waited != self.k and not self.partial]
+            late = [b for b, x in self.st.items() if x.waited != self.k]
             if late:
                 self.fail(e, f"global norm before the sync wait of {late}")
             self.norm_step = self.k
             return
-        self.tier.use(blk, e)
+        for x in self.ext:
+            x.before(blk, e)
         names = [blk] if blk is not None else (
             list(e.blocks) if hasattr(e, "blocks") else [e.block] if hasattr(e, "block") else [])
         for b in names:
             if b not in self.st:
                 self.fail(e, f"block {b!r} is not on this stage")
             self.table[type(e)](e, b, self.st[b])
+        for x in self.ext:
+            x.after(blk, e)
 
     def _use_view(self, e, b, x):
-        if x.averaging is not None and self.view_is_master:
-            self.fail(e, f"master of {b} read while its average is in flight")
         if x.view is None:
             self.fail(e, f"view of {b} not materialised")
         if x.gathering:
@@ -245,8 +259,6 @@ class _Lifecycle:
             x.pending = self.k
 
     def _materialize(self, e, b, x):
-        if x.averaging is not None:
-            self.fail(e, f"view of {b} made from its master while its average is in flight")
         if x.gathering:
             self.fail(e, f"view of {b} made again while its all-gather is in flight")
         x.view = x.master
@@ -285,33 +297,12 @@ class _Lifecycle:
         j = x.pending
         if j is None:
             self.fail(e, f"no gradient of {b} awaits an update")
-        if (x.waited != j and not self.partial) or self.norm_step != j:
+        if x.waited != j or self.norm_step != j:
             self.fail(e, f"update of {b} before its sync wait and the step's norm")
-        if x.averaging is not None:
-            self.fail(e, f"update of {b} while its average is in flight")
         if x.grad != j:
             self.fail(e, f"update of {b} without its gradient")
         x.master += 1
         x.pending = None
-        x.fresh = True
-        if self.view_is_master and x.view is not None:
-            x.view = x.master
-
-    def _average(self, e, b, x):
-        # before the update: after the step's last backward; after it: once per update
-        if not (x.pending == self.k and x.bwd == self.m or x.pending is None and x.fresh):
-            self.fail(e, f"average of {b} neither between its last backward and its update "
-                         "nor after its update")
-        x.fresh = False
-        if x.averaging is not None:
-            self.fail(e, f"{b} averaged while its previous average is in flight")
-        x.averaging = self.k
-
-    def _wait_average(self, e, b, x):
-        if x.averaging is None:
-            self.fail(e, f"wait for the average of {b} without one in flight")
-        x.averaging = None
-        x.master += 1  # the mean: a view made before it is stale
         if self.view_is_master and x.view is not None:
             x.view = x.master
 
@@ -321,14 +312,14 @@ class _Lifecycle:
         x.grad = None
 
     def end_step(self, is_step: bool) -> None:
-        unsettled = self.tier.unsettled()
+        unsettled = [u for x in self.ext for u in x.unsettled()]
         if unsettled:
-            raise ScheduleError(f"stage {self.stage}, step {self.k}: the tier is not settled at "
-                                f"the end of the list: {', '.join(unsettled)}")
+            raise ScheduleError(f"stage {self.stage}, step {self.k}: in flight at the end of "
+                                f"the list: {', '.join(unsettled)}")
         if not is_step:
             return
         for b, x in self.st.items():
-            if x.bwd != self.m or (x.waited != self.k and not self.partial):
+            if x.bwd != self.m or x.waited != self.k:
                 raise ScheduleError(f"stage {self.stage}, step {self.k}: {b} not "
                                     "backwarded/synced")
         if self.norm_step != self.k:
@@ -342,19 +333,17 @@ class _Lifecycle:
             if x.gathering:
                 raise ScheduleError(f"stage {self.stage}: {b} left with a view all-gather in "
                                     "flight")
-            if x.averaging is not None:
-                raise ScheduleError(f"stage {self.stage}: {b} left with its average in flight")
+        for x in self.ext:
+            x.end()
 
 
 def check_lifecycle(steps, blocks, m: int, stage: int = 0, fp16: bool = True,
-                    sharded: bool = False, offloaded=(), offload_state: str = "off",
-                    partial: bool = False) -> None:
+                    sharded: bool = False, passes=()) -> None:
     """`steps`: this rank's successive step lists; a trailing list without compute is the flush.
     In fp32 (`fp16=False`) and unsharded a materialised view is the master itself, so it never
-    goes stale. `sharded`: masters and moments are cut over the dp replicas; `offloaded`,
-    `offload_state`: what goes to the tier (`lifecycle.offload.TierCheck`); `partial`: partial
-    synchronization (see the module)."""
-    life = _Lifecycle(blocks, m, stage, fp16, sharded, offloaded, offload_state, partial)
+    goes stale. `sharded`: masters and moments are cut over the dp replicas; `passes`: the
+    plan's passes over the step, each checking its own actions (see the module)."""
+    life = _Lifecycle(blocks, m, stage, fp16, sharded, passes)
     for k, actions in enumerate(steps):
         life.k = k
         for x in life.st.values():
@@ -371,22 +360,21 @@ def validate_policy(policy: Policy, infos, steps: int = 3) -> None:
     validate_stages([policy.steps(info, steps) for info in infos], infos, steps)
 
 
-def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True,
-                    partial: bool = False) -> None:
+def validate_stages(per_rank, infos, steps: int, lifecycle: bool = True, passes=()) -> None:
     """All checks of `per_rank[stage]`: `steps` consecutive lists then the flush of each stage
     (`infos[stage]`: StageInfo); `lifecycle=False`: the pipeline order alone (a bare order);
-    `partial`: partial synchronization's lists."""
+    `passes`: the plan's passes over the step."""
     m = infos[0].num_micro_batches
     for k in range(steps):
         check_pipeline([r[k] for r in per_rank], m)
     simulate([[a for lst in r for a in lst] for r in per_rank])
     if lifecycle:
         for info, r in zip(infos, per_rank):
-            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, info.offload,
-                            info.offload_state, partial)
+            check_lifecycle(r, info.blocks, m, info.stage, info.half, info.sharded, passes)
 
 
 __all__ = [
+    "Extension",
     "ScheduleError",
     "check_lifecycle",
     "check_pipeline",

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ratrain.config import Config, ConfigError
-from ratrain.lifecycle.offload import OFFLOAD, TierRates
+from ratrain.exec.spec import OFFLOAD
+from ratrain.lifecycle.recovery import TierRates
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan.memory import fit_recompute, fit_recovery, stage_peaks, stage_tier_peaks
 from ratrain.plan.steps import recompute_for

@@ -42,7 +42,7 @@ from ratrain.comm import model as comm_model
 from ratrain.comm.topology import grid
 from ratrain.config import Config, ModelConfig, act_itemsize
 from ratrain.exec.optim import ADAMW_BYTES_PER_PARAM
-from ratrain.lifecycle.partial import AVERAGE_BYTES_PER_PARAM
+from ratrain.lifecycle.passes.partial import AVERAGE_BYTES_PER_PARAM
 from ratrain.exec.params import shard_size, view_cast_bytes_per_param
 from ratrain.exec.spec import block_flops, block_params, block_role
 from ratrain.exec.layers import layer_cache_nbytes
@@ -342,7 +342,7 @@ class CostModel:
 
     def staging_chunk(self, blocks, nodes: int, local: int) -> int:
         """The chunk the runtime's data-parallel group uses for a stage of `blocks`: sized for
-        its largest gradient (`lifecycle.rank` sizes the topology's window so)."""
+        its largest gradient (`runtime.rank` sizes the topology's window so)."""
         largest = max((self.grad_bytes(block_role(b)) for b in blocks), default=0)
         return comm_model.hier_chunk_bytes(int(largest), min(local, max(1, int(largest))),
                                            nodes)

@@ -2,8 +2,10 @@
 
 `items` turns one rank's actions of a step into timed items through one `dispatch_table`
 (like every interpreter of the schedule): busy spans (compute, updates, view casts; consecutive
-ones merged), messages, engine submissions, waits, the norm barrier and an end mark. `Sim`
-plays every rank's items against each other (see `plan.simulate` for what is modelled).
+ones merged), messages, engine submissions, waits, the norm barrier and an end mark; each pass
+over the step (`lifecycle.passes`) gives its own actions' items (`Pass.simulator`, through
+`_Flatten.add` and `busy`). `Sim` plays every rank's items against each other (see
+`plan.simulate` for what is modelled), the nodes' memory tiers among them (`plan.tiersim`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from ratrain.exec.spec import block_role
+from ratrain.exec.spec import block_role, kernel_recompute
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.offload import kernel_recompute
 from ratrain.lifecycle.schedule import dispatch_table, expand
-from ratrain.plan.tiersim import TierItems, TierSim
+from ratrain.plan.tiersim import TierSim
 
 NORM_BYTES = 16  # GradNorm's payload: sum of squares (fp64) + overflow flag + loss
 
@@ -43,26 +44,26 @@ class _Item:
 class _Flatten:
     """One rank's actions of one step as timed items (see `_items`)."""
 
-    def __init__(self, stage, blocks, recompute, cost, step, shards, rank, offload_state="off"):
+    def __init__(self, stage, blocks, recompute, cost, step, shards, rank, passes=()):
         self.stage, self.rank, self.blocks, self.recompute = stage, rank, blocks, recompute
         self.cost, self.step, self.shards = cost, step, shards
         self.out: list[_Item] = []
+        parts = [x for x in (p.simulator(self) for p in passes) if x is not None]
         self.table = dispatch_table("simulate", {
-            **TierItems(self, _Item, offload_state).handlers(),
             sched.Forward: self._compute, sched.Backward: self._compute,
             sched.SendForward: self._send, sched.SendBackward: self._send,
             sched.RecvForward: self._recv, sched.RecvBackward: self._recv,
             sched.Update: self._update, sched.MaterializeView: self._view,
-            sched.WaitView: lambda a: self._add("waitview", a, blocks=(a.block,)),
-            sched.SyncGrad: lambda a: self._add("sync", a, blocks=a.blocks,
-                                          coll="scatter" if a.scatter else "allreduce"),
-            sched.WaitGrad: lambda a: self._add("wait", a, blocks=a.blocks),
-            sched.GradNorm: lambda a: self._add("norm", a),
-            sched.AverageParams: lambda a: self._add("sync", a, blocks=a.blocks, coll="average"),
-            sched.WaitAverage: self._wait_average,
-        }, ignore=(sched.DropView, sched.AllocGrad, sched.FreeGrad))  # memory only
+            sched.WaitView: lambda a: self.add("waitview", a, blocks=(a.block,)),
+            sched.SyncGrad: lambda a: self.add("sync", a, blocks=a.blocks,
+                                         coll="scatter" if a.scatter else "allreduce"),
+            sched.WaitGrad: lambda a: self.add("wait", a, blocks=a.blocks),
+            sched.GradNorm: lambda a: self.add("norm", a),
+            **{t: f for x in parts for t, f in x.handlers().items()},
+        }, ignore=(sched.DropView, sched.AllocGrad, sched.FreeGrad), passes=passes)  # memory only
 
-    def _add(self, op, a, **kw):
+    def add(self, op, a, **kw):
+        """An item `op` of action `a` (its name the label) in this step."""
         self.out.append(_Item(op, step=self.step, label=a.name(), **kw))
 
     def busy(self, cat: str, dur: float, label: str, extra: float = 0.0):
@@ -92,38 +93,31 @@ class _Flatten:
     def _send(self, a):
         d = "f" if isinstance(a, sched.SendForward) else "b"
         peer = self.rank + (1 if d == "f" else -1)
-        self._add("send", a, key=(self.step, d, a.mb, self.rank), peer=peer)
+        self.add("send", a, key=(self.step, d, a.mb, self.rank), peer=peer)
 
     def _recv(self, a):
         d = "f" if isinstance(a, sched.RecvForward) else "b"
         src = self.rank - (1 if d == "f" else -1)
-        self._add("recv", a, key=(self.step, d, a.mb, src))
+        self.add("recv", a, key=(self.step, d, a.mb, src))
 
     def _update(self, a):
         self.busy("update", self.cost.update_time(block_role(a.block), self.shards), a.name())
 
-    def _wait_average(self, a):
-        """Partial synchronization: wait for the blocks' parameter sums, then divide (part of
-        the update's memory-bound work)."""
-        self._add("await", a, blocks=a.blocks)
-        for b in a.blocks:
-            self.busy("update", self.cost.average_time(block_role(b)), a.name())
-
     def _view(self, a):
         self.busy("view", self.cost.view_time(block_role(a.block), self.shards), a.name())
         if a.gather:  # sharded: the rest of the view comes by ring all-gather
-            self._add("gather", a, blocks=(a.block,))
+            self.add("gather", a, blocks=(a.block,))
 
 
 def items(actions, stage: int, blocks, recompute, cost, step: int, shards: int = 1,
-          rank: int | None = None, offload_state: str = "off") -> list[_Item]:
+          rank: int | None = None, passes=()) -> list[_Item]:
     """Timed items of one rank's step: busy spans (compute, updates, view casts; consecutive
-    ones merged), messages, engine submissions, waits, the norm barrier, the tier's transfers
-    and waits (`offload_state`: the optimizer state in the tier), and an end mark.
+    ones merged), messages, engine submissions, waits, the norm barrier, its `passes`' items
+    (the tier's transfers and waits, the parameter averages), and an end mark.
     `rank`: the simulator's index of the rank (`group * pp + stage`; default `stage`), which
     names its messages' peers."""
     flat = _Flatten(stage, blocks, recompute, cost, step, shards,
-                    stage if rank is None else rank, offload_state)
+                    stage if rank is None else rank, passes)
     for a in actions:
         flat.table[type(a)](a)
     flat.out.append(_Item("end", step=step))

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 
 from ratrain.comm.topology import grid
 from ratrain.config import Config
+from ratrain.lifecycle.passes import offload
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.plan import events
 from ratrain.plan.cost import CostModel, Rates
@@ -193,8 +194,7 @@ def simulate_grid(
             items: list = []
             for k, step in enumerate(lists):
                 items += events.items(step[s], s, blocks[s], recompute[s], grp.costs[s], k,
-                                      shards, rank=g * pp + s,
-                                      offload_state=grp.plan.offload_state)
+                                      shards, rank=g * pp + s, passes=grp.plan.passes)
             ranks.append(events.RankState(s, items, blocks[s], group=g))
             costs.append(grp.costs[s])
     sim = events.Sim(ranks, costs[0], dp, send_mode, timeline, costs,
@@ -308,7 +308,8 @@ def simulate_config(
         recompute = recovery_for(groups[0].plan.blocks, recompute_layers or [0] * p.pp,
                                  offload_layers)
         off = [tuple(b for b, c in ch.items() if c == "offload") for ch in recompute]
-        groups = [replace(g, plan=g.plan.with_offload(off, validate=validate)) for g in groups]
+        groups = [replace(g, plan=offload.with_layers(g.plan, off, validate=validate))
+                  for g in groups]
     else:
         recompute = recompute_for(groups[0].plan.blocks, cfg.schedule.recompute,
                                   recompute_layers)

@@ -9,7 +9,7 @@ measured against) is a `Policy` with no lifecycle, played like any other.
 
 from __future__ import annotations
 
-from ratrain.lifecycle.offload import recovery_choice
+from ratrain.lifecycle.recovery import recovery_choice
 
 
 def recompute_for(blocks, recompute: str, full_layers: list[int] | None = None):
@@ -32,7 +32,7 @@ def recompute_for(blocks, recompute: str, full_layers: list[int] | None = None):
 def recovery_for(blocks, full_layers, offload_layers):
     """Per stage, layer -> recovery choice of `schedule.recompute: auto` with the memory tier:
     the first `offload_layers[s]` layers of stage s offloaded, the next `full_layers[s]`
-    recomputed fully (`lifecycle.offload.recovery_choice`), the rest kept."""
+    recomputed fully (`lifecycle.recovery.recovery_choice`), the rest kept."""
     return [recovery_choice([b for b in names if b.startswith("layers.")], f + o, o)
             for names, f, o in zip(blocks, full_layers, offload_layers)]
 

@@ -5,7 +5,7 @@
 
 What `python -m ratrain.plan --sync-periods 2,4,8` prints. The rows: full synchronization under
 the config's policy; when that policy shards the optimizer state over the replicas (which
-partial synchronization cannot, `lifecycle.partial.check_partial`), full synchronization with
+partial synchronization cannot, `lifecycle.passes.partial.PartialSync.check`), full synchronization with
 it whole too; then partial synchronization at each period H under the unsharded policy. Each
 row's step is the simulator's (a whole period's mean for partial), with the data-parallel
 communication a step moves (gradients all-reduced, or the blocks a step averages) and the
@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from ratrain.config import Config, with_overrides
 from ratrain.exec.spec import block_role
 from ratrain.lifecycle.pipeline import PipelinePlan
-from ratrain.lifecycle.schedule import AverageParams, SyncGrad, expand
+from ratrain.lifecycle.passes.partial import AverageParams
+from ratrain.lifecycle.schedule import SyncGrad, expand
 from ratrain.plan.cost import CostModel
 from ratrain.plan.simulate import simulate_config
 

@@ -22,8 +22,10 @@ from ratrain.config import Config
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.params import view_bytes_per_param
 from ratrain.exec.spec import block_params, block_role
-from ratrain.lifecycle.offload import OFFLOAD, STATE_TIER_BYTES, TierRates
+from ratrain.exec.spec import OFFLOAD
+from ratrain.lifecycle.passes.offload import STATE_TIER_BYTES, OffloadPass, state_of
 from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
+from ratrain.lifecycle.recovery import TierRates
 from ratrain.plan.cost import CostModel
 from ratrain.plan.memory import fit_recovery
 from ratrain.plan.search import (
@@ -55,7 +57,7 @@ def tier_cap(cost: CostModel) -> int | None:
 def _resident_lower_bound(cfg: Config, plan) -> int:
     """Bytes a stage holds in the DDR whatever its recovery: the resident part of its
     optimizer state, and every block's gradient and view (all held in the last backward)."""
-    state = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[plan.offload_state]
+    state = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[state_of(plan)]
     view = view_bytes_per_param(plan.precision, plan.shards)
     return max(sum(state * shard_size(n, plan.shards) + (GRAD_BYTES_PER_PARAM + view) * n
                    for n in (block_params(cfg.model, block_role(b)) for b in names))
@@ -71,7 +73,7 @@ def fit_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, c
     try:
         plan = PipelinePlan.of_model(cfg.model, pol, layout.pp, layout.dp,
                                      layout.num_micro_batches, cfg.precision, validate=False,
-                                     offload_state=state)
+                                     passes=(OffloadPass(state=state),))
     except ValueError:  # masters where the view is the master
         return None
     if cap is not None and _resident_lower_bound(cfg, plan) > cap:

@@ -29,7 +29,7 @@ from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
 from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import sgemm_rate
-from ratrain.lifecycle.partial import check_config as check_sync
+from ratrain.lifecycle.pipeline import check_passes
 from ratrain.plan.check import available_memory, run_plan
 from ratrain.plan.hetero import resolve, with_measured_rates
 from ratrain.shim import allocator
@@ -202,7 +202,7 @@ def startup(args, comm) -> Setup:
     cfg = agree(comm, resolve_config, args)
     allocator.tune(cfg.run.malloc)  # freed DDR stays in the process, as on the cluster
     agree(comm, cfg.check_world, comm.Get_size())
-    agree(comm, check_sync, cfg)  # sync.mode: partial with what it cannot run with
+    agree(comm, check_passes, cfg)  # sync.mode: partial, offload.*: what they cannot run with
     agree(comm, check_choice, cfg.comm.allreduce)  # a registered algorithm (`comm.algos`)
     device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
     agree(comm, kernels_for, cfg, device.xp)  # run.fused / devkernels / attention can run here

@@ -1,6 +1,6 @@
 """One rank's training loop: steps, metrics, evaluation, checkpoints, and how a run ends.
 
-`Trainer(setup, comm, ctl).run()` builds the rank (`lifecycle.rank.build_rank`), resumes or
+`Trainer(setup, comm, ctl).run()` builds the rank (`runtime.rank.build_rank`), resumes or
 imports its weights, and loops over steps; after each step every rank agrees whether to stop (a
 signal or `run.time_limit` on any rank: `runctl.StopRequests`, one tiny all-reduce through the
 engine), and the loop ends early on `optim.max_nonfinite_steps` non-finite steps or a checkpoint
@@ -37,8 +37,8 @@ from ratrain.data import eval_batches, open_datasets, open_eval_sets
 from ratrain.exec.params import STATE_BUFFERS
 from ratrain.fileio import atomic_write
 from ratrain.hf import load_hf_params
-from ratrain.lifecycle.rank import build_rank
-from ratrain.lifecycle.trace import TAG as TIMELINE_TAG
+from ratrain.runtime.rank import build_rank
+from ratrain.runtime.trace import TAG as TIMELINE_TAG
 from ratrain.shim.allocator import resident_bytes
 from ratrain.job.metrics import MetricsWriter
 from ratrain.job import early
@@ -417,7 +417,8 @@ class Trainer:
             f"{self.topo.describe() if self.topo else '1 node x 1 rank'} ({p.placement}), "
             f"{cfg.precision}, policy {self.executor.policy.label}, recompute {cfg.schedule.recompute}, "
             + (f"sync partial (period {cfg.sync.period}, {cfg.sync.assign}, averaged "
-               f"{cfg.sync.average}), "
+               f"{cfg.sync.average}; optimizer state whole on every replica, "
+               "schedule.shard_optimizer=false), "
                if cfg.sync.partial else "") +
             f"platform {self.profile.name}, {self.this_rank.ctx.threads} threads/rank, "
             f"device {self.this_rank.device.describe()} (rank 0), "

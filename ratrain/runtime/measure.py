@@ -13,9 +13,10 @@ import numpy as np
 
 from ratrain.exec import layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
-from ratrain.exec.spec import RECOMPUTE
-from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak, simulate_peaks
-from ratrain.lifecycle.offload import OFFLOAD, choose_recovery
+from ratrain.exec.spec import OFFLOAD, RECOMPUTE
+from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
+from ratrain.lifecycle.passes import offload
+from ratrain.lifecycle.recovery import choose_recovery
 
 
 def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
@@ -66,7 +67,7 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
         full_act={b: modes["none"] for b, modes in act.items()},
         message_bytes=int(np.prod(shape)) * np.dtype(ctx.dtype).itemsize,
         static=ex.ledger.current - held_grads, extra=extra, recompute=recompute,
-        shards=ex.info.shards, offload_state=ex.info.offload_state)
+        shards=ex.info.shards)
 
 
 def fit_rank_recompute(executor) -> tuple[dict[str, str], int]:
@@ -74,34 +75,36 @@ def fit_rank_recompute(executor) -> tuple[dict[str, str], int]:
     fewest layers that fit the ledger's cap, per the plan's `recovery`), and the peak bytes the
     memory model predicts with it: the stage's sizes measured, then its plan's lists played.
 
-    Collective like `measure_stage_sizes`: `lifecycle.rank.build_rank` calls it on every rank
+    Collective like `measure_stage_sizes`: `runtime.rank.build_rank` calls it on every rank
     at the same point, after the executor is made and before its first step."""
     ex = executor
     choice = dict(ex.recovery)  # schedule.recompute as it stands (auto: none)
     sizes = measure_stage_sizes(ex, choice)
     if ex.offloader is not None:  # keep / recompute / offload, and the tier's bytes
         return _fit_with_tier(ex, sizes, choice)
-    lists = ex.plan.stage_steps(ex.stage, 2)
+    lists, passes = ex.plan.stage_steps(ex.stage, 2), ex.plan.passes
     if ex.cfg.schedule.recompute == "auto":
         chosen, peak = choose_recompute(ex.ledger.cap, sizes, lists, ex.blocks,
-                                        ex.plan.per_layer_recovery)
+                                        ex.plan.per_layer_recovery, passes)
         return {b: chosen.get(b, "none") for b in choice}, peak
-    return choice, simulate_peak(lists, ex.blocks, sizes)
+    return choice, simulate_peak(lists, ex.blocks, sizes, passes)
 
 
 def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
     """`fit_rank_recompute` on a rank with a memory tier: under `recompute: auto` each layer
-    kept, recomputed or offloaded (`lifecycle.offload.choose_recovery`, by
+    kept, recomputed or offloaded (`lifecycle.recovery.choose_recovery`, by
     `offload.activations`), else the choice as it stands; the activations' file sized for the
     tier bytes the memory model plays."""
     off = ex.offloader
-    base = ex.plan.with_offload([()] * ex.pp, validate=False) if any(ex.plan.offloaded) else ex.plan
+    base = ex.plan
+    if any(offload.layers_of(base)):
+        base = offload.with_layers(base, [()] * ex.pp, validate=False)
 
     def lists_for(offloaded):
-        return base.offloaded_steps(ex.stage, offloaded, 2)
+        return offload.lists_with(base, ex.stage, offloaded, 2)
 
     def walk(lists, s):
-        return simulate_peaks(lists, ex.blocks, s)
+        return offload.peaks(lists, ex.blocks, s, base.passes)
 
     mode, layers = ex.cfg.offload.activations, list(choice)
     if ex.cfg.schedule.recompute == "auto":

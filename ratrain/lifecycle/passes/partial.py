@@ -37,50 +37,80 @@ mod H = i mod H (`assign: round-robin`). With pp > 1 each stage's group averages
 checkpoint holds each replica's own state (resume is bitwise) and, as its model, the replicas' mean
 (`Executor.iter_full_state(mean=True)`), which eval, export and generate load.
 
-Not allowed (`check_partial`): the optimizer state sharded over the replicas
-(`schedule.shard_optimizer`, on by default under `ratrain`), whose segments assume replicas that
-agree; fp32 masters kept in the memory tier (`offload.optimizer: masters`), which an average
-needs in the DDR next to the block's update (just before it or just after it).
-With dp = 1 there is nothing to average and partial is bitwise full.
+A pass over the step (`lifecycle.passes`): `PartialSync` rewrites the policy's lists per phase
+of its period and gives the validator, the memory model and the simulator their handlers of
+its two actions; the executor's side, `Averager`, is `runtime.passes.partial`.
+
+Not allowed (`PartialSync.check`): the optimizer state sharded over the replicas, whose
+segments assume replicas that agree (partial synchronization turns `schedule.shard_optimizer`
+off by itself where it is not set, `config.Config`; set true, it is refused); fp32 masters kept
+in the memory tier (`offload.optimizer: masters`), which an average needs in the DDR next to
+the block's update (just before it or just after it). With dp = 1 there is nothing to average
+and partial is bitwise full.
 
     ps = PartialSync.of_sync(cfg.sync, blocks)       # None under sync.mode: full
     ps.blocks_at(step)                               # the blocks step `step` averages
-    lists = phase_lists(policy, info, ps)            # per phase: (first, carried, flush)
+    first, carried, flush = ps.rewrite(lists, info, phase, policy)
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from ratrain.exec.optim import global_grad_norm
-from ratrain.lifecycle.policies import policy_of
+from ratrain.exec.spec import block_role
+from ratrain.lifecycle.passes.base import Handlers, Pass
 from ratrain.lifecycle.schedule import (
     Action,
-    AverageParams,
     Backward,
     Forward,
     GradNorm,
     MaterializeView,
     SyncGrad,
     Update,
-    WaitAverage,
     WaitGrad,
 )
+from ratrain.lifecycle.validate import Extension, ScheduleError
 
+NAME = "partial"
 AVERAGE_BYTES_PER_PARAM = 8  # WaitAverage's division: read and write the fp32 master
 
 
 @dataclass(frozen=True)
-class PartialSync:
+class AverageParams(Action):
+    """Start the data-parallel sum of these blocks' fp32 masters (one collective per block, in
+    place; DreamDDP's layer-wise parameter averaging): placed after the block's last backward,
+    so it runs under the rest of the backward; `WaitAverage` completes the mean."""
+
+    blocks: tuple[str, ...]
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "avg"
+
+
+@dataclass(frozen=True)
+class WaitAverage(Action):
+    """Wait for these blocks' parameter sums and divide them by dp (every replica then holds the
+    same master), before the blocks' update."""
+
+    blocks: tuple[str, ...]
+    group: ClassVar[str] = "lifecycle"
+    word: ClassVar[str] = "wait-avg"
+
+
+@dataclass(frozen=True)
+class PartialSync(Pass):
     """Which blocks each step averages: `phase[block]` = the step (mod `period`) in which the
     block is averaged; every block of the model has one. `after`: each average sits after the
     block's update instead of before it (`sync.average`)."""
 
-    period: int
+    period: int  # steps in which every block is averaged once (`passes.period_of`)
     phase: Mapping[str, int]
     after: bool = False
+    name: ClassVar[str] = NAME
+    actions: ClassVar[tuple[type[Action], ...]] = (AverageParams, WaitAverage)
+    legend: ClassVar[str] = ("avg L           start block L's parameter average (sync.mode "
+                             "partial)   wait-avg L   its mean")
 
     def __post_init__(self):
         if self.period < 1:
@@ -107,26 +137,50 @@ class PartialSync:
         """The blocks step `step` (0-based) averages."""
         return frozenset(b for b, p in self.phase.items() if p == step % self.period)
 
+    def check(self, policy, stages, passes) -> None:
+        """Refuse what partial synchronization cannot run with, in one line naming the keys."""
+        if any(getattr(p, "state", None) == "masters" for p in passes):
+            raise ValueError(
+                "sync.mode=partial with offload.optimizer=masters cannot work: a block's average "
+                "runs on its fp32 master next to its update, while the master lives in the tier; "
+                "set offload.optimizer=moments (or off), or sync.mode=full")
+        if stages[0].sharded:
+            raise ValueError(
+                f"sync.mode=partial with schedule.shard_optimizer=true (policy {policy.label} "
+                f"shards the optimizer state over the parallel.dp={stages[0].shards} replicas) "
+                "cannot work: "
+                "the replicas' parameters differ between averages, so no replica can own a "
+                "segment for all; leave schedule.shard_optimizer unset or false (or set "
+                "sync.mode=full)")
 
-def check_partial(policy, dp: int, offload_state: str = "off") -> None:
-    """Refuse what partial synchronization cannot run with, in one line naming the keys."""
-    if offload_state == "masters":
-        raise ValueError(
-            "sync.mode=partial with offload.optimizer=masters cannot work: a block's average "
-            "runs on its fp32 master next to its update, while the master lives in the tier; "
-            "set offload.optimizer=moments (or off), or sync.mode=full")
-    if policy.shards(dp) > 1:
-        raise ValueError(
-            f"sync.mode=partial with schedule.shard_optimizer (policy {policy.name} shards the "
-            f"optimizer state over the parallel.dp={dp} replicas) cannot work: the replicas' "
-            "parameters differ between averages, so no replica can own a segment for all; set "
-            "schedule.shard_optimizer=false (or sync.mode=full)")
+    def rewrite(self, lists, info, phase, policy):
+        """The policy's full-sync lists of stage `info` as phase `phase` of the period runs
+        them (`partial_step`, `partial_flush`)."""
+        first, carried, flush = lists
+        mine = set(info.blocks)
+        now, before = self.blocks_at(phase) & mine, self.blocks_at(phase - 1) & mine
+        new_first = partial_step(first, now, after=self.after)
+        new_carried = (partial_step(carried, now, before, self.after)
+                       if policy.carries(info) else new_first)
+        return new_first, new_carried, partial_flush(flush, now, self.after)
+
+    def validator(self, life):
+        return AverageCheck(life)
+
+    def memory(self, walk):  # in place: no bytes
+        return Handlers(dict.fromkeys(self.actions, lambda blk, e: None))
+
+    def simulator(self, flat):
+        return AverageItems(flat)
+
+    def describe(self) -> str:
+        return (f"partial sync (period {self.period}, averaged "
+                f"{'after' if self.after else 'before'} the update)")
 
 
-def check_config(cfg) -> None:
-    """`check_partial` for a config's policy and layout (start-up, before any work)."""
-    if cfg.sync.partial:
-        check_partial(policy_of(cfg.schedule), cfg.parallel.dp, cfg.offload.optimizer)
+def of_config(cfg, blocks) -> PartialSync | None:
+    """The pass `sync.mode: partial` asks for over every stage's `blocks` (None: full sync)."""
+    return PartialSync.of_sync(cfg.sync, [b for names in blocks for b in names])
 
 
 # -- the step lists ----------------------------------------------------------------------------
@@ -217,67 +271,89 @@ def partial_flush(actions, last, after: bool = False) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def phase_lists(policy, info, ps: PartialSync):
-    """Per phase p of the period: (this stage's step list with nothing carried, after a step,
-    the flush after a step of phase p), from the policy's own full-sync lists."""
-    mine = set(info.blocks)
-    out = []
-    for p in range(ps.period):
-        now = ps.blocks_at(p) & mine
-        before = ps.blocks_at(p - 1) & mine
-        first = partial_step(policy.build_step(info), now, after=ps.after)
-        carried = (partial_step(policy.build_step(info, True), now, before, ps.after)
-                   if policy.carries(info) else first)
-        out.append((first, carried, partial_flush(policy.build_flush(info), now, ps.after)))
-    return tuple(out)
+# -- the interpreters' handlers ----------------------------------------------------------------
 
 
-# -- running it ----------------------------------------------------------------------------------
+class AverageCheck(Extension):
+    """The validator's view of the averages (`lifecycle.validate`, see the module): there is no
+    gradient sync (a block's gradient is final, and its own, at its last backward); an average
+    starts between a block's last backward and its update, or after the update, once per
+    update; it is waited for once; no forward, backward, view or update reads a master while it
+    is being averaged, and a view made before the mean is stale."""
 
+    def __init__(self, life):
+        self.life = life
+        self.averaging: dict[str, int] = {}  # block -> step whose average is in flight
+        self.fresh: set[str] = set()  # updated since their last average
 
-class Averager:
-    """The executor's side of partial synchronization: starts each block's parameter sum in the
-    communication engine (`AverageParams`), completes the mean before the block's update
-    (`WaitAverage`), and takes each replica's own gradient norm at `GradNorm`.
+    def handlers(self) -> dict:
+        return {SyncGrad: self._no_sync, WaitGrad: self._no_sync,
+                AverageParams: self._average, WaitAverage: self._wait_average}
 
-    `engine`, `comm`: the engine and the stage's data-parallel communicator (None at dp = 1:
-    nothing to average); `pace(nbytes)`: the executor's memory pacing; `event(name, t0, fut)`:
-    its communication timeline."""
+    def _no_sync(self, e, b, x):
+        self.life.fail(e, "a gradient sync under partial synchronization")
 
-    def __init__(self, state, dp: int, engine=None, comm=None, pace=None, event=None):
-        self.state, self.dp, self.engine, self.comm = state, dp, engine, comm
-        self.pace, self.event = pace, event
-        self.futures: dict = {}  # block -> its sum in flight
-
-    def start(self, a: AverageParams) -> None:
-        if self.dp == 1:
+    def before(self, blk, e) -> None:
+        b = blk if blk is not None else getattr(e, "block", None)
+        if b not in self.averaging:
             return
-        for b in a.blocks:  # one collective per block, in place on the master
-            t0 = time.perf_counter()
-            fut = self.engine.allreduce(self.state.master_flat(b), self.comm)
-            if self.event is not None:
-                self.event(AverageParams((b,)).name(), t0, fut)
-            self.futures[b] = fut
+        if blk is not None and self.life.view_is_master:
+            self.life.fail(e, f"master of {b} read while its average is in flight")
+        if isinstance(e, MaterializeView):
+            self.life.fail(e, f"view of {b} made from its master while its average is in flight")
+        if isinstance(e, Update):
+            self.life.fail(e, f"update of {b} while its average is in flight")
 
-    def wait(self, a: WaitAverage) -> None:
-        if self.dp == 1:
-            return
+    def after(self, blk, e) -> None:
+        life = self.life
+        if isinstance(e, Backward) and life.st[blk].bwd == life.m:
+            life.st[blk].waited = life.k  # its own gradient, final: nothing to sync
+        if isinstance(e, Update):
+            self.fresh.add(e.block)
+
+    def _average(self, e, b, x):
+        life = self.life
+        # before the update: after the step's last backward; after it: once per update
+        if not (x.pending == life.k and x.bwd == life.m or x.pending is None and b in self.fresh):
+            life.fail(e, f"average of {b} neither between its last backward and its update "
+                         "nor after its update")
+        self.fresh.discard(b)
+        if b in self.averaging:
+            life.fail(e, f"{b} averaged while its previous average is in flight")
+        self.averaging[b] = life.k
+
+    def _wait_average(self, e, b, x):
+        if self.averaging.pop(b, None) is None:
+            self.life.fail(e, f"wait for the average of {b} without one in flight")
+        x.master += 1  # the mean: a view made before it is stale
+        if self.life.view_is_master and x.view is not None:
+            x.view = x.master
+
+    def end(self) -> None:
+        for b in self.averaging:
+            raise ScheduleError(f"stage {self.life.stage}: {b} left with its average in flight")
+
+
+class AverageItems:
+    """The averages as the simulator's items (`plan.events`): a block's sum is an engine
+    collective of its fp32 master (`coll="average"`), its wait an engine wait, then the
+    division by dp (part of the update's memory-bound work)."""
+
+    def __init__(self, flat):
+        self.flat = flat
+
+    def handlers(self) -> dict:
+        return {AverageParams: self._average, WaitAverage: self._wait}
+
+    def _average(self, a):
+        self.flat.add("sync", a, blocks=a.blocks, coll="average")
+
+    def _wait(self, a):
+        flat = self.flat
+        flat.add("await", a, blocks=a.blocks)
         for b in a.blocks:
-            self.futures.pop(b).result()
-            master = self.state.master_flat(b)
-            with self.pace(AVERAGE_BYTES_PER_PARAM * master.size):
-                master /= self.dp  # the mean: the same bits on every replica
-
-    def local_sq(self, blocks, kernels, xp) -> dict:
-        """Each block's sum of squares of this replica's whole (unsynchronised) gradient."""
-        return {b: kernels.grad_norm(self.state.grad_flat(b), xp) for b in blocks}
+            flat.busy("update", flat.cost.average_time(block_role(b)), a.name())
 
 
-def replica_norms(facts, vec, loss_scale: float) -> list[float]:
-    """Every replica's own gradient norm from the step's facts (each replica's whole-block sums
-    of squares in its column of `facts`), added in global block order as the full norm is."""
-    return [global_grad_norm(facts.replica_sq(vec, r), loss_scale) for r in range(facts.dp)]
-
-
-__all__ = ["AVERAGE_BYTES_PER_PARAM", "Averager", "PartialSync", "check_config", "check_partial",
-           "partial_flush", "partial_step", "phase_lists", "replica_norms"]
+__all__ = ["AVERAGE_BYTES_PER_PARAM", "AverageCheck", "AverageItems", "AverageParams", "NAME",
+           "PartialSync", "WaitAverage", "of_config", "partial_flush", "partial_step"]

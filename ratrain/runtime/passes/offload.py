@@ -1,7 +1,9 @@
-"""The executor's side of the memory tier: its handlers of `Offload`, `WaitOffload`, `Fetch` and
-`WaitFetch` (placed by `lifecycle.offload`), over one rank's `shim.tierstore.TierStore`.
+"""Offload's runner: the executor's handlers of `Offload`, `WaitOffload`, `Fetch` and `WaitFetch`
+(the pass, which places them: `lifecycle.passes.offload`), over one rank's
+`shim.tierstore.TierStore`.
 
-    off = Offloader(store, state, compute, ledger, xp, on_transfer)  # build_rank makes it
+    tier, external = open_tier(cfg, profile, rank, held)   # build_rank opens the rank's tier
+    off = Offloader.of_executor(executor, p, tier)          # the executor makes its runner
     handlers = off.handlers()                  # merged into the executor's dispatch table
     off.prepare_activations(nbytes)            # the activations' file, sized for a step
 
@@ -33,8 +35,9 @@ from ratrain.config.offload import tier_dir
 from ratrain.device import is_host, to_device, to_host
 from ratrain.exec.layers import BlockCache
 from ratrain.exec.params import BUFFER_TAGS
-from ratrain.lifecycle.offload import TierRates
-from ratrain.lifecycle.schedule import Fetch, Offload, WaitFetch, WaitOffload
+from ratrain.lifecycle.passes.offload import Fetch, Offload, WaitFetch, WaitOffload
+from ratrain.lifecycle.recovery import TierRates
+from ratrain.runtime.passes.base import Runner
 from ratrain.shim.link import Slots
 from ratrain.shim.tier import TierLedger, tier_link
 from ratrain.shim.tierstore import TierError, TierStore
@@ -134,7 +137,7 @@ def _bytes(a) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-class Offloader:
+class Offloader(Runner):
     """One rank's transfers to and from the tier (see the module)."""
 
     def __init__(self, tier: Tier, state, compute, ledger, xp, on_transfer=None,
@@ -145,6 +148,15 @@ class Offloader:
         self.state_mode = state_mode
         self.on_transfer = on_transfer  # (name, t0, future): the executor's timeline
         self.flight: dict[tuple, tuple] = {}  # (what, block, mb) -> (future, what it moves)
+
+    @classmethod
+    def of_executor(cls, ex, p, tier: Tier | None) -> Offloader:
+        """The runner of executor `ex` for the offload pass `p`, over the rank's `tier`
+        (`open_tier`, which `runtime.rank.build_rank` calls when `offload.*` asks)."""
+        if tier is None:
+            raise ValueError(f"rank {ex.rank}: the plan offloads to the memory tier but the rank "
+                             "has no tier (offload.* is off)")
+        return cls(tier, ex.state, ex.compute, ex.ledger, ex.ctx.xp, ex._comm_event, p.state)
 
     def handlers(self) -> dict:
         return {Offload: self._offload, WaitOffload: self._wait_offload, Fetch: self._fetch,

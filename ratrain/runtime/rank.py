@@ -24,7 +24,7 @@ rank, `local_threads`; results never depend on it) sets the compute threads. `lo
 runs after the state is built and before the executor, to put checkpointed or imported weights
 in. Last, one explicit step at the same point on every rank measures the stage's activation
 sizes (collective when sharded: views are gathered) and sets the recompute choice
-(`lifecycle.measure.fit_rank_recompute`); no constructor runs a collective.
+(`runtime.measure.fit_rank_recompute`); no constructor runs a collective.
 The trainer, the benchmarks and the tests all build their ranks here.
 """
 
@@ -40,9 +40,10 @@ from ratrain.exec.backends import kernels_for
 from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, StageState, held_elements
 from ratrain.exec.spec import block_params, stage_blocks
-from ratrain.lifecycle.executor import Executor
-from ratrain.lifecycle.measure import fit_rank_recompute
-from ratrain.lifecycle.offloader import open_tier
+from ratrain.runtime.executor import Executor
+from ratrain.runtime.measure import fit_rank_recompute
+from ratrain.lifecycle.passes import offload
+from ratrain.runtime.passes.offload import open_tier
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
 from ratrain.shim.link import Tiers
@@ -82,8 +83,8 @@ class Rank:
         return max(rate() for _ in range(3)) * world
 
     def close(self) -> None:
-        if self.executor.offloader is not None:
-            self.executor.offloader.close()
+        for runner in self.executor.runners.values():  # the passes' (offload: the tier's files)
+            runner.close()
         _free(self.tier_slots)
         teardown(self.engine, self.slots, self.topo)
         self.ctx.close()
@@ -203,7 +204,8 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
                           threads=local_threads(cfg, comm), kernels=kernels,
                           head_chunk_bytes=cfg.run.head_chunk_mib << 20)
         pacer = Pacer(profile) if profile.emulate else None
-        executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer, tier=tier)
+        executor = Executor(cfg, plan, topo, state, ctx, engine, ledger, pacer=pacer,
+                            resources={offload.NAME: tier})
         # measured and chosen here, at the same point on every rank (collective when sharded)
         executor.set_recompute(*fit_rank_recompute(executor))
     except BaseException:

@@ -1,8 +1,8 @@
 """The executor: runs one rank's action list, step after step, and records its timeline (the
-current step; with `run.trace` every step up to `run.trace_bytes`: `lifecycle.trace.Timeline`).
+current step; with `run.trace` every step up to `run.trace_bytes`: `runtime.trace.Timeline`).
 
 It decides nothing: its lists come from the `PipelinePlan` it is handed (`lifecycle.pipeline`),
-its recompute choice from `set_recompute` (`lifecycle.rank.build_rank` measures and chooses it
+its recompute choice from `set_recompute` (`runtime.rank.build_rank` measures and chooses it
 as an explicit step); no collective runs in its constructor.
 
     rank = build_rank(cfg, comm)                       # lifecycle.rank: the usual way to get one
@@ -21,23 +21,25 @@ is needed. With pp = dp = 1 there is no communication at all and `engine` may be
 Numerics are the same under every policy: each block's gradient is summed across replicas by its
 own ring collective (`SyncGrad` of a bucket submits one per block; an all-reduce, or under
 `ratrain` with dp > 1 a reduce-scatter, whose segment q is reduced in exactly the all-reduce's
-order), the global facts (`GradNorm`) are one exact all-reduce (`lifecycle.facts`), after
+order), the global facts (`GradNorm`) are one exact all-reduce (`runtime.facts`), after
 which every rank takes the same clip coefficient and the same skip decision, and updates its
 blocks (or its segments of them) with the same elementwise AdamW.
 
 Sharded optimizer state (`ratrain`, dp > 1, `schedule.shard_optimizer`): the `StageState` it is
-given holds this replica's segments (`build_rank` builds it sharded; `lifecycle.rank.shard_state`
+given holds this replica's segments (`build_rank` builds it sharded; `runtime.rank.shard_state`
 cuts a whole one); replica q
 keeps segment q of each block's master, m and v, updates it from its reduce-scattered gradient
 segment, and the next step's view is cast from the own master segment and ring all-gathered in
 the engine (`MaterializeView(gather=True)`), waited for before the block's first forward
-(`WaitView`). Whole blocks for checkpoints: `lifecycle.fullstate`.
+(`WaitView`). Whole blocks for checkpoints: `runtime.fullstate`.
 
-Partial synchronization (`sync.mode: partial`, `lifecycle.partial`): no gradient sync; the
-plan's lists of each step (by its phase) average some blocks' masters (`AverageParams` /
-`WaitAverage`, run by a `partial.Averager`); each replica's backward is seeded with its own
-micro-batches and its norm is its own (`GradNorm`); `iter_full_state(mean=True)` gives the
-replicas' mean model (checkpoints).
+Passes over the step (`lifecycle.passes`): each pass the plan holds has a runner here
+(`runtime.passes`), made once, whose handlers join the table and which may change how the step
+treats gradients. Partial synchronization's (`runtime.passes.partial.Averager`) averages some
+blocks' masters each step (by its phase), seeds each replica's backward with its own
+micro-batches and makes its norm its own (`GradNorm`); `iter_full_state(mean=True)` gives the
+replicas' mean model (checkpoints). Offload's (`runtime.passes.offload.Offloader`) moves bytes
+to and from the rank's memory tier.
 
 Loss scaling: `head_backward` is seeded with loss_scale / (micro-batches of the global batch:
 num_micro_batches * dp, or the sum of `parallel.replica_shares` when replicas take unequal
@@ -47,8 +49,8 @@ step on every rank (fp32 too) and halves the scale in fp16.
 
 Memory: activations are tracked in the ledger per micro-batch and block
 (`activations.mb<i>.<block>`), received activations under `activations.mb<i>.input`,
-gradient messages under `comm.*`. `recompute: auto` (`lifecycle.measure.fit_rank_recompute`) measures each choice's cache on this rank's
-first layer (`lifecycle.measure`), then plays the action lists through `lifecycle.memory` to
+gradient messages under `comm.*`. `recompute: auto` (`runtime.measure.fit_rank_recompute`) measures each choice's cache on this rank's
+first layer (`runtime.measure`), then plays the action lists through `lifecycle.memory` to
 pick the fewest layers to recompute that fit the DDR cap.
 
 Pacing (platform.emulate): each block's compute is padded to its flops (`exec.spec.block_flops`)
@@ -75,17 +77,17 @@ from ratrain.exec.optim import (
     lr_at,
 )
 from ratrain.exec.params import STATE_BUFFERS, segment_bounds, view_cast_bytes_per_param
-from ratrain.lifecycle import fullstate, trace
+from ratrain.exec.spec import OFFLOAD, kernel_recompute
 from ratrain.lifecycle import schedule as sched
-from ratrain.lifecycle.compute import StageCompute
-from ratrain.lifecycle.facts import FactsLayout
-from ratrain.lifecycle.mailbox import Mailbox
-from ratrain.lifecycle.offload import OFFLOAD, kernel_recompute
-from ratrain.lifecycle.offloader import Offloader
-from ratrain.lifecycle.partial import Averager, replica_norms
+from ratrain.lifecycle.passes import offload
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.schedule import dispatch_table, event_name
-from ratrain.lifecycle.staged import StagedEngine
+from ratrain.runtime import fullstate, trace
+from ratrain.runtime.compute import StageCompute
+from ratrain.runtime.facts import FactsLayout
+from ratrain.runtime.mailbox import Mailbox
+from ratrain.runtime.passes import runners_for
+from ratrain.runtime.staged import StagedEngine
 from ratrain.shim.allocator import resident_bytes
 
 
@@ -115,13 +117,6 @@ class _Pending:
     skipped: bool
 
 
-def _no_tier() -> dict:
-    """The tier's actions on a rank without a tier: a plan that has them is a bug."""
-    def refuse(a):
-        raise RuntimeError(f"{a}: this rank has no memory tier (offload.* is off)")
-    return dict.fromkeys(sched.TIER_ACTIONS, refuse)
-
-
 def _done(value=None) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -130,12 +125,12 @@ def _done(value=None) -> Future:
 
 class Executor:
     """Runs the lists `plan` (a `PipelinePlan`) holds for this rank's stage; every part it runs
-    on is handed to it (`lifecycle.rank.build_rank` makes them, then sets the recompute choice
+    on is handed to it (`runtime.rank.build_rank` makes them, then sets the recompute choice
     with `set_recompute`)."""
 
     def __init__(self, cfg, plan: PipelinePlan, topo, state, ctx, engine=None, ledger=None, *,
                  opt: AdamW | None = None, scaler: LossScaler | None = None,
-                 total_steps: int | None = None, pacer=None, tier=None):
+                 total_steps: int | None = None, pacer=None, resources=None):
         self.cfg, self.plan, self.topo, self.state, self.ctx = cfg, plan, topo, state, ctx
         self._place(plan, topo, engine, ledger if ledger is not None else state.ledger)
         self.total_steps = total_steps if total_steps is not None else cfg.run.steps
@@ -143,15 +138,16 @@ class Executor:
         self.blocks, self.sharded = list(self.info.blocks), self.info.sharded
         self.pacer = pacer if pacer is not None and pacer.enabled else None
         self.compute = StageCompute(cfg, state, ctx, self.ledger, self.pacer)
-        # the memory tier's transfers (`lifecycle.offloader`; `tier`: its store), or None
-        self.offloader = (Offloader(tier, state, self.compute, self.ledger, ctx.xp,
-                                    self._comm_event, plan.offload_state)
-                          if tier is not None else None)
         # global block order, for the norm partials; every replica's micro-batches
         self.global_index = {b: i for i, b in enumerate(x for s in plan.blocks for x in s)}
         self.shares = plan.shares
         self.facts = FactsLayout(len(self.global_index), self.dp, self.shares, self.world)
-        self.averager = self._averager() if plan.partial is not None else None
+        # each pass's runner (`runtime.passes`; `resources`: what build_rank opened for a pass,
+        # by its name: the memory tier's store for offload)
+        self.runners = runners_for(self, plan.passes, resources)
+        self._seed_count = self.facts.nl
+        for r in self.runners.values():
+            self._seed_count = r.seed_count(self._seed_count)
         self._check_state()
         self.opt = opt if opt is not None else AdamW(cfg.optim, ctx.kernels)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
@@ -182,11 +178,10 @@ class Executor:
                              f"{plan.shares[self.replica]} of {list(plan.shares)}: build it with "
                              f"PipelinePlan.from_config(cfg, replica={self.replica})")
 
-    def _averager(self) -> Averager:
-        """Partial synchronization's parameter averages (`lifecycle.partial`)."""
-        return Averager(self.state, self.dp, self.engine,
-                        self.topo.dp_comm if self.dp > 1 else None, self._pace_memory,
-                        self._comm_event)
+    @property
+    def offloader(self):
+        """The memory tier's runner (`runtime.passes.offload.Offloader`), or None."""
+        return self.runners.get(offload.NAME)
 
     def _open_mailbox(self) -> Mailbox | None:
         """The pipeline's messages (none for one stage)."""
@@ -207,14 +202,12 @@ class Executor:
             sched.DropView: lambda a: self.state.drop_view(a.block), sched.AllocGrad: self._alloc_grad,
             sched.FreeGrad: lambda a: self.state.free_grad(a.block), sched.SyncGrad: self._sync_grad,
             sched.WaitGrad: self._wait_grad, sched.GradNorm: self._grad_norm, sched.Update: self._update,
-            sched.AverageParams: lambda a: self.averager.start(a),
-            sched.WaitAverage: lambda a: self.averager.wait(a),
-            **(self.offloader.handlers() if self.offloader is not None else _no_tier()),
-        })
+            **{t: f for r in self.runners.values() for t, f in r.handlers().items()},
+        }, passes=self.plan.passes)
 
     def _check_state(self) -> None:
         """Check the state holds what the plan needs: this stage's blocks, whole or this
-        replica's segment as the policy shards (`lifecycle.rank.shard_state` cuts a whole one)."""
+        replica's segment as the policy shards (`runtime.rank.shard_state` cuts a whole one)."""
         state = self.state
         if state.block_names != self.blocks:
             raise ValueError(f"rank {self.rank}: the stage state holds blocks "
@@ -238,18 +231,19 @@ class Executor:
 
     def set_recompute(self, choice: dict[str, str], predicted_peak: int | None) -> None:
         """What each layer recomputes (`offload`: keeps everything, in the tier), and the peak
-        bytes the memory model predicts with it (`lifecycle.measure.fit_rank_recompute`; None:
+        bytes the memory model predicts with it (`runtime.measure.fit_rank_recompute`; None:
         not measured). Offloaded layers put the tier's transfers in this stage's lists."""
         self.recovery = dict(choice)
         self.compute.recompute = {b: kernel_recompute(c) for b, c in choice.items()}
         self.predicted_peak = predicted_peak
         off = tuple(b for b, c in choice.items() if c == OFFLOAD)
-        if off != self.plan.offloaded[self.stage]:
+        now = offload.layers_of(self.plan)
+        if off != now[self.stage]:
             if off and self.offloader is None:
                 raise ValueError(f"rank {self.rank}: layers {list(off)} are to be offloaded but "
                                  "the rank has no memory tier (offload.activations is off)")
-            self.plan = self.plan.with_offload(
-                [off if s == self.stage else o for s, o in enumerate(self.plan.offloaded)])
+            self.plan = offload.with_layers(
+                self.plan, [off if s == self.stage else o for s, o in enumerate(now)])
             self.info = self.plan.stages[self.stage]
 
     # -- public API -------------------------------------------------------------------------
@@ -341,7 +335,7 @@ class Executor:
     def iter_full_state(self, buffers=STATE_BUFFERS, mean: bool = False):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
         stage's replicas when sharded, or with `mean` (the replicas' mean: partial
-        synchronization) (`lifecycle.fullstate.iter_full_state`)."""
+        synchronization) (`runtime.fullstate.iter_full_state`)."""
         return fullstate.iter_full_state(self, buffers, mean)
 
     def full_params(self) -> dict[str, np.ndarray]:
@@ -360,7 +354,7 @@ class Executor:
     @property
     def events(self) -> list[tuple]:
         """The kept timeline, (name, group, t0, t1, tid, {"step": step}) oldest first
-        (`lifecycle.trace.Timeline`)."""
+        (`runtime.trace.Timeline`)."""
         return self.timeline.events()
 
     def write_trace(self, path: str, png: str | None = None) -> None:
@@ -407,8 +401,8 @@ class Executor:
 
     def _backward(self, a: sched.Backward) -> None:
         dy = self.recv_bwd.pop(a.mb, None) if self.stage < self.pp - 1 else None
-        # the mean over the global batch (partial synchronization: over this replica's)
-        dscale = self.scaler.scale / (self.num_micro_batches if self.averager else self.facts.nl)
+        # the mean over the global batch (a runner may say otherwise: partial sync, this replica's)
+        dscale = self.scaler.scale / self._seed_count
         dx = self.compute.backward(a.mb, dy, dscale, a.pre, a.post, self._hooks)
         if dx is not None:  # the input gradient, for the previous stage
             self.ledger.free(dx)
@@ -480,8 +474,8 @@ class Executor:
 
     def _grad_norm(self, a: sched.GradNorm) -> None:
         facts = self.facts
-        if self.averager is not None:  # partial: this replica's own gradients, whole
-            self.sq = self.averager.local_sq(self.blocks, self.ctx.kernels, self.ctx.xp)
+        for r in self.runners.values():  # partial sync: this replica's own gradients, whole
+            self.sq = r.norm_partials(self.sq)
         vec = facts.vector()
         # the step's one host sync: every sum of squares and loss in one download
         sq = host_floats(self.ctx.xp, [*self.sq.values(), *self.losses.values()])
@@ -494,14 +488,11 @@ class Executor:
         vec = self._allreduce_world(vec)
 
         loss_scale = self.scaler.scale
-        if self.averager is None:
-            grad_norm = reported = global_grad_norm(facts.sq_partials(vec), loss_scale,
-                                                    segments=self.dp)
-            finite = math.isfinite(grad_norm)
-        else:  # each replica clips by its own norm; any non-finite one skips every replica
-            norms = replica_norms(facts, vec, loss_scale)
-            grad_norm, reported = norms[self.replica], sum(norms) / len(norms)
-            finite = all(map(math.isfinite, norms))
+        norm = global_grad_norm(facts.sq_partials(vec), loss_scale, segments=self.dp)
+        norms = (norm, norm, math.isfinite(norm))  # clipping, reported, finite everywhere
+        for r in self.runners.values():  # partial sync: each replica clips by its own norm
+            norms = r.step_norm(facts, vec, loss_scale, norms)
+        grad_norm, reported, finite = norms
         skipped = self.scaler.update(not finite)
         lr = lr_at(self.step, self.cfg.optim, self.total_steps)
         if skipped:

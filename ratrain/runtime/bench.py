@@ -1,9 +1,9 @@
 """Look at and time the lifecycle policies.
 
-    python -m ratrain.lifecycle.bench grid --pp 4 --m 6 --policy ratrain [--dp 2]  # step x rank grid
-    python -m ratrain.lifecycle.bench memory --config jobs/llama2-7b.yaml --pp 8 --m 16 --dp 64
-    mpirun -n 4 python -m ratrain.lifecycle.bench time --pp 2 --dp 2 --bandwidth 2e8
-    mpirun -n 8 python -m ratrain.lifecycle.bench time --config jobs/bench-lifecycle.yaml --rounds 3
+    python -m ratrain.runtime.bench grid --pp 4 --m 6 --policy ratrain [--dp 2]  # step x rank grid
+    python -m ratrain.runtime.bench memory --config jobs/llama2-7b.yaml --pp 8 --m 16 --dp 64
+    mpirun -n 4 python -m ratrain.runtime.bench time --pp 2 --dp 2 --bandwidth 2e8
+    mpirun -n 8 python -m ratrain.runtime.bench time --config jobs/bench-lifecycle.yaml --rounds 3
 
 `grid` prints the schedule (one step after a previous one, so deferred work shows). `memory`
 prints the memory model's peak per stage and policy (activation sizes from shapes,
@@ -45,8 +45,8 @@ from ratrain.exec.spec import RECOMPUTE
 from ratrain.lifecycle.memory import choose_recompute, simulate_peak, stage_sizes
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.lifecycle.policies import POLICIES, Policy
-from ratrain.lifecycle import trace
-from ratrain.lifecycle.rank import build_rank
+from ratrain.runtime import trace
+from ratrain.runtime.rank import build_rank
 
 
 def cmd_grid(args) -> None:
@@ -298,7 +298,7 @@ def cmd_job(args) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ratrain.lifecycle.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ratrain.runtime.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grid", help="print a policy's step x rank picture (no MPI)")
