@@ -21,7 +21,7 @@ import numpy as np
 import ratrain.data
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, SPLITS, prepare
 from ratrain.data.readers import ON_BAD
-from ratrain.data.sources import DEFAULT_CORPUS_BYTES
+from ratrain.data.default_corpus import DEFAULT_CORPUS_BYTES
 from ratrain.data.tokenfile import LAYOUTS, open_tokens
 from ratrain.data.tokens import DataError, dtype_name, scan_max_id, val_path
 
