@@ -51,7 +51,7 @@ from ratrain.data.rundata import (
     open_eval_sets,
 )
 from ratrain.data.runtokenizer import record_tokenizer
-from ratrain.data.tokenfile import open_tokens, resolve_tokens, write_tokens
+from ratrain.data.tokenfile import held_out_beside, open_tokens, resolve_tokens, write_tokens
 from ratrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_meta
 from ratrain.data.tokens import (
     FORMAT,
@@ -85,6 +85,7 @@ __all__ = [
     "ensure_default_corpus",
     "eval_batches",
     "file_sha256",
+    "held_out_beside",
     "load_tokenizer",
     "open_datasets",
     "open_eval_sets",

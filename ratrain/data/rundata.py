@@ -20,6 +20,7 @@ from ratrain.config import Config
 from ratrain.data.blend import BlendedDataset, normalise, resume_problem
 from ratrain.data.corpus import ensure_default_corpus
 from ratrain.data.dataset import TokenDataset
+from ratrain.data.tokenfile import held_out_beside
 from ratrain.data.tokens import DataError, val_path
 
 
@@ -43,9 +44,10 @@ class DataPaths:
     sources: tuple[SourcePaths, ...] = ()
 
 
-def _beside(train: TokenDataset) -> Path | None:
-    """The held-out split beside a train file, when it exists (``val_path``)."""
-    v = val_path(train.path)
+def _beside(train: TokenDataset, key: str) -> Path | None:
+    """The held-out split beside a train file, when it exists (``held_out_beside``)."""
+    index = train.file.index
+    v = held_out_beside(train.path, index.path if index is not None else None, key)
     return v if v.exists() else None
 
 
@@ -61,7 +63,8 @@ def _check_sources(cfg: Config, check_ids: bool) -> DataPaths:
     for i, s in enumerate(cfg.data.sources):
         train = TokenDataset.from_config(cfg, s.tokens, check_ids=check_ids, stream=i,
                                          label=f"data.sources[{i}].tokens")
-        ev = Path(s.eval_tokens) if s.eval_tokens else _beside(train)
+        ev = Path(s.eval_tokens) if s.eval_tokens else _beside(
+            train, f"data.sources[{i}].eval_tokens")
         if ev is None and cfg.data.eval_interval > 0:
             raise _no_eval(cfg.data.eval_interval, f"data.sources[{i}].eval_tokens", train.path,
                            "set data.eval_interval=0")
@@ -85,7 +88,7 @@ def check_data(cfg: Config, comm=None, check_ids: bool = True) -> DataPaths:
         return _check_sources(cfg, check_ids)
     tokens = Path(d.tokens) if d.tokens else ensure_default_corpus(comm=comm)
     train = TokenDataset.from_config(cfg, tokens, check_ids=check_ids)
-    ev = Path(d.eval_tokens) if d.eval_tokens else _beside(train)
+    ev = Path(d.eval_tokens) if d.eval_tokens else _beside(train, "data.eval_tokens")
     if ev is None and d.eval_interval > 0:
         raise _no_eval(d.eval_interval, "data.eval_tokens", train.path, "set data.eval_interval=0")
     if ev is not None:
