@@ -39,6 +39,7 @@ from ratrain.data import (
     TokenDataset,
     default_tokens_path,
     eval_batches,
+    held_out_beside,
     load_tokenizer,
     resolve_tokens,
     val_path,
@@ -302,8 +303,9 @@ def eval_dataset(cfg: Config, tokens: str | None = None) -> TokenDataset:
     if not path:
         train = cfg.data.tokens or default_tokens_path()  # "": the default corpus, as training
         if os.path.exists(train) or os.path.exists(f"{train}.bin"):  # a Megatron prefix too
-            train = resolve_tokens(train, "data.tokens")[0]
-        path = str(val_path(train))
+            path = str(held_out_beside(*resolve_tokens(train, "data.tokens"), "--tokens"))
+        else:
+            path = str(val_path(train))
         if not os.path.exists(path):
             raise DataError(f"the run's held-out file {path} does not exist: give --tokens FILE")
     return TokenDataset.from_config(cfg, path, eval=True)

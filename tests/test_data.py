@@ -447,3 +447,12 @@ def test_a_saved_configs_tokenizer_is_used_only_with_a_matching_sha256(tmp_path)
     with pytest.raises(D.DataError, match=f"not the {sha[:16]}"):
         D.load_tokenizer(str(tj), sha, stored=True)
     assert D.load_tokenizer("byte", "", stored=True).name == "byte"
+
+
+def test_the_package_docstring_names_each_module_once_with_its_job():
+    import re
+
+    owns = D.__doc__.split("Owns, module by module:")[1].split("May import:")[0]
+    named = re.findall(r"^- (?:this )?`(\w+)`: \S", owns, re.M)
+    files = sorted(p.stem for p in Path(D.__file__).parent.glob("*.py"))
+    assert sorted(named) == files, (sorted(named), files)

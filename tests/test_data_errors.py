@@ -21,6 +21,7 @@ import pytest
 from ratrain import data as D
 from ratrain.config import config_from_dict
 from ratrain.data.__main__ import main as data_main
+from ratrain.data.tokens import write_meta
 from tests._prereq import need
 
 
@@ -189,16 +190,84 @@ def test_a_bad_token_file_is_refused_before_training(tmp_path, case):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_trainer_says_it_in_one_line_and_exits_2(tmp_path):
+TRAINER_CASES = {
+    "bad magic": (lambda idx: _patch(idx, 0, b"XXXXXXXXX"), "c.idx: not a Megatron index"),
+    "no index": (lambda idx: [idx.unlink(), D.sidecar_path(idx.with_suffix(".bin")).unlink()],
+                 "names a Megatron prefix but its index"),  # as Megatron-LM writes it: no sidecar
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_the_trainer_says_it_in_one_line_and_exits_2(tmp_path, case):
+    damage, words = TRAINER_CASES[case]
     prefix = _corpus(tmp_path)
-    _patch(prefix.with_suffix(".idx"), 0, b"XXXXXXXXX")
+    damage(prefix.with_suffix(".idx"))
     job = tmp_path / "job.yaml"
     job.write_text("model: {vocab_size: 64, hidden: 32, layers: 2, heads: 4, kv_heads: 2, "
                    f"ffn_hidden: 64, seq_len: 8}}\nrun: {{steps: 1}}\ndata: {{tokens: {prefix}}}\n")
     p = subprocess.run([sys.executable, "-m", "ratrain.train", "--config", str(job), "--set",
                         f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert "c.idx: not a Megatron index" in p.stderr and not (tmp_path / "run").exists()
+    assert words in p.stderr and not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# A flat file only when nothing says otherwise
+# --------------------------------------------------------------------------------------------
+
+
+def _megatron_int32(d: Path, name: str = "m") -> Path:
+    """A Megatron corpus of int32 ids 0..63 as Megatron-LM writes it (no sidecar): its prefix."""
+    D.write_tokens(d / f"{name}.bin", np.arange(400) % 64, 70000, doc_lengths=[100, 300])
+    D.sidecar_path(d / f"{name}.bin").unlink()
+    return d / name
+
+
+def _refused(path, *words) -> None:
+    with pytest.raises(D.DataError) as e:
+        D.check_data(_cfg(path))
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_megatron_file_without_its_index_is_not_read_flat(tmp_path, capsys):
+    prefix = _megatron_int32(tmp_path)
+    bin_path, idx = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
+    assert D.open_tokens(prefix, None, "t").dtype == np.int32  # whole: the index's int32
+    idx.unlink()
+    _refused(prefix, f"data.tokens='{prefix}' names a Megatron prefix but its index {idx} does "
+             f"not exist: put the .idx written with m.bin beside it, or name {bin_path} itself")
+    assert data_main(["info", str(prefix)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    flat = D.open_tokens(bin_path, None, "t")  # README: a plain .bin with nothing beside it
+    assert flat.index is None and flat.dtype == np.uint16 and flat.num_tokens == 800
+    write_meta(bin_path, {"layout": "megatron", "dtype": "int32"})  # as prepare writes it
+    for name in (prefix, bin_path):
+        _refused(name, f"its sidecar {D.sidecar_path(bin_path)} says layout megatron but its "
+                 f"index {idx} does not exist")
+    write_meta(bin_path, {"layout": "nanogpt", "dtype": "int32"})  # says flat, and int32
+    flat = D.open_tokens(prefix, None, "t")
+    assert flat.index is None and np.array_equal(np.memmap(bin_path, flat.dtype, "r"),
+                                                 np.arange(400) % 64)
+    idx.write_bytes(b"")
+    _refused(bin_path, "says layout nanogpt (a flat file) but an index", "remove the stale index")
+    idx.unlink()
+    write_meta(bin_path, {"layout": "mmap"})
+    _refused(bin_path, "says layout 'mmap', not one of megatron, nanogpt")
+
+
+def test_the_held_out_split_beside_a_megatron_file_needs_its_index(tmp_path):
+    from ratrain.api import eval_dataset
+
+    train, val = _megatron_int32(tmp_path, "train"), _megatron_int32(tmp_path, "val")
+    D.check_data(_cfg(train))
+    val.with_suffix(".idx").unlink()
+    _refused(train, f"{val}.bin, the held-out split beside {train}.bin, has no index "
+             f"{val}.idx though the train file has one", f"set data.eval_tokens={val}.bin")
+    with pytest.raises(D.DataError, match="set --tokens="):
+        eval_dataset(_cfg(train))
+    explicit = config_from_dict({"model": {"vocab_size": 64, "seq_len": 8},
+                                 "data": {"tokens": str(train), "eval_tokens": f"{val}.bin"}})
+    assert D.check_data(explicit).eval_tokens == Path(f"{val}.bin")  # named: read flat
 
 
 def test_mixture_config_errors(tmp_path):

@@ -27,23 +27,29 @@ CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.f
          7: np.float32, 8: np.uint16}
 
 
-def write_megatron(prefix: Path, docs: list[list[int]], code: int = 8) -> None:
-    """A Megatron corpus written from the format's description: one sequence per document."""
+def write_megatron(prefix: Path, seqs: list[list[int]], code: int = 8, modes=None,
+                   docs=None) -> None:
+    """A Megatron corpus written from the format's description: `seqs` back to back, document i
+    being sequences docs[i] .. docs[i+1] - 1 (default: one sequence each); with `modes`, one
+    int8 per sequence after the document indices (the multimodal builder's variant)."""
     dt = np.dtype(CODES[code]).newbyteorder("<")
-    lengths = [len(d) for d in docs]
+    lengths = [len(q) for q in seqs]
     pointers = np.concatenate(([0], np.cumsum(lengths)[:-1])) * dt.itemsize
+    docs = np.arange(len(seqs) + 1) if docs is None else np.asarray(docs)
     with open(f"{prefix}.bin", "wb") as f:
-        for d in docs:
-            f.write(np.asarray(d, dtype=dt).tobytes())
+        for q in seqs:
+            f.write(np.asarray(q, dtype=dt).tobytes())
     with open(f"{prefix}.idx", "wb") as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", 1))
         f.write(struct.pack("<B", code))
-        f.write(struct.pack("<Q", len(docs)))
-        f.write(struct.pack("<Q", len(docs) + 1))
+        f.write(struct.pack("<Q", len(seqs)))
+        f.write(struct.pack("<Q", len(docs)))  # the document indices, documents + 1
         f.write(np.asarray(lengths, dtype="<i4").tobytes())
         f.write(np.asarray(pointers, dtype="<i8").tobytes())
-        f.write(np.arange(len(docs) + 1, dtype="<i8").tobytes())
+        f.write(np.asarray(docs, dtype="<i8").tobytes())
+        if modes is not None:
+            f.write(np.asarray(modes, dtype="i1").tobytes())
 
 
 def read_megatron(prefix: Path) -> list[np.ndarray]:
@@ -86,6 +92,29 @@ def test_a_megatron_corpus_written_from_the_spec_is_read(tmp_path, code):
         assert ds.path == tmp_path / "corpus_text_document.bin"
         assert ds.file.num_documents == 12 and ds.dtype == np.dtype(CODES[code])
         assert np.array_equal(ds.tokens, np.concatenate(docs))
+
+
+def test_a_multimodal_index_of_text_is_read_and_another_mode_is_named(tmp_path, capsys):
+    from ratrain.data.__main__ import main as data_main
+
+    seqs = [list(range(i, i + 10 + i)) for i in range(6)]
+    write_megatron(tmp_path / "text", seqs, 4, modes=[0] * 6, docs=[0, 2, 4, 6])
+    ds = D.TokenDataset(tmp_path / "text", 7, 64)  # every mode 0: read like any other
+    assert ds.file.num_documents == 3 and ds.file.index.modes.tolist() == [0] * 6
+    assert np.array_equal(ds.tokens, np.concatenate(seqs))
+    assert data_main(["info", str(tmp_path / "text")]) == 0
+    assert "6 sequences, each of mode 0: text" in capsys.readouterr().out
+    # tools/preprocess_mmdata.py's layout: per document, its text, then an image's bytes (mode 1)
+    write_megatron(tmp_path / "img", seqs, 4, modes=[0, 1] * 3, docs=[0, 2, 4, 6])
+    with pytest.raises(D.DataError) as e:
+        D.TokenDataset(tmp_path / "img", 7, 64)
+    assert "img.idx: a multimodal index (a mode per sequence): sequence 1 has mode 1, not 0 " \
+        "(text)" in str(e.value) and "\n" not in str(e.value)
+    raw = (tmp_path / "text.idx").read_bytes()
+    (tmp_path / "text.idx").write_bytes(raw[:-1])  # a byte short of the modes: damaged
+    with pytest.raises(D.DataError, match=r"make 138 \(144 with sequence modes\): the file is "
+                       "truncated or damaged"):
+        D.TokenDataset(tmp_path / "text", 7, 64)
 
 
 def test_prepare_writes_what_an_independent_reader_reads(tmp_path, bpe):

@@ -5,6 +5,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from ratrain.train import main
@@ -34,6 +35,26 @@ def test_data_error_on_every_rank(job, capsys):
     rc = main(["--config", f"{job}/job.yaml", "--set", f"parallel.dp={COMM.size}",
                "--set", "data.tokens=/nonexistent.bin", "--set", f"run.dir={job}/bad"])
     assert rc == 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_megatron_prefix_without_its_index_on_every_rank(job, capsys):
+    """An int32 Megatron corpus (as Megatron-LM writes it: no sidecar) whose .idx is missing is
+    refused on every rank, not read as flat uint16 tokens."""
+    if COMM.rank == 0:
+        from ratrain.data import sidecar_path, write_tokens
+
+        write_tokens(f"{job}/m.bin", np.arange(20000) % 64, vocab_size=70000)
+        os.unlink(f"{job}/m.idx")
+        os.unlink(sidecar_path(f"{job}/m.bin"))
+    COMM.Barrier()
+    rc = main(["--config", f"{job}/job.yaml", "--set", f"parallel.dp={COMM.size}",
+               "--set", f"data.tokens={job}/m", "--set", f"run.dir={job}/bad"])
+    assert rc == 2
+    if COMM.rank == 0:
+        assert f"names a Megatron prefix but its index {job}/m.idx does not exist" in \
+            capsys.readouterr().err
+    assert not os.path.exists(f"{job}/bad")
 
 
 @pytest.mark.mpi(min_size=2)

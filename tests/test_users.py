@@ -19,7 +19,8 @@ import pytest
 from ratrain import api
 from ratrain.config import ConfigError, load_config, shipped_jobs
 from ratrain.data import DataError, prepare, read_meta, write_tokens
-from ratrain.data.checks import DataPaths, record_tokenizer
+from ratrain.data.rundata import DataPaths
+from ratrain.data.runtokenizer import record_tokenizer
 from tests._tokenizer_util import make_bpe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ import numpy as np
 import ratrain.data
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, SPLITS, prepare
 from ratrain.data.readers import ON_BAD
-from ratrain.data.sources import DEFAULT_CORPUS_BYTES
+from ratrain.data.default_corpus import DEFAULT_CORPUS_BYTES
 from ratrain.data.tokenfile import LAYOUTS, open_tokens
 from ratrain.data.tokens import DataError, dtype_name, scan_max_id, val_path
 
@@ -29,8 +29,9 @@ from ratrain.data.tokens import DataError, dtype_name, scan_max_id, val_path
 def _info(path: str) -> str:
     f = open_tokens(path, None, "token file")
     top, _ = scan_max_id(np.memmap(f.path, dtype=f.dtype, mode="r"))
+    modes = ", each of mode 0: text" if f.index is not None and f.index.modes is not None else ""
     layout = (f"Megatron indexed dataset ({f.index.path}: {f.num_documents} documents, "
-              f"{len(f.index.lengths)} sequences)" if f.index is not None else
+              f"{len(f.index.lengths)} sequences{modes})" if f.index is not None else
               "flat (nanoGPT layout, no index)")
     lines = [f"{f.path}: {f.num_tokens} tokens, {dtype_name(f.dtype)}, largest id {top}, {layout}",
              f"sidecar: {json.dumps(f.meta) if f.meta else 'none'}"]

@@ -85,7 +85,7 @@ class BlendedDataset(Batches):
 
     @classmethod
     def from_config(cls, cfg, paths, check_ids: bool = True) -> BlendedDataset:
-        """The training mixture of `cfg` over the resolved `paths` (``checks.SourcePaths``)."""
+        """The training mixture of `cfg` over the resolved `paths` (``rundata.SourcePaths``)."""
         srcs = [TokenDataset.from_config(cfg, p.tokens, check_ids=check_ids, stream=i,
                                          label=f"data.sources[{i}].tokens")
                 for i, p in enumerate(paths)]

@@ -1,7 +1,7 @@
 """The default corpus, prepared on first use: ``data.tokens: ""`` means ``./data/stdlib/train.bin``.
 
 ``ensure_default_corpus`` prepares the Python standard library's sources (see
-``ratrain.data.sources``) into that file and its held-out split the first time a run asks, and
+``ratrain.data.default_corpus``) into that file and its held-out split the first time a run asks, and
 reuses them afterwards (the train sidecar, written last, marks a finished prepare). Many
 processes may ask at once: preparation runs under a file lock in the target folder, and under
 MPI rank 0 prepares while the others wait for its word.
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ratrain.data.prepare import DEFAULT_VAL_FRACTION, prepare
-from ratrain.data.sources import DEFAULT_CORPUS_BYTES
+from ratrain.data.default_corpus import DEFAULT_CORPUS_BYTES
 from ratrain.data.tokenfile import index_path
 from ratrain.data.tokens import DataError, parse_dtype, read_meta, sidecar_path, val_path
 

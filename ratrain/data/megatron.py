@@ -12,7 +12,15 @@ little-endian::
           pointers   int64[S]   byte offset of each sequence in the .bin
           documents  int64[D+1] document i is sequences documents[i] .. documents[i+1] - 1
                                 (documents[0] = 0, documents[-1] = S)
+          modes      int8[S]    the multimodal variant only: each sequence's mode
     .bin  the sequences' tokens, back to back
+
+The multimodal variant (Megatron's ``IndexedDatasetBuilder(multimodal=True)``) adds the modes;
+nothing in the header says so, and Megatron's reader is told by its caller. Mode 0 is text,
+the default of every sequence; ``tools/preprocess_mmdata.py`` stores an image's bytes as a
+sequence of mode 1. An index whose size leaves exactly one byte per sequence after the
+document indices has modes. When every mode is 0, its tokens are read like any other;
+another mode is refused, naming the sequence, since its "tokens" are not text.
 
 Dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16 (the
 float codes are no token dtype and are refused). Megatron writes uint16 below a vocabulary of
@@ -21,8 +29,8 @@ float codes are no token dtype and are refused). Megatron writes uint16 below a 
 tokens (a length is an int32).
 
 ``read_index`` checks everything a reader relies on (magic, version, dtype code, the file's
-size against its counts, document indices, sequences lying back to back, the ``.bin``'s size)
-and names the file and the fix. ratrain reads the ``.bin`` as one token stream (the sequences
+size against its counts, document indices, sequences lying back to back, the modes of the
+multimodal variant, the ``.bin``'s size) and names the file and the fix. ratrain reads the ``.bin`` as one token stream (the sequences
 back to back), which is what ``prepare`` and Megatron's own preprocessing write.
 """
 
@@ -69,6 +77,7 @@ class Index:
     lengths: np.ndarray  # (S,) int32
     pointers: np.ndarray  # (S,) int64, bytes
     documents: np.ndarray  # (D+1,) int64, sequence indices
+    modes: np.ndarray | None = None  # (S,) int8: the multimodal variant's, every one 0 (text)
 
     @property
     def num_tokens(self) -> int:
@@ -107,10 +116,11 @@ def read_index(idx: str | os.PathLike, bin_path: str | os.PathLike | None = None
     if code not in CODES:
         raise _fail(idx, f"unknown dtype code {code} (known: 1-8): {fix}")
     want = HEADER_BYTES + n_seq * 12 + n_doc * 8
-    if size != want:
-        extra = " (a multimodal index with sequence modes?)" if size == want + n_seq else ""
+    multimodal = n_seq > 0 and size == want + n_seq  # one mode (int8) per sequence follows
+    if size != want and not multimodal:
         raise _fail(idx, f"{size} bytes, but its counts ({n_seq} sequences, {n_doc} document "
-                    f"indices) make {want}{extra}: the file is truncated or damaged; {fix}")
+                    f"indices) make {want} ({want + n_seq} with sequence modes): the file is "
+                    f"truncated or damaged; {fix}")
     dtype = np.dtype(CODES[code])
     lengths = np.memmap(idx, "<i4", "r", HEADER_BYTES, (n_seq,)) if n_seq else np.zeros(0, "<i4")
     pointers = (np.memmap(idx, "<i8", "r", HEADER_BYTES + 4 * n_seq, (n_seq,)) if n_seq
@@ -118,7 +128,10 @@ def read_index(idx: str | os.PathLike, bin_path: str | os.PathLike | None = None
     docs = (np.memmap(idx, "<i8", "r", HEADER_BYTES + 12 * n_seq, (n_doc,)) if n_doc
             else np.zeros(0, "<i8"))
     _check_arrays(idx, dtype, lengths, pointers, docs)
-    index = Index(idx, dtype, lengths, pointers, docs)
+    modes = np.memmap(idx, "i1", "r", want, (n_seq,)) if multimodal else None
+    if modes is not None:
+        _check_modes(idx, modes)
+    index = Index(idx, dtype, lengths, pointers, docs, modes)
     if bin_path is not None:
         have = Path(bin_path).stat().st_size
         need = index.num_tokens * dtype.itemsize
@@ -156,6 +169,19 @@ def _check_arrays(idx: Path, dtype: np.dtype, lengths, pointers, docs) -> None:
                         " right after the one before: ratrain reads the .bin as one token stream "
                         "and needs its sequences back to back (as Megatron writes them)")
         end = int(want[-1] + n[-1] * dtype.itemsize)
+
+
+def _check_modes(idx: Path, modes: np.ndarray) -> None:
+    """Every sequence of a multimodal index is text (mode 0); DataError naming the first that
+    is not."""
+    for lo in range(0, len(modes), _CHUNK):
+        m = np.asarray(modes[lo: lo + _CHUNK])
+        if m.any():
+            i = lo + int(np.argmax(m != 0))
+            raise _fail(idx, f"a multimodal index (a mode per sequence): sequence {i} has mode "
+                        f"{int(modes[i])}, not 0 (text); Megatron stores other data, such as an "
+                        "image's bytes (mode 1), in such sequences, and ratrain trains on text "
+                        "tokens: give a corpus whose sequences are all text")
 
 
 def write_index(path: str | os.PathLike, dtype, doc_lengths: np.ndarray) -> None:

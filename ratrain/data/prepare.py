@@ -45,7 +45,7 @@ from ratrain.data.megatron import megatron_dtype
 from ratrain.data.progress import Progress
 from ratrain.data.readers import HEAD_CHARS, ON_BAD, Input, Reading, documents, plan_inputs
 from ratrain.data.sink import TokenSink, stale_temporaries
-from ratrain.data.sources import DEFAULT_CORPUS_BYTES, stdlib_files
+from ratrain.data.default_corpus import DEFAULT_CORPUS_BYTES, stdlib_files
 from ratrain.data.tokenfile import LAYOUTS, index_path
 from ratrain.data.tokenizer import EOT_TOKENS, load_tokenizer
 from ratrain.data.tokens import (

@@ -3,9 +3,12 @@
 What a path may name (``data.tokens``, ``data.eval_tokens``, a source's ``tokens``)
     a Megatron prefix ``P`` (``P.bin`` and ``P.idx`` beside each other), either of its two
     files (``P.bin``, ``P.idx``), or a flat token file without an index (nanoGPT's ``.bin``).
-    ``resolve_tokens`` says which; ``open_tokens`` checks the files (the index against the
-    ``.bin``, the sidecar against both) and returns a ``TokenFile``: the ``.bin`` read as one
-    token stream, its dtype, sidecar, size and index.
+    ``resolve_tokens`` says which. A file is read flat only when nothing says otherwise. A
+    prefix whose ``P.idx`` is missing is an error naming it, and so is a ``.bin`` whose sidecar
+    says ``"layout": "megatron"`` with no index beside it, or ``"nanogpt"`` with one. A flat
+    file's dtype is its sidecar's, else uint16. ``open_tokens`` checks the files (the index
+    against the ``.bin``, the sidecar against both) and returns a ``TokenFile``: the ``.bin``
+    read as one token stream, its dtype, sidecar, size and index.
 
 Writing
     ``write_tokens`` writes the one format (``layout="megatron"``: ``.bin``, ``.idx`` and the
@@ -33,6 +36,7 @@ from ratrain.data.tokens import (
     read_meta,
     sidecar_path,
     token_meta,
+    val_path,
     write_meta,
 )
 from ratrain.fileio import atomic_path, atomic_write
@@ -73,8 +77,9 @@ def resolve_tokens(path: str | os.PathLike, label: str) -> tuple[Path, Path | No
         if not bin_path.exists():
             raise DataError(f"{label}={str(path)!r}: its tokens {bin_path} do not exist: a "
                             "Megatron index needs the .bin beside it")
-        return bin_path, p
-    if not p.exists() and Path(str(p) + ".bin").exists():  # a Megatron prefix
+        return bin_path, _checked_index(bin_path, p, False, f"{label}={str(path)!r}")
+    prefix = not p.exists() and Path(str(p) + ".bin").exists()
+    if prefix:
         p = Path(str(p) + ".bin")
     if not p.exists():
         raise DataError(
@@ -85,7 +90,44 @@ def resolve_tokens(path: str | os.PathLike, label: str) -> tuple[Path, Path | No
         raise DataError(f"{label}={str(path)!r} is a folder: give the token file itself (e.g. "
                         f"{p / 'train.bin'}) or a Megatron prefix")
     idx = index_path(p)
-    return p, (idx if idx.exists() else None)
+    return p, _checked_index(p, idx if idx.exists() else None, prefix, f"{label}={str(path)!r}")
+
+
+def _checked_index(bin_path: Path, idx: Path | None, prefix: bool, where: str) -> Path | None:
+    """`idx`, once what says how to read `bin_path` agrees with it: the sidecar's ``layout``
+    when it states one, else a name given as a Megatron `prefix`."""
+    layout = (read_meta(bin_path) or {}).get("layout")
+    side = sidecar_path(bin_path)
+    if layout not in (None, *LAYOUTS):
+        raise DataError(f"{where}: its sidecar {side} says layout {layout!r}, not one of "
+                        f"{', '.join(LAYOUTS)}: fix the sidecar or prepare the data again")
+    if idx is None and layout == "megatron":
+        raise DataError(f"{where}: its sidecar {side} says layout megatron but its index "
+                        f"{index_path(bin_path)} does not exist: put the .idx written with "
+                        f"{bin_path.name} beside it, or prepare the data again")
+    if idx is None and prefix and layout is None:
+        raise DataError(f"{where} names a Megatron prefix but its index {index_path(bin_path)} "
+                        f"does not exist: put the .idx written with {bin_path.name} beside it, "
+                        f"or name {bin_path} itself to read it as a flat token file")
+    if layout == "nanogpt" and idx is not None:
+        raise DataError(f"{where}: its sidecar {side} says layout nanogpt (a flat file) but an "
+                        f"index {idx} lies beside it: remove the stale index, or prepare the data "
+                        "again")
+    return idx
+
+
+def held_out_beside(bin_path: Path, idx: Path | None, key: str) -> Path:
+    """The held-out split beside a train file (``val_path``). Beside a Megatron train file (`idx`
+    given) an existing one needs its index too, unless its sidecar says it is flat; `key` names
+    where to give it instead (DataError otherwise)."""
+    v = val_path(bin_path)
+    if idx is not None and v.exists() and not index_path(v).exists() \
+            and (read_meta(v) or {}).get("layout") != "nanogpt":
+        raise DataError(f"{v}, the held-out split beside {bin_path}, has no index "
+                        f"{index_path(v)} though the train file has one: put the .idx written "
+                        f"with {v.name} beside it, or set {key}={v} to read it as a flat token "
+                        "file")
+    return v
 
 
 def _file_dtype(path: Path, dtype, meta: dict | None, index: Index | None,
@@ -176,4 +218,5 @@ def write_tokens(
     return meta
 
 
-__all__ = ["LAYOUTS", "TokenFile", "index_path", "open_tokens", "resolve_tokens", "write_tokens"]
+__all__ = ["LAYOUTS", "TokenFile", "held_out_beside", "index_path", "open_tokens", "resolve_tokens",
+           "write_tokens"]

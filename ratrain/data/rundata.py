@@ -1,30 +1,27 @@
-"""The trainer's entry to the data: every token file resolved and checked before any work.
+"""A run's token files, from the config to the datasets: resolved, checked, then opened.
 
 ``check_data`` resolves ``data.tokens`` (``""``: the default corpus, prepared on first use) and
 ``data.eval_tokens`` (``""``: the held-out split beside ``data.tokens`` when it exists), or each
 source of a mixture (``data.sources``) and its held-out file, and opens each as the run will
-(index, size, dtype, sidecar, every id below ``model.vocab_size``); a problem is a
-``DataError`` (a ``ConfigError``) naming the key, the value and the fix. ``open_datasets`` then
-opens the checked files without scanning them again (a mixture: a ``BlendedDataset``), and
-``open_eval_sets`` the held-out files the eval reads (one per source of a mixture).
-``record_tokenizer`` fills in ``data.tokenizer`` / ``data.tokenizer_sha256`` from the train
-files' sidecars (checking them against it when the config sets them; every source of a mixture
-must agree), so a run's config, its checkpoints and its exports name the tokenizer.
+(index, size, dtype, sidecar, every id below ``model.vocab_size``) before any work; a problem
+is a ``DataError`` (a ``ConfigError``) naming the key, the value and the fix. ``open_datasets``
+then opens the checked files without scanning them again (a mixture: a ``BlendedDataset``),
+and ``open_eval_sets`` the held-out files the eval reads (one per source of a mixture).
 ``data_resume_problem`` says why a checkpoint's data position does not continue this run's
-mixture.
+data. (The tokenizer the files were prepared with is ``runtokenizer``'s.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ratrain.config import Config
 from ratrain.data.blend import BlendedDataset, normalise, resume_problem
 from ratrain.data.corpus import ensure_default_corpus
 from ratrain.data.dataset import TokenDataset
-from ratrain.data.tokenizer import tokenizer_of_meta
-from ratrain.data.tokens import DataError, file_sha256, read_meta, val_path
+from ratrain.data.tokenfile import held_out_beside
+from ratrain.data.tokens import DataError, val_path
 
 
 @dataclass(frozen=True)
@@ -47,9 +44,10 @@ class DataPaths:
     sources: tuple[SourcePaths, ...] = ()
 
 
-def _beside(train: TokenDataset) -> Path | None:
-    """The held-out split beside a train file, when it exists (``val_path``)."""
-    v = val_path(train.path)
+def _beside(train: TokenDataset, key: str) -> Path | None:
+    """The held-out split beside a train file, when it exists (``held_out_beside``)."""
+    index = train.file.index
+    v = held_out_beside(train.path, index.path if index is not None else None, key)
     return v if v.exists() else None
 
 
@@ -65,7 +63,8 @@ def _check_sources(cfg: Config, check_ids: bool) -> DataPaths:
     for i, s in enumerate(cfg.data.sources):
         train = TokenDataset.from_config(cfg, s.tokens, check_ids=check_ids, stream=i,
                                          label=f"data.sources[{i}].tokens")
-        ev = Path(s.eval_tokens) if s.eval_tokens else _beside(train)
+        ev = Path(s.eval_tokens) if s.eval_tokens else _beside(
+            train, f"data.sources[{i}].eval_tokens")
         if ev is None and cfg.data.eval_interval > 0:
             raise _no_eval(cfg.data.eval_interval, f"data.sources[{i}].eval_tokens", train.path,
                            "set data.eval_interval=0")
@@ -89,7 +88,7 @@ def check_data(cfg: Config, comm=None, check_ids: bool = True) -> DataPaths:
         return _check_sources(cfg, check_ids)
     tokens = Path(d.tokens) if d.tokens else ensure_default_corpus(comm=comm)
     train = TokenDataset.from_config(cfg, tokens, check_ids=check_ids)
-    ev = Path(d.eval_tokens) if d.eval_tokens else _beside(train)
+    ev = Path(d.eval_tokens) if d.eval_tokens else _beside(train, "data.eval_tokens")
     if ev is None and d.eval_interval > 0:
         raise _no_eval(d.eval_interval, "data.eval_tokens", train.path, "set data.eval_interval=0")
     if ev is not None:
@@ -128,46 +127,5 @@ def data_resume_problem(saved: dict | None, train) -> str:
     return resume_problem(saved, train.state_dict(int((saved or {}).get("step", 0))))
 
 
-def _tokenizer_file(spec: str) -> Path:
-    p = Path(spec)
-    return p / "tokenizer.json" if p.is_dir() else p
-
-
-def _tokenizer_of(paths: DataPaths) -> tuple[str, str]:
-    """The tokenizer the train files' sidecars record (every source of a mixture agreeing)."""
-    if not paths.sources:
-        return tokenizer_of_meta(read_meta(paths.tokens))
-    told = [(i, tokenizer_of_meta(read_meta(s.tokens))) for i, s in enumerate(paths.sources)]
-    known = [(i, t) for i, t in told if t[0]]
-    for i, (spec, sha) in known[1:]:
-        j, (spec0, sha0) = known[0]
-        if (spec == "byte") != (spec0 == "byte") or (sha and sha0 and sha != sha0):
-            raise DataError(
-                f"data.sources[{i}] was prepared with the tokenizer {spec} but data.sources[{j}] "
-                f"with {spec0}: a mixture needs one tokenizer; prepare them with the same one")
-    return known[0][1] if known else ("", "")
-
-
-def record_tokenizer(cfg: Config, paths: DataPaths) -> Config:
-    """`cfg` with ``data.tokenizer`` and ``data.tokenizer_sha256`` filled in from the sidecar of
-    the train file (unchanged when the sidecar says nothing, e.g. a nanoGPT file). A tokenizer
-    the config names must be the one the data was prepared with (DataError otherwise)."""
-    d = cfg.data
-    spec, sha = _tokenizer_of(paths)
-    if d.tokenizer:
-        mine = "byte" if d.tokenizer == "byte" else str(_tokenizer_file(d.tokenizer).resolve())
-        mine_sha = "" if mine == "byte" else (
-            file_sha256(mine) if Path(mine).is_file() else d.tokenizer_sha256)
-        if spec and ((mine == "byte") != (spec == "byte") or (sha and mine_sha and sha != mine_sha)):
-            raise DataError(
-                f"data.tokenizer={d.tokenizer!r} is not the tokenizer the train data "
-                f"({paths.tokens or 'data.sources'}) was prepared with ({spec}): leave "
-                "data.tokenizer empty, or prepare the data with it"
-            )
-        spec, sha = mine, mine_sha or sha
-    if d.tokenizer_sha256 and sha and d.tokenizer_sha256 != sha:
-        raise DataError(
-            f"data.tokenizer_sha256={d.tokenizer_sha256[:16]}... but the tokenizer {spec} hashes "
-            f"to {sha[:16]}...: the file changed; prepare the data again or fix the key"
-        )
-    return replace(cfg, data=replace(d, tokenizer=spec, tokenizer_sha256=sha or d.tokenizer_sha256))
+__all__ = ["DataPaths", "SourcePaths", "check_data", "data_resume_problem", "open_datasets",
+           "open_eval_sets"]

@@ -1,8 +1,10 @@
-"""The default corpus's files: the Python standard library's ``.py`` sources.
+"""The default corpus: the Python standard library's ``.py`` sources, as files to prepare.
 
 Installed packages and test suites left out, sorted by relative path, about
 ``DEFAULT_CORPUS_BYTES`` of them, each a UTF-8 text document: deterministic for a given
-installation. (What ``prepare`` reads from a user's files is ``readers``'.)
+installation. ``corpus`` prepares them on first use. (What ``prepare`` reads from a user's
+files is ``readers``'. A mixture of prepared corpora, the config's ``data.sources``, is
+``blend``'s.)
 """
 
 from __future__ import annotations
