@@ -22,7 +22,7 @@ from ratrain.device import (
     to_host,
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
-from ratrain.exec import devkernels, kernels, layers
+from ratrain.exec import devkernels, head, kernels, layers
 from ratrain.exec.backends import kernel_table, kernels_for
 from ratrain.exec.context import ExecContext
 from ratrain.lifecycle.rank import build_rank
@@ -198,9 +198,9 @@ def test_layer_embed_and_head_agree_with_the_host(device, precision):
         with ExecContext(M, precision, m, threads=1) as ctx:
             x, ec = layers.embed_forward(dev(ids), Pd[0], ctx)
             y, cache = layers.layer_forward(x, Pd[1], ctx)
-            loss, hc = layers.head_forward(y, dev(t), Pd[-1], ctx)
+            loss, hc = head.head_forward(y, dev(t), Pd[-1], ctx)
             gh = {k: dev(v) for k, v in zeros_like(P[-1], np.float32).items()}
-            dxh = layers.head_backward(0.5, hc, Pd[-1], gh, ctx)
+            dxh = head.head_backward(0.5, hc, Pd[-1], gh, ctx)
             g = {k: dev(v) for k, v in zeros_like(P[1], np.float32).items()}
             dx = layers.layer_backward(dev(dy), cache, Pd[1], g, ctx)
             ge = {k: dev(v) for k, v in zeros_like(P[0], np.float32).items()}
@@ -241,9 +241,9 @@ def test_head_chunk_is_the_devices_unless_the_config_gives_one():
     for chunk in (4 * 5 * M.vocab_size, 256 << 20):  # 5 rows / columns at a time, or all
         with ExecContext(M, "fp32", xp, threads=1, head_chunk_bytes=chunk) as ctx:
             COUNTS.clear()
-            loss, cache = layers.head_forward(to_device(xp, x), to_device(xp, t), P, ctx)
+            loss, cache = head.head_forward(to_device(xp, x), to_device(xp, t), P, ctx)
             g = {k: xp.zeros(v.shape, xp.float32) for k, v in P.items()}
-            dx = layers.head_backward(1.0, cache, P, g, ctx)
+            dx = head.head_backward(1.0, cache, P, g, ctx)
             res[chunk] = COUNTS["ops"], [host(a) for a in (loss, dx, *g.values())]
     (small, a), (big, b) = res.values()
     assert small > 2 * big > 0, (small, big)

@@ -8,8 +8,9 @@ a backend), the fast paths (`fused`, numba on the host;
 `devkernels`, numba-cuda on a GPU, imported on first use; `cudnn_sdpa`, cuDNN's fused attention
 through nvidia-cudnn-frontend, imported on first use) and the table that picks, once per
 rank, which implementation runs each op (`backends`, with the registry of attention backends);
-the blocks built from them with their caches and recompute choices (`layers`), the execution
-context of threads, dtypes, the kernel table and RoPE tables (`context`); a stage's flat buffers
+the blocks built from them with their caches and recompute choices (`layers`; the head, its
+loss and its vocabulary walk, `head`), the execution context of threads, dtypes, the kernel
+table and RoPE tables (`context`); a stage's flat buffers
 of masters, moments, views and gradients (`params`); AdamW, clipping, the LR schedule and loss
 scaling (`optim`).
 
