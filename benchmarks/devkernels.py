@@ -54,10 +54,10 @@ def device():
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     except Exception as e:  # noqa: BLE001 - no driver, no device: one line either way
         refuse(f"no usable GPU ({type(e).__name__}: {e})")
-    from ratrain.exec import devkernels
+    from ratrain.exec import devkernels, devlaunch
 
     try:
-        devkernels.load()
+        devlaunch.load()
     except ImportError as e:
         refuse(str(e))
     return cupy, devkernels, props["name"].decode()

@@ -52,9 +52,9 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     from ratrain.exec.profile import Profile
 
     if smoke:  # the simulator's cost is per block and thread; a launch counts once at any grid
-        from ratrain.exec import devkernels
+        from ratrain.exec import devkernels, devlaunch
 
-        devkernels.MAX_BLOCKS, devkernels.ROW_GROUPS, devkernels.SIM_THREADS = 1, 1, 8
+        devlaunch.MAX_BLOCKS, devkernels.ROW_GROUPS, devlaunch.SIM_THREADS = 1, 1, 8
     dev = open_device("standin")
     step, _, cfg, kernels = ratrain_contender(precision, dev, smoke,
                                               sets=(*(SMOKE if smoke else BASE), *sets))

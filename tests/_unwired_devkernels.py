@@ -26,9 +26,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ratrain.exec import devkernels as dk
-from ratrain.exec.devkernels import F16, F32, LONG_ROW_THREADS, _check, _grid, _launch, _out, \
-    _rows, _threads
+from ratrain.exec import devlaunch as dk
+from ratrain.exec.devkernels import LONG_ROW_THREADS
+from ratrain.exec.devlaunch import F16, F32
+from ratrain.exec.devlaunch import block_threads as _threads
+from ratrain.exec.devlaunch import check as _check
+from ratrain.exec.devlaunch import grid as _grid
+from ratrain.exec.devlaunch import launch as _launch
+from ratrain.exec.devlaunch import out_array as _out
+from ratrain.exec.devlaunch import rows as _rows
 
 # set by `_kernels`: module globals, as the simulator swaps the `cuda` global of a kernel's
 # module for its per-thread stand-in

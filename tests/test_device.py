@@ -22,7 +22,7 @@ from ratrain.device import (
     to_host,
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
-from ratrain.exec import devkernels, head, kernels, layers
+from ratrain.exec import devlaunch, head, kernels, layers
 from ratrain.exec.backends import kernel_table, kernels_for
 from ratrain.exec.context import ExecContext
 from ratrain.lifecycle.rank import build_rank
@@ -264,14 +264,14 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
     # views the kernels take as an fp32 copy (they once went to cupy's composition instead)
     need("numba.cuda")
     cfg = tiny_config(model=SMALL, m=1, micro_batch=1, precision=precision)
-    if devkernels.simulated():
+    if devlaunch.simulated():
         device = "standin"
         cfg = replace(cfg, run=replace(cfg.run, devkernels="sim"))
         # the simulator's cost is per block and per thread: one block per grid-stride kernel,
         # blocks of 8 threads (the kernels are correct at any grid; tests/test_devkernels.py
         # checks each at several)
-        monkeypatch.setattr(devkernels, "MAX_BLOCKS", 1)
-        monkeypatch.setattr(devkernels, "SIM_THREADS", 8)
+        monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 1)
+        monkeypatch.setattr(devlaunch, "SIM_THREADS", 8)
     else:  # the simulator off: a GPU (scripts/gpu-check.sh), where cupy ranks take them
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         device = "gpu"
@@ -281,8 +281,8 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
         "devkernels"  # the other device of this run does not take them
     (host_res, _), = _steps(cfg, "cpu", steps=1)[0]
     launched = []
-    real = devkernels._launch
-    monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
+    real = devlaunch.launch
+    monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     dev_steps, dev_params = _steps(cfg, device, steps=1)
     names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
     assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "lse_rows", "adamw",
@@ -301,17 +301,17 @@ def test_bf16_inputs_reach_the_device_kernels(monkeypatch):
     them as an exact fp32 copy, not to cupy's composition, with the reference's values (in
     numba-cuda's simulator on the stand-in; on a card under scripts/gpu-check.sh)."""
     need("numba.cuda")
-    if devkernels.simulated():
+    if devlaunch.simulated():
         dxp, mode = standin, "sim"
-        monkeypatch.setattr(devkernels, "MAX_BLOCKS", 1)
-        monkeypatch.setattr(devkernels, "SIM_THREADS", 8)
+        monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 1)
+        monkeypatch.setattr(devlaunch, "SIM_THREADS", 8)
     else:
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         dxp, mode = GPU, "on"
     table = kernel_table(dxp, "bf16", devkernels_mode=mode)
     launched = []
-    real = devkernels._launch
-    monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
+    real = devlaunch.launch
+    monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     rng = np.random.default_rng(6)
     bf16 = kernels.BF16
     x = rng.standard_normal((2, 3, 8)).astype(np.float32)  # (b, T, C)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ratrain.device import to_host
-from ratrain.exec import fused, kernels
+from ratrain.exec import devlaunch, fused, kernels
 from tests import _unwired_devkernels as ux
 from ratrain.exec.kernels import block_sq_norm
 from tests._prereq import missing
@@ -35,7 +35,7 @@ def dk():
     from ratrain.exec import devkernels
 
     try:
-        devkernels.load()
+        devlaunch.load()
     except ImportError as e:
         missing(str(e))  # a failure under CI: numba-cuda is in the test extra
     return devkernels
@@ -43,7 +43,7 @@ def dk():
 
 @pytest.fixture(scope="module")
 def xp(dk):
-    if dk.simulated():
+    if devlaunch.simulated():
         return np
     from tests._devices import GPU  # opens the GPU: only when the simulator is off
 
@@ -71,7 +71,7 @@ def close(got, want, rtol=RTOL):
 def same(dk, got, want):
     """Bitwise under the simulator (numpy's fp32 arithmetic, op for op as the reference's);
     within RTOL on a GPU (the compiler may fuse a multiply and an add)."""
-    if dk.simulated():
+    if devlaunch.simulated():
         np.testing.assert_array_equal(host(got), want)
     else:
         close(got, want)
@@ -90,12 +90,10 @@ def test_numpy_compat_puts_back_what_numba_cuda_still_names():
     kernel: put back as vstack where missing, left alone where present."""
     from types import SimpleNamespace
 
-    from ratrain.exec import devkernels
-
     bare = SimpleNamespace(vstack=np.vstack)
-    assert devkernels.numpy_compat(bare) == ["row_stack"] and bare.row_stack is np.vstack
+    assert devlaunch.numpy_compat(bare) == ["row_stack"] and bare.row_stack is np.vstack
     own = SimpleNamespace(vstack=np.vstack, row_stack=len)
-    assert devkernels.numpy_compat(own) == [] and own.row_stack is len
+    assert devlaunch.numpy_compat(own) == [] and own.row_stack is len
 
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
@@ -118,7 +116,7 @@ def test_rmsnorm_forward_backward(dk, xp, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
 def test_swiglu_on_strided_halves_and_a_grid_smaller_than_the_work(dk, xp, dtype, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 3)  # 185 elements on 3 x 16 threads: grid-stride
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)  # 185 elements on 3 x 16 threads: grid-stride
     gu, dact = rand(5, 2 * 37, dtype=dtype, scale=3.0), rand(5, 37, dtype=dtype)
     gu[0, 0] = -100.0  # exp(100) overflows fp32: silu is -0, as the reference's
     dgu = xp.asarray(gu)
@@ -230,7 +228,7 @@ def test_softmax_of_a_tile_masks_by_global_positions(dk, xp):
 
 @pytest.mark.parametrize("b1", [0.9, 0.3])  # both of torch's lerp formulas
 def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 3)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)
     n = 150
     p, m, v, g = rand(n), rand(n, scale=0.1), np.abs(rand(n, scale=0.01)), rand(n)
     args = (0.5, 1 - 1e-3 * 0.1, b1, 0.95, 1e-3 / (1 - b1**3), (1 - 0.95**3) ** 0.5, 1e-8)
@@ -244,7 +242,7 @@ def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
 
 
 def test_sum_squares_in_fp64_two_stages(dk, xp, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 5)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 5)
     a = rand(1001, scale=30.0)
     got = dk.sum_squares(xp.asarray(a), xp, threads=TPB)
     assert got.shape == () and got.dtype == np.float64
@@ -258,7 +256,7 @@ def test_sum_squares_in_fp64_two_stages(dk, xp, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e6 -> inf, as numpy's
 def test_casts_round_as_numpy_and_scale_before_rounding(dk, xp, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 4)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 4)
     special = [65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-10, 0.0, -0.0, np.inf, -np.inf]
     a = np.concatenate([rand(199, scale=100.0), np.array(special, np.float32)]).reshape(-1, 7)
     with np.errstate(over="ignore"):
@@ -305,10 +303,10 @@ def test_without_numba_cuda_the_error_names_the_package():
     code = ("import sys, types\n"
             "m = types.ModuleType('numba.cuda'); m.implementation = 'Built-in'\n"
             "sys.modules['numba.cuda'] = m\n"
-            "from ratrain.exec import devkernels\n"
+            "from ratrain.exec import devlaunch\n"
             "for case in ('built-in', 'absent'):\n"
             "    try:\n"
-            "        devkernels.load.__wrapped__()\n"
+            "        devlaunch.load.__wrapped__()\n"
             "    except ImportError as e:\n"
             "        print(case, '|', e)\n"
             "    sys.modules['numba.cuda'] = None\n")
@@ -320,7 +318,7 @@ def test_without_numba_cuda_the_error_names_the_package():
 
 
 def test_benchmark_refuses_in_one_line_without_a_gpu(dk):
-    if not dk.simulated():
+    if not devlaunch.simulated():
         pytest.skip("a GPU is here: the benchmark runs (scripts' job, not a test's)")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "devkernels.py")],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -48,7 +48,7 @@ import numpy as np
 
 from ratrain.config import is_half
 from ratrain.device import kind_of
-from ratrain.exec import cudnn_sdpa, devkernels, fused, kernels
+from ratrain.exec import cudnn_sdpa, devkernels, devlaunch, fused, kernels
 from ratrain.exec.attention import (
     DEVICE_GROUP_BYTES,
     TILE_BYTES,
@@ -273,16 +273,16 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
     if fused_mode == "on" and not fused.available():
         raise BackendError(f"run.fused=on but {fused.why_off()}: install it (pip install "
                            "'ratrain[fast]') or set run.fused=auto")
-    if dev_mode in ("on", "sim") and devkernels.why_off():
-        raise BackendError(f"run.devkernels={dev_mode} but {devkernels.why_off()}; or set "
+    if dev_mode in ("on", "sim") and devlaunch.why_off():
+        raise BackendError(f"run.devkernels={dev_mode} but {devlaunch.why_off()}; or set "
                            "run.devkernels=auto")
     if dev_mode == "sim" and device == "gpu":
         raise BackendError("run.devkernels=sim runs the device kernels on run.device=standin, "
                            "in numba-cuda's simulator: on a GPU set run.devkernels=auto")
-    if dev_mode == "sim" and device == "standin" and not devkernels.simulated():
+    if dev_mode == "sim" and device == "standin" and not devlaunch.simulated():
         raise BackendError("run.devkernels=sim but numba-cuda is not its simulator here: set "
                            "NUMBA_ENABLE_CUDASIM=1 before numba loads, or run.devkernels=auto")
-    if dev_mode == "on" and device == "gpu" and devkernels.simulated():
+    if dev_mode == "on" and device == "gpu" and devlaunch.simulated():
         raise BackendError("run.devkernels=on on a GPU but numba-cuda runs its simulator "
                            "(NUMBA_ENABLE_CUDASIM=1): unset it, or set run.devkernels=auto")
     if precision not in ("fp32", "fp16", "bf16"):
@@ -291,7 +291,7 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
         return "fused" if fused_mode != "off" and fused.available() else None
     if device == "standin":
         return "devkernels" if dev_mode == "sim" else None
-    if dev_mode in ("auto", "on") and not devkernels.why_off() and not devkernels.simulated():
+    if dev_mode in ("auto", "on") and not devlaunch.why_off() and not devlaunch.simulated():
         return "devkernels"
     return None
 
