@@ -257,11 +257,12 @@ SMALL = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=1, ffn_
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, precision):
-    # what a GPU rank runs (exec.devkernels for RMSNorm, RoPE, SwiGLU, the head's logsumexp,
-    # AdamW and the gradient norm), here on the stand-in in numba-cuda's simulator: slow, so a
-    # model of one tiny layer, one step, against the host's numpy (the GPU check runs every
-    # device test with these kernels on the card); in bf16 too, whose norm weights are bf16
-    # views the kernels take as an fp32 copy (they once went to cupy's composition instead)
+    # what a GPU rank runs (exec.devkernels for RMSNorm, RoPE, SwiGLU, AdamW and the gradient
+    # norm, exec.devloss for the head's cross-entropy), here on the stand-in in numba-cuda's
+    # simulator: slow, so a model of one tiny layer, one step, against the host's numpy (the
+    # GPU check runs every device test with these kernels on the card); in bf16 too, whose
+    # norm weights are bf16 views the kernels take as an fp32 copy (they once went to cupy's
+    # composition instead)
     need("numba.cuda")
     cfg = tiny_config(model=SMALL, m=1, micro_batch=1, precision=precision)
     if devlaunch.simulated():
@@ -285,7 +286,7 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
     monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     dev_steps, dev_params = _steps(cfg, device, steps=1)
     names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
-    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "lse_rows", "adamw",
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "ce_rows", "ce_grad", "adamw",
             "sum_squares"} <= names, names
     # bf16: the device's GEMMs round their results to bf16, the host's stay fp32; a weight
     # whose gradient is near 0 may take AdamW's step (lr) either way

@@ -11,7 +11,6 @@ numba-cuda, checks the arguments and says how a launch goes on a GPU and in the 
                                                                             then a column sum
     swiglu_forward/backward   kernels.swiglu_* (fused._swiglu_*)           grid-stride
     rope_forward/backward     kernels.rope_* (fused._rope)                 grid-stride
-    logsumexp_rows            kernels.logsumexp_rows (the head's loss)     a block per row
     adamw                     fused.adamw (optim._adam_core's arithmetic)  grid-stride
     sum_squares               kernels.block_sq_norm (fp64 accumulation)      per-block partials,
                                                                             then one block
@@ -28,9 +27,9 @@ reference does. Under the simulator the arithmetic is numpy's fp32 (exp, log, sq
 double); on a GPU libdevice's expf/logf (within 2 ulps) and the compiler's fused
 multiply-adds may change the last bit, so the tests compare with tolerances, not bitwise.
 Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
-reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256,
-1024 for the logsumexp's long rows; 32 under the simulator, one Python thread per CUDA
-thread); each kernel set is compiled once per block size.
+reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256;
+32 under the simulator, one Python thread per CUDA thread); each kernel set is compiled once
+per block size. The head's cross-entropy has kernels of its own (`exec.devloss`).
 """
 
 from __future__ import annotations
@@ -49,8 +48,6 @@ from ratrain.exec.devlaunch import F32
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
 cuda = float32 = float64 = None
 
-LONG_ROW_THREADS = 1024  # rows of V logits on a GPU: fewer rows in flight, so a row's second
-# read hits L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
 
 
@@ -60,7 +57,7 @@ def _kernels(TPB: int) -> SimpleNamespace:
     cuda = dl.load()
     float32, float64 = cuda.float32, cuda.float64
     f = dl.device_functions(TPB)
-    fexp, block_reduce, row_logsumexp = f.fexp, f.block_reduce, f.row_logsumexp
+    fexp, block_reduce = f.fexp, f.block_reduce
     rope_pair = cuda.jit(device=True)(fused.rope_pair)
     adam_moments = cuda.jit(device=True)(fused.adam_moments)
 
@@ -162,15 +159,6 @@ def _kernels(TPB: int) -> SimpleNamespace:
             out[b, tt, h, k] = y1
             out[b, tt, h, k + d] = y2
             i += step
-
-    # -- Cross-entropy's row logsumexp ----------------------------------------------------
-
-    @cuda.jit
-    def lse_rows(z, lse):  # a block per row of z (N, V)
-        sh = cuda.shared.array(TPB, float32)
-        lse_r = row_logsumexp(sh, z, cuda.blockIdx.x, cuda.threadIdx.x)
-        if cuda.threadIdx.x == 0:
-            lse[cuda.blockIdx.x] = lse_r
 
     # -- AdamW, the gradient norm -----------------------------------------------------------
 
@@ -326,23 +314,6 @@ def rope_backward(dy, cache, xp, out=None, threads=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Cross-entropy's row logsumexp (the head's loss)
-# --------------------------------------------------------------------------------------------
-
-
-def logsumexp_rows(z, xp, threads=None):
-    """log(sum(exp(z), -1)) of rows of z (N, V), the max subtracted first: float32 (N,)."""
-    dl.check(xp, z)
-    if z.ndim != 2:
-        raise ValueError(f"logsumexp_rows: z (N, V), got shape {tuple(z.shape)}")
-    tpb = dl.block_threads(threads, LONG_ROW_THREADS)
-    lse = xp.empty(z.shape[0], F32)
-    if z.shape[0]:
-        dl.launch(_kernels(tpb).lse_rows, z.shape[0], tpb, xp, z, lse)
-    return lse
-
-
-# --------------------------------------------------------------------------------------------
 # AdamW, the gradient norm
 # --------------------------------------------------------------------------------------------
 
@@ -382,7 +353,6 @@ def sum_squares(a, xp, threads=None):
 
 __all__ = [
     "adamw",
-    "logsumexp_rows",
     "rmsnorm_backward",
     "rmsnorm_forward",
     "rope_backward",

@@ -233,21 +233,7 @@ def device_functions(TPB: int) -> SimpleNamespace:
         cuda.syncthreads()  # all have read sh[0] before the next tree writes sh
         return total
 
-    @cuda.jit(device=True)
-    def row_logsumexp(sh, z, r, t):
-        """log(sum(exp(z[r] - max))) + max of row r of z (N, V), the max and the sum by
-        `block_reduce`; every thread gets it. Called by all the block's threads alike."""
-        m = float32(-inf)
-        for c in range(t, z.shape[1], TPB):
-            m = fmax(m, float32(z[r, c]))
-        m = block_reduce(sh, t, m, True)
-        acc = float32(0.0)
-        for c in range(t, z.shape[1], TPB):
-            acc += fexp(float32(z[r, c]) - m)
-        return flog(block_reduce(sh, t, acc, False)) + m
-
-    return SimpleNamespace(fexp=fexp, flog=flog, fmax=fmax, block_reduce=block_reduce,
-                           row_logsumexp=row_logsumexp)
+    return SimpleNamespace(fexp=fexp, flog=flog, fmax=fmax, block_reduce=block_reduce)
 
 
 __all__ = ["EXP_MAX", "F16", "F32", "GPU_THREADS", "MAX_BLOCKS", "SIM_THREADS", "block_threads",

@@ -66,8 +66,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
         z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
-        lse[r0:r1] = ops.logsumexp_rows(z, xp)
-        xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
+        ops.cross_entropy_rows(z, t[r0:r1], xp, out=(lse[r0:r1], losses[r0:r1]))
     return {"rstd": rstd, "lse": lse}, losses
 
 
@@ -83,9 +82,7 @@ class _HeadRows:
         xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
         xn *= as_compute(ctx, p["norm"])
         self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
-        self.lse = kept["lse"][:, None]  # (N, 1)
-        self.where, self.col = xp.divmod(targets.reshape(N), cols)  # each target's chunk, column
-        self.rows = xp.arange(N)
+        self.lse, self.targets = kept["lse"], targets.reshape(N)  # (N,) each
         self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
         self.part = xp.empty((N, C), ctx.compute) if cols < V else None  # a chunk's term of it
         self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
@@ -103,13 +100,11 @@ def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
     xp, ops, half16 = ctx.xp, ctx.kernels, ctx.device_half
     wk = w[v0:v1]  # (cols, C)
     d = ops.gemm(s.xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
-    d -= s.lse
-    xp.exp(d, out=d)  # softmax
-    # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
-    last = v1 - v0 < s.piece.shape[0]  # the narrower last chunk: its columns stay in range
-    d[s.rows, xp.minimum(s.col, v1 - v0 - 1) if last else s.col] -= (s.where == k).astype(d.dtype)
-    d *= coef
-    dg = d if half16 is None else d.astype(half16)  # one cast for both GEMMs
+    # (softmax - the one-hot of the targets in this chunk) * coef, over d or rounded once into
+    # the 16-bit operand of both GEMMs
+    dg = d if half16 is None else xp.empty(d.shape, half16)
+    ops.cross_entropy_grad(d, s.targets, s.lse, coef, xp, v0=v0,
+                           out=None if half16 is None else dg)
     piece = s.piece[: v1 - v0]
     ops.gemm(dg.T, s.xg, out=piece, xp=xp, half=half16)  # (cols, C)
     if k == 0:
