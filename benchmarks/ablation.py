@@ -14,7 +14,7 @@ layers the run recomputed, x the job's time_scale), and the loss (the same for e
 `weight` prints the `--set` overrides that give a job the per-parameter weight of another (the
 simulator's stage-0 ratios, baseline-1f1b without recomputation: AdamW + view casts against
 compute through `platform.ddr_bandwidth`, communication against compute through both link
-tiers' bandwidths and latencies). `simulate` gives every variant's predicted tokens/s for the
+levels' bandwidths and latencies). `simulate` gives every variant's predicted tokens/s for the
 paper's models at their job layouts (auto recompute under the cap, as the variant recovers).
 """
 
