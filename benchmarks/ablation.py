@@ -14,7 +14,7 @@ layers the run recomputed, x the job's time_scale), and the loss (the same for e
 `weight` prints the `--set` overrides that give a job the per-parameter weight of another (the
 simulator's stage-0 ratios, baseline-1f1b without recomputation: AdamW + view casts against
 compute through `platform.ddr_bandwidth`, communication against compute through both link
-tiers' bandwidths and latencies). `simulate` gives every variant's predicted tokens/s for the
+levels' bandwidths and latencies). `simulate` gives every variant's predicted tokens/s for the
 paper's models at their job layouts (auto recompute under the cap, as the variant recovers).
 """
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     sub.add_parser("ladder", help="the variants, comma-separated (for --policies)")
     t = sub.add_parser("table", help="measured beside simulated")
     t.add_argument("--config", required=True)
-    t.add_argument("--measured", required=True, help="JSON lines of lifecycle.bench time --config")
+    t.add_argument("--measured", required=True, help="JSON lines of runtime.bench time --config")
     t.add_argument("--set", action="append", default=[])
     w = sub.add_parser("weight", help="--set overrides giving a job another's per-parameter weight")
     w.add_argument("--config", required=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ratrain.config import ModelConfig
 from ratrain.bench import sgemm_step
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 from ratrain.exec.context import ExecContext
 from ratrain.exec.spec import init_param, model_blocks
 
@@ -52,8 +52,8 @@ def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):
         for i in range(m.layers):
             x, c = layers.layer_forward(x, P[1 + i], ctx, keep)
             caches.append(c)
-        loss, ch = layers.head_forward(x, targets, P[-1], ctx)
-        dx = layers.head_backward(1.0, ch, P[-1], G[-1], ctx)
+        loss, ch = head.head_forward(x, targets, P[-1], ctx)
+        dx = head.head_backward(1.0, ch, P[-1], G[-1], ctx)
         for i in reversed(range(m.layers)):
             dx = layers.layer_backward(dx, caches[i], P[1 + i], G[1 + i], ctx)
         layers.embed_backward(dx, ce, P[0], G[0], ctx)

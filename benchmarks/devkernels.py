@@ -1,8 +1,8 @@
-"""The fused device kernels (ratrain.exec.devkernels, and those no run calls yet:
-tests/_unwired_devkernels.py) against the plain cupy composition of ratrain.exec.kernels / optim
-(the references, which the kernel table replaces on a GPU rank), on one GPU, at the 124M model's shapes (issue 19: hidden 768,
-12 heads of 64, seq 1024, micro-batch 8, ffn 2048, vocab 32000; 124M parameters for AdamW,
-the gradient norm and the casts).
+"""The fused device kernels (ratrain.exec.devkernels, and the head's cross-entropy in
+ratrain.exec.devloss) against the plain cupy composition of ratrain.exec.kernels / optim (the
+references, which the kernel table replaces on a GPU rank), on one GPU, at the 124M model's
+shapes (issue 19: hidden 768, 12 heads of 64, seq 1024, micro-batch 8, ffn 2048, vocab 32000;
+124M parameters for AdamW and the gradient norm).
 
     .venv/bin/python benchmarks/devkernels.py                 # fp32 activations, a table
     .venv/bin/python benchmarks/devkernels.py --dtype fp16    # fp16 activations and logits
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
 
 B, T, C, H, D, F, V = 8, 1024, 768, 12, 64, 2048, 32000  # the 124M model, one micro-batch
-PARAMS = 124_000_000  # AdamW, the gradient norm, the casts: the whole model's flat buffers
+PARAMS = 124_000_000  # AdamW, the gradient norm: the whole model's flat buffers
 EPS = 1e-5
 
 
@@ -54,10 +53,10 @@ def device():
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     except Exception as e:  # noqa: BLE001 - no driver, no device: one line either way
         refuse(f"no usable GPU ({type(e).__name__}: {e})")
-    from ratrain.exec import devkernels
+    from ratrain.exec import devkernels, devlaunch
 
     try:
-        devkernels.load()
+        devlaunch.load()
     except ImportError as e:
         refuse(str(e))
     return cupy, devkernels, props["name"].decode()
@@ -65,8 +64,7 @@ def device():
 
 def cases(cp, dk, act):
     """name -> (cupy composition, fused call), each a no-argument function returning an array."""
-    from ratrain.exec import kernels, optim
-    from tests import _unwired_devkernels as ux  # the kernels no run calls yet
+    from ratrain.exec import devloss, kernels, optim
 
     rng = cp.random.default_rng(0)
 
@@ -84,31 +82,17 @@ def cases(cp, dk, act):
     cos3, sin3 = cos[:, None], sin[:, None]
     qout = [cp.empty((B, H, T, D), cp.float32) for _ in range(2)]  # cupy's, the fused one's
     logits, targets = rand(B * T, V, scale=4.0), rng.integers(0, V, B * T)
-    scores, dp = rand(B, H, T, T), rand(B, H, T, T)
-    scale = 1.0 / math.sqrt(D)
-    p32 = ux.softmax_forward(scores, cp, scale=scale)
+    logits32 = logits.astype(cp.float32)
+    lse, _ = kernels.cross_entropy_rows(logits32, targets, cp)
+    dlogits = [cp.empty((B * T, V), cp.float32) for _ in range(2)]  # each side's scratch
     p, m, v, g = (rand(PARAMS, dtype=cp.float32, scale=s) for s in (1, 0.1, 0.01, 1))
     v = cp.abs(v)
     tmp = cp.empty_like(p)
     adam = (0.5, 0.9, 0.95, 1e-3 / (1 - 0.9**3), (1 - 0.95**3) ** 0.5, 1e-8)
-    view16 = [cp.empty(PARAMS, cp.float16) for _ in range(2)]
 
-    def softmax_ref():  # kernels.attention_forward's softmax lines on a materialised tile
-        s = scores.astype(cp.float32) * scale
-        s = cp.where(cp.triu(cp.ones((T, T), dtype=bool), k=1), -math.inf, s)
-        s -= s.max(axis=-1, keepdims=True)
-        e = cp.exp(s)
-        e /= e.sum(axis=-1, keepdims=True)
-        return e
-
-    def softmax_bwd_ref():  # kernels.attention_backward's ds
-        ds = p32 * (dp - (dp * p32).sum(axis=-1, keepdims=True))
-        ds *= scale
-        return ds
-
-    def ce_ref():
-        loss, c = kernels.cross_entropy_forward(logits, targets, cp)
-        return kernels.cross_entropy_backward(1.0, c, cp)
+    def ce_grad(module, k):  # the head's backward on one chunk of the whole vocabulary
+        dlogits[k][...] = logits32
+        return module.cross_entropy_grad(dlogits[k], targets, lse, 1.0 / (B * T), cp)
 
     def adam_ref():  # optim's reference update (fused.adamw's arithmetic) on the same buffers
         g2 = g * np.float32(0.5)
@@ -118,10 +102,6 @@ def cases(cp, dk, act):
     def adam_dev():
         dk.adamw(p, m, v, g, *adam[:1], 1.0, *adam[1:], cp)
         return p
-
-    def cast_ref():  # params.materialize_view's cast (a GPU table's assign: dst[...] = src)
-        view16[0][...] = p
-        return view16[0]
 
     return {
         "rmsnorm forward": (lambda: kernels.rmsnorm_forward(x, w, EPS, cp)[0],
@@ -137,16 +117,14 @@ def cases(cp, dk, act):
             lambda: dk.rope_forward(xq, cos3, sin3, cp, out=qout[1].transpose(0, 2, 1, 3))[0]),
         "rope backward": (lambda: kernels.rope_backward(xq, (cos3, sin3), cp),
                           lambda: dk.rope_backward(xq, (cos3, sin3), cp)),
-        "cross-entropy loss + dlogits": (ce_ref, lambda: ux.cross_entropy_fused(
-            logits, targets, 1.0 / (B * T), cp)[2]),
-        "attention softmax forward": (softmax_ref, lambda: ux.softmax_forward(scores, cp,
-                                                                               scale=scale)),
-        "attention softmax backward": (softmax_bwd_ref, lambda: ux.softmax_backward(
-            dp, p32, cp, scale=scale)),
+        "cross-entropy lse + losses": (
+            lambda: kernels.cross_entropy_rows(logits32, targets, cp)[1],
+            lambda: devloss.cross_entropy_rows(logits32, targets, cp)[1]),
+        "cross-entropy dlogits (+ copy)": (lambda: ce_grad(kernels, 0),
+                                           lambda: ce_grad(devloss, 1)),
         "adamw (124M)": (adam_ref, adam_dev),
         "grad sum of squares (124M)": (lambda: cp.asarray(kernels.block_sq_norm(g, cp)),
                                        lambda: dk.sum_squares(g, cp)),
-        "cast fp32 -> fp16 (124M)": (cast_ref, lambda: ux.cast(p, cp.float16, cp, out=view16[1])),
     }
 
 

@@ -18,7 +18,7 @@ simulator, on an AMD EPYC core).
 
 What it counts is what the device path would queue with `run.devkernels: off`: the numba-cuda
 kernels would run in numba-cuda's simulator here, one Python thread per CUDA thread, far too
-slow at these shapes, so RMSNorm, RoPE, SwiGLU, the cross-entropy's log-sum-exp, AdamW and the
+slow at these shapes, so RMSNorm, RoPE, SwiGLU, the head's cross-entropy, AdamW and the
 gradient norm count as cupy's compositions (on a card with the kernels, one or two launches a
 call: their categories' `calls`). The attention is the stand-in's `tiled-1024`; a card's cuDNN
 runs a call as one graph. The counts do not depend on the host, its load or its threads (the
@@ -52,9 +52,9 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     from ratrain.exec.profile import Profile
 
     if smoke:  # the simulator's cost is per block and thread; a launch counts once at any grid
-        from ratrain.exec import devkernels
+        from ratrain.exec import devkernels, devlaunch
 
-        devkernels.MAX_BLOCKS, devkernels.ROW_GROUPS, devkernels.SIM_THREADS = 1, 1, 8
+        devlaunch.MAX_BLOCKS, devkernels.ROW_GROUPS, devlaunch.SIM_THREADS = 1, 1, 8
     dev = open_device("standin")
     step, _, cfg, kernels = ratrain_contender(precision, dev, smoke,
                                               sets=(*(SMOKE if smoke else BASE), *sets))

@@ -21,7 +21,7 @@ from ratrain.plan.simulate import simulate_config
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--measured", required=True, help="JSON lines of lifecycle.bench time")
+    ap.add_argument("--measured", required=True, help="JSON lines of runtime.bench time")
     ap.add_argument("--set", action="append", default=[])
     a = ap.parse_args(argv)
     for line in open(a.measured):

@@ -12,9 +12,9 @@
     res = api.evaluate(cfg, comm, "runs/tiny/checkpoints")   # any pp x dp layout; collective
 
 A `Model` is one process's rank at pp = dp = 1, built by `runtime.rank.build_rank` (the one
-way to build a rank) with the checkpoint's masters loaded, no DDR cap and no pacing; its
-logits run the block kernels (`exec.layers`) on the executor's views: the same arithmetic as
-training's forward, in the run's precision unless `precision=` says otherwise. `evaluate`
+way to build a rank) with the checkpoint's masters loaded, no DDR cap and no pacing; its logits
+run the block kernels (`exec.layers`, `exec.head`) on the executor's views: the same arithmetic
+as training's forward, in the run's precision unless `precision=` says otherwise. `evaluate`
 builds the rank of any layout and takes `Executor.eval_loss` over the eval batches: the very
 numbers the training run's eval logs at that step.
 
@@ -45,7 +45,7 @@ from ratrain.data import (
     val_path,
 )
 from ratrain.device import to_device, to_host
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 from ratrain.hf import CONFIG, import_model_section, load_hf_params
 from ratrain.runtime.rank import build_rank
 
@@ -122,14 +122,14 @@ class Model:
         if last_only:
             x = x[:, -1:]
         p = self.rank.executor.compute.view("head")  # tied: the embedding's weight
-        z = to_host(layers.head_logits(x, p, self.rank.ctx)).astype(np.float32, copy=False)
+        z = to_host(head.head_logits(x, p, self.rank.ctx)).astype(np.float32, copy=False)
         return z[:, -1] if last_only else z
 
     def loss(self, inputs, targets) -> float:
         """Mean token cross-entropy of `targets` (B, T) given `inputs` (B, T)."""
         inputs, targets = self._check(inputs), self._check(targets)
         compute, ctx = self.rank.executor.compute, self.rank.ctx
-        loss, _ = layers.head_forward(self._hidden(inputs), to_device(ctx.xp, targets),
+        loss, _ = head.head_forward(self._hidden(inputs), to_device(ctx.xp, targets),
                                       compute.view("head"), ctx)
         return float(loss)
 

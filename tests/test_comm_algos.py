@@ -132,7 +132,7 @@ def test_the_planner_prices_what_the_runtime_runs(toy):
             terms("allreduce", n, 8, 4, links), links)
 
 
-def test_terms_on_two_tiers_reduce_to_the_flat_formulas():
+def test_terms_on_two_levels_reduce_to_the_flat_formulas():
     a, B, n = 20e-6, 1e9, 3 << 20
     flat = model.Links.flat(a, B)
     for p in range(2, 10):

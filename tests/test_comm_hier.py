@@ -1,8 +1,8 @@
 """Nodes and the hierarchical collectives: the documented order (a left fold in rank order,
-whatever the packing into nodes), runs and placements, the two-tier cost model, and under MPI
+whatever the packing into nodes), runs and placements, the two-level cost model, and under MPI
 the shared-memory + chain collectives bitwise equal to the reference for every grouping of the
 ranks into nodes (one node, a node per rank, pairs, alternating, uneven), every dtype, sum and
-max, directly, through the engine and through the two-tier link throttle.
+max, directly, through the engine and through the two-level link throttle.
 
 One host stands for several nodes here: a `NodeGroup` takes any node id per member, and its
 runs on one "node" share a real shared-memory window (tests/test_cluster.py runs real emulated
@@ -29,7 +29,7 @@ from ratrain.comm.topology import (
     pack_nodes,
     srun_node,
 )
-from ratrain.shim.link import Link, Slots, Tiers
+from ratrain.shim.link import Levels, Link, Slots
 
 DTYPES = (np.float32, np.float16, np.float64)
 
@@ -139,10 +139,10 @@ def test_shared_slots_share_a_link_between_two_ranks():
     a, b = (Link(1e6, 0.0, chunk_bytes=1000, clock=lambda: clock[0], shared=book) for _ in "ab")
     ends = [lnk.reserve(1000, after=None) for lnk in (a, b, a, b)]
     assert ends == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])  # one interface, taken in turn
-    t = Tiers.from_profile(type("P", (), dict(emulate=True, link_bandwidth=1e6, link_latency=0.0,
+    t = Levels.from_profile(type("P", (), dict(emulate=True, link_bandwidth=1e6, link_latency=0.0,
                                               time_scale=1.0, intra_bandwidth=None,
                                               intra_latency=None))())
-    assert t.tier(False).bandwidth == 1e6 and t.tier(True).bandwidth == float("inf")
+    assert t.level(False).bandwidth == 1e6 and t.level(True).bandwidth == float("inf")
     assert t.intra.chunk_bytes == t.inter.chunk_bytes
 
 
@@ -253,7 +253,7 @@ def test_topology_nodes_and_engine_collectives(placement, per_node, mpi_group):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_hier_through_the_two_tier_throttle(mpi_group):
+def test_hier_through_the_two_level_throttle(mpi_group):
     """Two nodes of two ranks, a slow shared interface: results exact, and the all-reduce never
     faster than the interface's bytes over its bandwidth (the lower bound cannot flake)."""
     comm = mpi_group(4)
@@ -262,9 +262,9 @@ def test_hier_through_the_two_tier_throttle(mpi_group):
     try:
         slots = SharedSlots(topo.node_comm)
         bw, n = 2e7, 100_000  # 20 MB/s per interface, 400 kB of fp32
-        tiers = Tiers(Link(1e9, 0.0, chunk_bytes=16384), Link(bw, 1e-4, chunk_bytes=16384,
-                                                                   shared=slots))
-        links = NodeLinks(tiers, topo)
+        levels = Levels(Link(1e9, 0.0, chunk_bytes=16384), Link(bw, 1e-4, chunk_bytes=16384,
+                                                                shared=slots))
+        links = NodeLinks(levels, topo)
         xs = inputs(4, n, np.float32, seed=5)
         with CommEngine(topo, watchdog_s=60, link=links) as eng:
             buf = xs[topo.replica].copy()

@@ -22,7 +22,7 @@ from ratrain.device import (
     to_host,
 )
 from ratrain.device.standin import COUNTS, StandinArray, standin
-from ratrain.exec import devkernels, kernels, layers
+from ratrain.exec import devlaunch, head, kernels, layers
 from ratrain.exec.backends import kernel_table, kernels_for
 from ratrain.exec.context import ExecContext
 from ratrain.runtime.rank import build_rank
@@ -198,9 +198,9 @@ def test_layer_embed_and_head_agree_with_the_host(device, precision):
         with ExecContext(M, precision, m, threads=1) as ctx:
             x, ec = layers.embed_forward(dev(ids), Pd[0], ctx)
             y, cache = layers.layer_forward(x, Pd[1], ctx)
-            loss, hc = layers.head_forward(y, dev(t), Pd[-1], ctx)
+            loss, hc = head.head_forward(y, dev(t), Pd[-1], ctx)
             gh = {k: dev(v) for k, v in zeros_like(P[-1], np.float32).items()}
-            dxh = layers.head_backward(0.5, hc, Pd[-1], gh, ctx)
+            dxh = head.head_backward(0.5, hc, Pd[-1], gh, ctx)
             g = {k: dev(v) for k, v in zeros_like(P[1], np.float32).items()}
             dx = layers.layer_backward(dev(dy), cache, Pd[1], g, ctx)
             ge = {k: dev(v) for k, v in zeros_like(P[0], np.float32).items()}
@@ -241,9 +241,9 @@ def test_head_chunk_is_the_devices_unless_the_config_gives_one():
     for chunk in (4 * 5 * M.vocab_size, 256 << 20):  # 5 rows / columns at a time, or all
         with ExecContext(M, "fp32", xp, threads=1, head_chunk_bytes=chunk) as ctx:
             COUNTS.clear()
-            loss, cache = layers.head_forward(to_device(xp, x), to_device(xp, t), P, ctx)
+            loss, cache = head.head_forward(to_device(xp, x), to_device(xp, t), P, ctx)
             g = {k: xp.zeros(v.shape, xp.float32) for k, v in P.items()}
-            dx = layers.head_backward(1.0, cache, P, g, ctx)
+            dx = head.head_backward(1.0, cache, P, g, ctx)
             res[chunk] = COUNTS["ops"], [host(a) for a in (loss, dx, *g.values())]
     (small, a), (big, b) = res.values()
     assert small > 2 * big > 0, (small, big)
@@ -257,21 +257,22 @@ SMALL = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=1, ffn_
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, precision):
-    # what a GPU rank runs (exec.devkernels for RMSNorm, RoPE, SwiGLU, the head's logsumexp,
-    # AdamW and the gradient norm), here on the stand-in in numba-cuda's simulator: slow, so a
-    # model of one tiny layer, one step, against the host's numpy (the GPU check runs every
-    # device test with these kernels on the card); in bf16 too, whose norm weights are bf16
-    # views the kernels take as an fp32 copy (they once went to cupy's composition instead)
+    # what a GPU rank runs (exec.devkernels for RMSNorm, RoPE, SwiGLU, AdamW and the gradient
+    # norm, exec.devloss for the head's cross-entropy), here on the stand-in in numba-cuda's
+    # simulator: slow, so a model of one tiny layer, one step, against the host's numpy (the
+    # GPU check runs every device test with these kernels on the card); in bf16 too, whose
+    # norm weights are bf16 views the kernels take as an fp32 copy (they once went to cupy's
+    # composition instead)
     need("numba.cuda")
     cfg = tiny_config(model=SMALL, m=1, micro_batch=1, precision=precision)
-    if devkernels.simulated():
+    if devlaunch.simulated():
         device = "standin"
         cfg = replace(cfg, run=replace(cfg.run, devkernels="sim"))
         # the simulator's cost is per block and per thread: one block per grid-stride kernel,
         # blocks of 8 threads (the kernels are correct at any grid; tests/test_devkernels.py
         # checks each at several)
-        monkeypatch.setattr(devkernels, "MAX_BLOCKS", 1)
-        monkeypatch.setattr(devkernels, "SIM_THREADS", 8)
+        monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 1)
+        monkeypatch.setattr(devlaunch, "SIM_THREADS", 8)
     else:  # the simulator off: a GPU (scripts/gpu-check.sh), where cupy ranks take them
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         device = "gpu"
@@ -281,11 +282,11 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
         "devkernels"  # the other device of this run does not take them
     (host_res, _), = _steps(cfg, "cpu", steps=1)[0]
     launched = []
-    real = devkernels._launch
-    monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
+    real = devlaunch.launch
+    monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     dev_steps, dev_params = _steps(cfg, device, steps=1)
     names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
-    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "lse_rows", "adamw",
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "ce_rows", "ce_grad", "adamw",
             "sum_squares"} <= names, names
     # bf16: the device's GEMMs round their results to bf16, the host's stay fp32; a weight
     # whose gradient is near 0 may take AdamW's step (lr) either way
@@ -301,17 +302,17 @@ def test_bf16_inputs_reach_the_device_kernels(monkeypatch):
     them as an exact fp32 copy, not to cupy's composition, with the reference's values (in
     numba-cuda's simulator on the stand-in; on a card under scripts/gpu-check.sh)."""
     need("numba.cuda")
-    if devkernels.simulated():
+    if devlaunch.simulated():
         dxp, mode = standin, "sim"
-        monkeypatch.setattr(devkernels, "MAX_BLOCKS", 1)
-        monkeypatch.setattr(devkernels, "SIM_THREADS", 8)
+        monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 1)
+        monkeypatch.setattr(devlaunch, "SIM_THREADS", 8)
     else:
         assert GPU is not None, "NUMBA_ENABLE_CUDASIM=0 but no GPU: set it to 1 on a CPU"
         dxp, mode = GPU, "on"
     table = kernel_table(dxp, "bf16", devkernels_mode=mode)
     launched = []
-    real = devkernels._launch
-    monkeypatch.setattr(devkernels, "_launch", lambda k, *a: launched.append(k) or real(k, *a))
+    real = devlaunch.launch
+    monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     rng = np.random.default_rng(6)
     bf16 = kernels.BF16
     x = rng.standard_normal((2, 3, 8)).astype(np.float32)  # (b, T, C)

@@ -1,5 +1,6 @@
-"""The device kernels (`ratrain.exec.devkernels`, numba-cuda; and those no run calls yet,
-tests/_unwired_devkernels.py) against the numpy reference (`exec.kernels`).
+"""The device kernels (numba-cuda: `ratrain.exec.devkernels`, and the head's cross-entropy in
+`exec.devloss`) against the numpy reference (`exec.kernels`), and the head through the kernel
+table against the host's.
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1, tests/conftest.py's default: CI has no GPU) the
 kernels run on numpy arrays, one Python thread per CUDA thread, so the shapes are tiny, the
@@ -18,8 +19,7 @@ import numpy as np
 import pytest
 
 from ratrain.device import to_host
-from ratrain.exec import fused, kernels
-from tests import _unwired_devkernels as ux
+from ratrain.exec import devlaunch, devloss, fused, kernels
 from ratrain.exec.kernels import block_sq_norm
 from tests._prereq import missing
 
@@ -35,7 +35,7 @@ def dk():
     from ratrain.exec import devkernels
 
     try:
-        devkernels.load()
+        devlaunch.load()
     except ImportError as e:
         missing(str(e))  # a failure under CI: numba-cuda is in the test extra
     return devkernels
@@ -43,7 +43,7 @@ def dk():
 
 @pytest.fixture(scope="module")
 def xp(dk):
-    if dk.simulated():
+    if devlaunch.simulated():
         return np
     from tests._devices import GPU  # opens the GPU: only when the simulator is off
 
@@ -71,7 +71,7 @@ def close(got, want, rtol=RTOL):
 def same(dk, got, want):
     """Bitwise under the simulator (numpy's fp32 arithmetic, op for op as the reference's);
     within RTOL on a GPU (the compiler may fuse a multiply and an add)."""
-    if dk.simulated():
+    if devlaunch.simulated():
         np.testing.assert_array_equal(host(got), want)
     else:
         close(got, want)
@@ -90,12 +90,10 @@ def test_numpy_compat_puts_back_what_numba_cuda_still_names():
     kernel: put back as vstack where missing, left alone where present."""
     from types import SimpleNamespace
 
-    from ratrain.exec import devkernels
-
     bare = SimpleNamespace(vstack=np.vstack)
-    assert devkernels.numpy_compat(bare) == ["row_stack"] and bare.row_stack is np.vstack
+    assert devlaunch.numpy_compat(bare) == ["row_stack"] and bare.row_stack is np.vstack
     own = SimpleNamespace(vstack=np.vstack, row_stack=len)
-    assert devkernels.numpy_compat(own) == [] and own.row_stack is len
+    assert devlaunch.numpy_compat(own) == [] and own.row_stack is len
 
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
@@ -118,7 +116,7 @@ def test_rmsnorm_forward_backward(dk, xp, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
 def test_swiglu_on_strided_halves_and_a_grid_smaller_than_the_work(dk, xp, dtype, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 3)  # 185 elements on 3 x 16 threads: grid-stride
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)  # 185 elements on 3 x 16 threads: grid-stride
     gu, dact = rand(5, 2 * 37, dtype=dtype, scale=3.0), rand(5, 37, dtype=dtype)
     gu[0, 0] = -100.0  # exp(100) overflows fp32: silu is -0, as the reference's
     dgu = xp.asarray(gu)
@@ -158,79 +156,58 @@ def test_rope_both_layouts_into_a_strided_output(dk, xp, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, F16])
-def test_cross_entropy_forward_backward_and_fused(dk, xp, dtype):
-    N, V = 5, 37
+def test_cross_entropy_rows_are_the_references_lse_and_losses(dk, xp, dtype):
+    N, V = 5, 37  # rows wider than the block
     z, t = rand(N, V, dtype=dtype, scale=4.0), RNG.integers(0, V, N)
-    loss, cache = ux.cross_entropy_forward(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
-    rloss, rcache = kernels.cross_entropy_forward(z, t, np)
-    assert loss.shape == () and loss.dtype == np.float32
-    close(loss, rloss)
-    close(cache[2], rcache[2])  # lse
-    close(dk.logsumexp_rows(xp.asarray(z), xp, threads=TPB), kernels.logsumexp_rows(
-        z.astype(np.float32), np))
-    rd = kernels.cross_entropy_backward(3.0, rcache, np)
-    close(ux.cross_entropy_backward(3.0, cache, xp, threads=TPB), rd)
-    # one launch: losses, lse and the gradient, written over the logits themselves
-    zz = xp.asarray(z.astype(np.float32))
-    losses, lse, d = ux.cross_entropy_fused(zz, xp.asarray(t), 3.0 / N, xp, out=zz, threads=TPB)
-    assert d is zz
-    close(losses, rcache[2] - z.astype(np.float32)[np.arange(N), t])
-    close(lse, rcache[2])
-    close(d, rd)
-    _, _, d16 = ux.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 3.0 / N, xp,
-                                       out=xp.empty((N, V), F16), threads=TPB)
-    half_close(d16, rd)
+    rlse, rlosses = kernels.cross_entropy_rows(z.astype(np.float32), t, np)
+    lse, losses = devloss.cross_entropy_rows(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
+    assert lse.dtype == losses.dtype == np.float32 and lse.shape == losses.shape == (N,)
+    close(lse, rlse)
+    close(losses, rlosses)
+    out = xp.zeros((2, N + 2), np.float32)  # slices of larger arrays, as the head's row chunks
+    devloss.cross_entropy_rows(xp.asarray(z), xp.asarray(t), xp, out=(out[0, 2:], out[1, 2:]),
+                               threads=TPB)
+    close(out[0, 2:], rlse)
+    close(out[1, 2:], rlosses)
+    assert not host(out[:, :2]).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, F16])
+def test_cross_entropy_grad_of_a_vocabulary_chunk_is_the_references(dk, xp, dtype,
+                                                                    monkeypatch):
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)  # 5 x 13 on 3 x 16 threads: grid-stride
+    N, V, v0, W = 5, 37, 20, 13  # columns 20..32: targets before, inside and after them
+    z, t = rand(N, V, dtype=dtype, scale=4.0), np.array([3, 20, 27, 32, 36])
+    rlse, _ = kernels.cross_entropy_rows(z.astype(np.float32), t, np)
+    chunk = np.ascontiguousarray(z[:, v0 : v0 + W])
+    want = kernels.cross_entropy_grad(chunk.astype(np.float32), t, rlse, 0.3, np, v0=v0)
+    full = kernels.cross_entropy_backward(0.3 * N, (z.astype(np.float32), t, rlse), np)
+    np.testing.assert_array_equal(want, full[:, v0 : v0 + W])  # a chunk of the whole
+    dz = xp.asarray(chunk.copy())  # numpy's asarray would not copy: the chunk is overwritten
+    d = devloss.cross_entropy_grad(dz, xp.asarray(t), xp.asarray(rlse), 0.3, xp, v0=v0,
+                                   threads=TPB)
+    assert d is dz  # over the logits themselves, rounded once to their dtype
+    if dtype == np.float32:
+        close(d, want)
+    else:
+        half_close(d, want)
+    d16 = devloss.cross_entropy_grad(xp.asarray(chunk.copy()), xp.asarray(t), xp.asarray(rlse), 0.3,
+                                     xp, v0=v0, out=xp.empty((N, W), F16), threads=TPB)
+    half_close(d16, want)  # the cast fused: rounded once
 
 
 def test_cross_entropy_target_out_of_range_is_a_nan_loss_not_a_stray_read(dk, xp):
     z, t = rand(3, 20), np.array([0, 20, -1])
-    losses, _, d = ux.cross_entropy_fused(xp.asarray(z), xp.asarray(t), 1.0, xp, threads=TPB)
+    lse, losses = devloss.cross_entropy_rows(xp.asarray(z), xp.asarray(t), xp, threads=TPB)
     got = host(losses)
-    assert np.isfinite(got[0]) and np.isnan(got[1:]).all()
-    assert np.isfinite(host(d)).all()
-
-
-def test_softmax_forward_backward_is_the_reference_attentions(dk, xp):
-    B, H, KV, T, D = 1, 1, 1, 17, 4  # keys straddle the 16-thread block
-    q, k, v, do = rand(B, H, T, D), rand(B, KV, T, D), rand(B, KV, T, D), rand(B, H, T, D)
-    _, (qg, kg, vg, rp) = kernels.attention_forward(q, k, v, np)  # rp (B, KV, G, T, T)
-    s = qg @ kg.swapaxes(-1, -2)  # raw scores
-    scale = 1.0 / np.sqrt(D)
-    p, lse = ux.softmax_forward(xp.asarray(s), xp, scale=scale, with_lse=True, threads=TPB)
-    close(p, rp)
-    ss = np.where(np.triu(np.ones((T, T), bool), 1), -np.inf, s * np.float32(scale))
-    close(lse, np.log(np.exp(ss - ss.max(-1, keepdims=True)).sum(-1)) + ss.max(-1))
-    dq, dk_, _ = kernels.attention_backward(do, (qg, kg, vg, rp), np)
-    dog = do.reshape(qg.shape)
-    dp = dog @ vg.swapaxes(-1, -2)  # (B, KV, G, T, T)
-    ds = host(ux.softmax_backward(xp.asarray(dp), p, xp, scale=scale, threads=TPB))
-    close((ds @ kg).reshape(dq.shape), dq)
-    close((ds.swapaxes(-1, -2) @ qg).sum(axis=2), dk_)
-    delta = (do * kernels.attention_forward(q, k, v, np)[0]).sum(-1).reshape(B, KV, -1, T)
-    ds2 = ux.softmax_backward(xp.asarray(dp), p, xp, scale=scale, delta=xp.asarray(delta),
-                              out=xp.asarray(dp), threads=TPB)  # flash's rowsum(dO * O)
-    close(ds2, ds)
-
-
-def test_softmax_of_a_tile_masks_by_global_positions(dk, xp):
-    s = rand(8, 17)  # scores of queries 10..17 against keys 1..17 (more keys than threads)
-    q, k = np.arange(10, 18)[:, None], np.arange(1, 18)[None, :]
-    z = np.where(k > q, -np.inf, s * np.float32(0.5))  # the reference's order: scale, mask
-    e = np.exp(z - z.max(-1, keepdims=True))
-    tile, lse = ux.softmax_forward(xp.asarray(s), xp, scale=0.5, q0=10, k0=1, with_lse=True,
-                                   threads=TPB)
-    close(tile, e / e.sum(-1, keepdims=True))
-    close(lse, np.log(e.sum(-1)) + z.max(-1))
-    assert host(tile)[0, 10:].max() == 0.0 and host(tile)[0, :10].min() > 0  # query 10: keys 1..10
-    # keys 15..17 against queries 0..2: nothing visible
-    p, lse = ux.softmax_forward(xp.asarray(s[:3, :3]), xp, q0=0, k0=15, with_lse=True,
-                                threads=TPB)
-    assert (host(p) == 0).all() and (host(lse) == -np.inf).all()
+    assert np.isfinite(got[0]) and np.isnan(got[1:]).all() and np.isfinite(host(lse)).all()
+    d = devloss.cross_entropy_grad(xp.asarray(z), xp.asarray(t), lse, 1.0, xp, threads=TPB)
+    assert np.isfinite(host(d)).all() and (host(d)[1:] > 0).all()  # no one-hot subtracted
 
 
 @pytest.mark.parametrize("b1", [0.9, 0.3])  # both of torch's lerp formulas
 def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 3)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)
     n = 150
     p, m, v, g = rand(n), rand(n, scale=0.1), np.abs(rand(n, scale=0.01)), rand(n)
     args = (0.5, 1 - 1e-3 * 0.1, b1, 0.95, 1e-3 / (1 - b1**3), (1 - 0.95**3) ** 0.5, 1e-8)
@@ -244,7 +221,7 @@ def test_adamw_is_the_fused_update(dk, xp, b1, monkeypatch):
 
 
 def test_sum_squares_in_fp64_two_stages(dk, xp, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 5)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 5)
     a = rand(1001, scale=30.0)
     got = dk.sum_squares(xp.asarray(a), xp, threads=TPB)
     assert got.shape == () and got.dtype == np.float64
@@ -256,23 +233,58 @@ def test_sum_squares_in_fp64_two_stages(dk, xp, monkeypatch):
     assert float(dk.sum_squares(xp.asarray(a[:0]), xp)) == 0.0
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e6 -> inf, as numpy's
-def test_casts_round_as_numpy_and_scale_before_rounding(dk, xp, monkeypatch):
-    monkeypatch.setattr(dk, "MAX_BLOCKS", 4)
-    special = [65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-10, 0.0, -0.0, np.inf, -np.inf]
-    a = np.concatenate([rand(199, scale=100.0), np.array(special, np.float32)]).reshape(-1, 7)
-    with np.errstate(over="ignore"):
-        want16 = a.astype(F16)
-        scaled = (a * np.float32(0.125)).astype(F16)
-    h = ux.cast(xp.asarray(a), F16, xp, threads=TPB)
-    np.testing.assert_array_equal(host(h).view(np.uint16), want16.view(np.uint16))
-    np.testing.assert_array_equal(host(ux.cast(xp.asarray(a), F16, xp, scale=0.125,
-                                               threads=TPB)).view(np.uint16),
-                                  scaled.view(np.uint16))
-    back = ux.cast(h, np.float32, xp, threads=TPB)
-    np.testing.assert_array_equal(host(back), want16.astype(np.float32))
-    nan = ux.cast(xp.asarray(np.array([np.nan], np.float32)), F16, xp)
-    assert np.isnan(host(nan)).all()
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_the_head_takes_the_cross_entropy_kernels_and_keeps_its_numbers(dk, precision,
+                                                                        monkeypatch):
+    """The head of a device rank (the stand-in in the simulator; a card with it off), its logits
+    walked 3 rows and 6 vocabulary columns at a time: the loss, dx and the gradients are those
+    of the same device's reference table, from one launch per chunk each way and fewer device
+    operations."""
+    from ratrain.device import to_device
+    from ratrain.device.standin import COUNTS, standin
+    from ratrain.exec import head
+    from ratrain.exec.backends import kernel_table
+    from ratrain.exec.context import ExecContext
+    from tests.test_layers import M, make_params
+
+    if devlaunch.simulated():
+        dxp, mode = standin, "sim"
+        monkeypatch.setattr(devlaunch, "SIM_THREADS", 8)
+    else:
+        from tests._devices import GPU
+
+        dxp, mode = GPU.xp, "on"
+    rng = np.random.default_rng(8)
+    dt = kernels.DTYPES[precision]
+    x = rng.standard_normal((2, M.seq_len, M.hidden)).astype(dt)
+    t = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    P = {k: to_device(dxp, v.astype(dt)) for k, v in make_params(M, np.float32)[-1].items()}
+    launched, real = [], devlaunch.launch
+    monkeypatch.setattr(devlaunch, "launch",
+                        lambda k, *a: launched.append(k.py_func.__name__) or real(k, *a))
+    res = {}
+    for name in ("off", mode):
+        table = kernel_table(dxp, precision, devkernels_mode=name, reference_ops=(
+            "rmsnorm", "rope", "swiglu", "adamw", "grad_norm"))  # the head's loss alone differs
+        assert table.names["cross_entropy"] == ("devkernels" if name == mode else "standin"
+                                                if dxp is standin else "cupy")
+        with ExecContext(M, precision, dxp, threads=1, head_chunk_bytes=4 * 3 * M.vocab_size,
+                         kernels=table) as ctx:
+            launched.clear()
+            COUNTS.clear()
+            loss, cache = head.head_forward(to_device(dxp, x), to_device(dxp, t), P, ctx)
+            g = {k: dxp.zeros(v.shape, dxp.float32) for k, v in P.items()}
+            dx = head.head_backward(0.5, cache, P, g, ctx)
+            res[name] = COUNTS["ops"], [host(a) for a in (loss, dx, *g.values())]
+    rows, cols = 2 * M.seq_len // 3, -(-M.vocab_size // 6)  # 12 row chunks, 7 column chunks
+    assert launched.count("ce_rows") == rows and launched.count("ce_grad") == cols, launched
+    (ref_ops, want), (ops, got) = res["off"], res[mode]
+    if dxp is standin:
+        assert ops < ref_ops - 3 * (rows + cols), (ops, ref_ops)
+    tol = 1e-5 if precision == "fp32" else 2e-3
+    for a, b in zip(got, want):
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), (precision, a, b)
 
 
 def test_bad_input_is_one_line_before_any_launch(dk, xp):
@@ -281,12 +293,12 @@ def test_bad_input_is_one_line_before_any_launch(dk, xp):
         dk.rmsnorm_forward(xp.asarray(rand(2, 8, dtype=np.float64)), x[0], 1e-5, xp)
     with pytest.raises(ValueError, match="threads=48: a block is a power of two"):
         dk.swiglu_forward(x, x, xp, threads=48)
-    with pytest.raises(ValueError, match=r"out: shape \(2, 8\) float32, expected \(8, 2\)"):
-        ux.cast(x.T, F16, xp, out=x)
+    with pytest.raises(ValueError, match=r"out: shape \(8, 2\) float32, expected \(2, 8\)"):
+        dk.rmsnorm_forward(x, x[0], 1e-5, xp, out=x.T)
     with pytest.raises(ValueError, match="logits \\(N, V\\) and targets \\(N,\\)"):
-        ux.cross_entropy_forward(x, xp.zeros(3, np.int64), xp)
+        devloss.cross_entropy_rows(x, xp.zeros(3, np.int64), xp)
     with pytest.raises(TypeError, match="targets are token ids \\(integers\\), not float32"):
-        ux.cross_entropy_forward(x, x[:, 0], xp)
+        devloss.cross_entropy_grad(x, x[:, 0], x[:, 0], 1.0, xp)
     other = None if xp is np else np  # the module that does not go with this run
     if other is None:
         with pytest.raises(TypeError, match="simulator .* take numpy or stand-in arrays: pass xp=numpy"):
@@ -305,10 +317,10 @@ def test_without_numba_cuda_the_error_names_the_package():
     code = ("import sys, types\n"
             "m = types.ModuleType('numba.cuda'); m.implementation = 'Built-in'\n"
             "sys.modules['numba.cuda'] = m\n"
-            "from ratrain.exec import devkernels\n"
+            "from ratrain.exec import devlaunch\n"
             "for case in ('built-in', 'absent'):\n"
             "    try:\n"
-            "        devkernels.load.__wrapped__()\n"
+            "        devlaunch.load.__wrapped__()\n"
             "    except ImportError as e:\n"
             "        print(case, '|', e)\n"
             "    sys.modules['numba.cuda'] = None\n")
@@ -320,7 +332,7 @@ def test_without_numba_cuda_the_error_names_the_package():
 
 
 def test_benchmark_refuses_in_one_line_without_a_gpu(dk):
-    if not dk.simulated():
+    if not devlaunch.simulated():
         pytest.skip("a GPU is here: the benchmark runs (scripts' job, not a test's)")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "devkernels.py")],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -396,7 +396,8 @@ def test_exported_model_gives_ratrain_loss_in_transformers(tmp_path):
     torch = need("torch")
     transformers = need("transformers")
     from ratrain.exec.context import ExecContext
-    from ratrain.exec.layers import embed_forward, head_forward, layer_forward
+    from ratrain.exec.head import head_forward
+    from ratrain.exec.layers import embed_forward, layer_forward
 
     m = replace(M, seq_len=12)
     st = StageState(model_blocks(m), "fp32", Ledger(), seed=4)

@@ -8,7 +8,7 @@ import pytest
 
 from ratrain.config import ModelConfig
 from ratrain.exec import kernels
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 from ratrain.exec.attention import TiledAttention
 from ratrain.exec.backends import kernel_table
 from ratrain.exec.context import ExecContext
@@ -170,9 +170,9 @@ def test_threads_give_bitwise_the_same_layer_and_head(precision, batch):
     for threads in (1, 2, 3, 4, 8):
         with tiled(precision, threads=threads) as ctx:
             y, dx, g, _ = run_layer(ctx, x, P[1], dy)
-            loss, cache = layers.head_forward(x, t, P[-1], ctx)
+            loss, cache = head.head_forward(x, t, P[-1], ctx)
             gh = zeros_like(P[-1], np.float32)
-            dxh = layers.head_backward(0.5, cache, P[-1], gh, ctx)
+            dxh = head.head_backward(0.5, cache, P[-1], gh, ctx)
             out.append([y, dx, *g.values(), loss, dxh, *gh.values()])
     for other in out[1:]:
         for a, b in zip(out[0], other):
@@ -193,9 +193,9 @@ def test_head_matches_reference_fd_and_chunks():
     # of 40 (the last one 1 wide), of 3 (the last 1 wide), one column at a time
     for chunk in (1 << 20, 3 * 8 * M.vocab_size, 4 * 9 * 7, 4 * 9):
         with ExecContext(M, "fp64", threads=2, head_chunk_bytes=chunk) as ctx:
-            loss, cache = layers.head_forward(x, t, p, ctx)
+            loss, cache = head.head_forward(x, t, p, ctx)
             g = zeros_like(p)
-            dx = layers.head_backward(0.5, cache, p, g, ctx)
+            dx = head.head_backward(0.5, cache, p, g, ctx)
             results.append((loss, dx, g))
             np.testing.assert_allclose(loss, ref, rtol=1e-12)
     for other in results[1:]:
@@ -204,7 +204,7 @@ def test_head_matches_reference_fd_and_chunks():
             np.testing.assert_allclose(other[2][k], results[0][2][k], rtol=1e-12, atol=1e-15)
     loss, dx, g = results[0]
     with ExecContext(M, "fp64", threads=1) as ctx:
-        f = lambda: 0.5 * float(layers.head_forward(x, t, p, ctx)[0])  # noqa: E731
+        f = lambda: 0.5 * float(head.head_forward(x, t, p, ctx)[0])  # noqa: E731
         for arr, grad in ((x, dx), (p["norm"], g["norm"]), (p["weight"], g["weight"])):
             flat, gflat = arr.reshape(-1), grad.reshape(-1)
             for i in rng.choice(flat.size, 5, replace=False):
@@ -226,10 +226,10 @@ def test_head_and_embed_dtypes(precision):
     with ExecContext(M, precision, threads=2) as ctx:
         x, ce = layers.embed_forward(ids, P[0], ctx)
         assert x.dtype == dt and np.array_equal(x, P[0]["weight"][ids])
-        loss, ch = layers.head_forward(x, ids, P[-1], ctx)
+        loss, ch = head.head_forward(x, ids, P[-1], ctx)
         assert loss.dtype == np.float32 and loss.shape == ()
         g = zeros_like(P[-1], np.float32)
-        dx = layers.head_backward(1.0, ch, P[-1], g, ctx)
+        dx = head.head_backward(1.0, ch, P[-1], g, ctx)
         assert dx.dtype == dt and g["weight"].dtype == np.float32
         ge = {"weight": np.zeros(P[0]["weight"].shape, np.float32)}
         layers.embed_backward(dx, ce, P[0], ge, ctx)
@@ -279,17 +279,17 @@ def test_head_workspace_is_reserved_and_near_what_numpy_allocates(precision, bac
     led = Ledger()
     for chunk in (1 << 16, 1 << 20):
         with ExecContext(m, precision, ledger=led, threads=1, head_chunk_bytes=chunk) as ctx:
-            est = layers.head_workspace_nbytes(ctx, B, m.seq_len, backward)
-            layers.head_backward(1.0, layers.head_forward(x, t, p, ctx)[1], p, g, ctx)  # warm
+            est = head.head_workspace_nbytes(ctx, B, m.seq_len, backward)
+            head.head_backward(1.0, head.head_forward(x, t, p, ctx)[1], p, g, ctx)  # warm
             led.reset_peak()
             tracemalloc.start()
             try:
-                loss, cache = layers.head_forward(x, t, p, ctx)
+                loss, cache = head.head_forward(x, t, p, ctx)
                 base = 0
                 if backward:
                     base = tracemalloc.get_traced_memory()[0]
                     tracemalloc.reset_peak()
-                    layers.head_backward(1.0, cache, p, g, ctx)
+                    head.head_backward(1.0, cache, p, g, ctx)
                 used = tracemalloc.get_traced_memory()[1] - base
             finally:
                 tracemalloc.stop()
@@ -342,8 +342,8 @@ def test_against_transformers_llama(dtype):
         for i in range(M.layers):
             x, c = layers.layer_forward(x, Pn[1 + i], ctx)
             caches.append(c)
-        loss, ch = layers.head_forward(x, tg, Pn[-1], ctx)
-        dx = layers.head_backward(1.0, ch, Pn[-1], G[-1], ctx)
+        loss, ch = head.head_forward(x, tg, Pn[-1], ctx)
+        dx = head.head_backward(1.0, ch, Pn[-1], G[-1], ctx)
         for i in reversed(range(M.layers)):
             dx = layers.layer_backward(dx, caches[i], Pn[1 + i], G[1 + i], ctx)
         layers.embed_backward(dx, ce, Pn[0], G[0], ctx)

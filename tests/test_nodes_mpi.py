@@ -1,6 +1,6 @@
 """A run is bitwise the same however its ranks are packed into nodes, whatever its placement
 and its compute threads: pp 2 x dp 2 on 4 ranks as one node, two nodes of two, four nodes of
-one (one host cut into the platform's nodes under emulation, with a fast two-tier throttle),
+one (one host cut into the platform's nodes under emulation, with a fast two-level throttle),
 under the policy that all-reduces and the one that reduce-scatters and all-gathers.
 
     mpirun --oversubscribe -n 4 python -m pytest --with-mpi tests/test_nodes_mpi.py

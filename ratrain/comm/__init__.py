@@ -1,7 +1,7 @@
 """Communication: who talks to whom, and every byte that moves between ranks.
 
 Owns: the topology of the pp x dp grid, its placement on ranks, nodes and local ranks, and its
-sub-communicators; the shim's two link tiers resolved per message (`topology`); messages on the
+sub-communicators; the shim's two link levels resolved per message (`topology`); messages on the
 wire, chunked under the shim's link throttle (`wire`); the generator protocol of operations and
 their drivers (`progress`); point-to-point verbs named by direction (`p2p`); ring and tree
 collectives written on point-to-point (`ring`, `tree`), hierarchical ones on shared-memory

@@ -47,7 +47,7 @@ choose the same:
 2. else a communicator whose members are grouped by node (`grouped`: the topology's world and
    data-parallel communicators, the runtime's) takes `hier`: a run is bitwise the same however
    its ranks are packed into nodes, so the choice there must not depend on the packing, and
-   every algorithm's cost does; `hier` is the one built for two tiers, and its rank-order fold
+   every algorithm's cost does; `hier` is the one built for two link levels, and its rank-order fold
    ignores the packing. The planner prices the runtime's groups so, with hier's terms;
 3. else (a bare communicator: tests, the benchmark) the cheapest, alone on a link of
    (`latency`, `bandwidth`), of the runtime's algorithms that have `op` and need no group

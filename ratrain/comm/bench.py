@@ -18,7 +18,7 @@ Point-to-point ops: `sendrecv` (every rank sends to rank+1 and receives from ran
 `pingpong` (ranks 0 and 1, time_s = half the round trip, like osu_latency), `stream` (rank 0
 sends `--window` messages back to back to rank 1, which acknowledges; like osu_bw).
 `--link` runs through the shim's throttle (`--bandwidth`, `--latency`, `--time-scale`, or the
-values of `--profile`) in two tiers: `--bandwidth` / `--latency` are a node's interface (shared by
+values of `--profile`) in two levels: `--bandwidth` / `--latency` are a node's interface (shared by
 its ranks), `--intra-bandwidth` / `--intra-latency` the path inside a node (default: free);
 `--engine` submits through the CommEngine thread.
 
@@ -33,7 +33,7 @@ shared-memory split and processor names; `--ranks-per-node K` cuts a host into n
 ranks; with `--link`, every rank is its own node unless `--ranks-per-node` says otherwise).
 `--shared` keeps the buffers in the node's shared memory (`NodeGroup.shared_array`), where
 the hierarchical all-reduce of a one-node group works in place (without it, what the runtime's
-gradients do: copied through the staging window). `--model` prints `model_s`, the two-tier
+gradients do: copied through the staging window). `--model` prints `model_s`, the two-level
 model's time (the algorithm's terms, `comm.model`) over the ranks' nodes, from the rates given,
 for a run that is not throttled (real nodes: scripts/cluster.sh); with `--link` it is always
 there.
@@ -53,7 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ratrain.shim import allocator
-from ratrain.shim.link import Link, Tiers
+from ratrain.shim.link import Levels, Link
 from ratrain.shim.platform import load_profile
 
 from . import algos
@@ -124,7 +124,7 @@ def _args(argv=None):
     ap.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                     help="cut each host's ranks into nodes of K")
     ap.add_argument("--model", action="store_true",
-                    help="print the two-tier model's time from the rates given (no throttle)")
+                    help="print the two-level model's time from the rates given (no throttle)")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="--link: emulated time = platform time x this (default 1)")
     ap.add_argument("--profile", default="mt3000",
@@ -168,12 +168,12 @@ def _args(argv=None):
 
 
 def rates(a) -> dict:
-    """The two tiers' rates (B/s, s) from the arguments and `--profile`."""
+    """The two link levels' rates (B/s, s) from the arguments and `--profile`."""
     prof = load_profile(a.profile)
     bw = a.bandwidth if a.bandwidth is not None else prof.link_bandwidth
     if not bw:
         raise SystemExit(f"--link: profile {a.profile!r} has no link bandwidth; pass --bandwidth")
-    given = a.bandwidth is not None  # explicit rates: the profile's intra tier is not implied
+    given = a.bandwidth is not None  # explicit rates: the profile's intra level is not implied
     intra = a.intra_bandwidth if a.intra_bandwidth is not None else (
         None if given else prof.intra_bandwidth)
     return {"bandwidth": bw,
@@ -184,8 +184,8 @@ def rates(a) -> dict:
 
 
 def open_topology(a, comm, nbytes: int):
-    """(topology, links, slots): the ranks' nodes (for `hier` and the two-tier throttle),
-    with --link the two tiers and the interfaces' shared slot books."""
+    """(topology, links, slots): the ranks' nodes (for `hier` and the two-level throttle),
+    with --link the two levels and the interfaces' shared slot books."""
     per_node = a.ranks_per_node if a.ranks_per_node or not a.link else 1
     topo = Topology(comm, 1, comm.Get_size(), "pp", per_node, shm_bytes=nbytes)
     if not a.link:
@@ -194,7 +194,7 @@ def open_topology(a, comm, nbytes: int):
     slots = SharedSlots(topo.node_comm)
     inter = Link(r["bandwidth"], r["latency"], a.time_scale, a.chunk_bytes or None, shared=slots)
     intra = Link(r["intra_bandwidth"], r["intra_latency"], a.time_scale, inter.chunk_bytes)
-    return topo, NodeLinks(Tiers(intra, inter), topo), slots
+    return topo, NodeLinks(Levels(intra, inter), topo), slots
 
 
 class Runner:
@@ -324,7 +324,7 @@ def _measure(runner, a, comm):
 def _model_s(a, algo, nb, p, rt, group, link) -> float:
     """What the link model says the op should take (emulated rates: the link's x time_scale):
     a collective by its algorithm's terms (`auto` chosen as `collectives` chooses) over the
-    nodes of `group` (the NodeGroup: its runs and lanes). `rt`: the tiers' rates."""
+    nodes of `group` (the NodeGroup: its runs and lanes). `rt`: the levels' rates."""
     ts = a.time_scale if a.link else 1.0
     bw, lat = rt["bandwidth"] / ts, rt["latency"] * ts
     if a.op in cost.OPS:

@@ -216,7 +216,7 @@ class _Collective:
         yield from self.wait(self.out_sends.pop(g % self.st.depth, []))
 
     def pace(self, nbytes: float):
-        """Under the link throttle, the intra-node tier's time for `nbytes` of shared memory."""
+        """Under the link throttle, the intra-node level's time for `nbytes` of shared memory."""
         if self.intra is not None and nbytes > 0:
             yield self.intra.reserve(int(nbytes), after=None)
 

@@ -1,10 +1,10 @@
 """What ratrain's collectives cost: the latency-bandwidth model of each algorithm, written once.
 
 Pure arithmetic, no MPI: each algorithm's entry in the registry (`comm.algos`) points at its
-terms here, and through it the runtime's choice, the benchmark's model column and the
-planner's simulator (`ratrain.plan.cost`) price what `ratrain.comm` runs. A message of n bytes
-costs a + n / B (latency a, bandwidth B: the shim's link model) on the tier it crosses: inside
-a node (`Links.node_*`) or through the node's network interface (`Links.net_*`); one tier is
+terms here, and through it the runtime's choice, the benchmark's model column and the planner's
+simulator (`ratrain.plan.cost`) price what `ratrain.comm` runs. A message of n bytes costs
+a + n / B (latency a, bandwidth B: the shim's link model) on the link level it crosses: inside
+a node (`Links.node_*`) or through the node's network interface (`Links.net_*`); one level is
 `Links.flat(a, B)` with every rank a node of its own.
 
 Every algorithm's terms have one signature, `(op, nbytes, nodes, local, links, chunk_bytes)`
@@ -12,7 +12,7 @@ for a group of `nodes` nodes of `local` consecutive ranks, and give (fixed secon
 through each rank's intra-node link, bytes through the busiest node interface) on the
 critical path: a simulator may share the two links with other flows; alone on them the
 collective takes `alone(terms, links)` = fixed + max(intra / node bandwidth, interface bytes /
-net bandwidth). On one tier (p nodes of 1 rank), with a = net latency and B its bandwidth:
+net bandwidth). On one level (p nodes of 1 rank), with a = net latency and B its bandwidth:
 
 - ring all-reduce (reduce-scatter, then all-gather): 2(p-1) messages of n/p bytes,
   `2(p-1)(a + n/(pB))`; ring reduce-scatter, all-gather: `(p-1)(a + n/(pB))`;
@@ -21,14 +21,14 @@ net bandwidth). On one tier (p nodes of 1 rank), with a = net latency and B its 
   of n bytes, plus 2 messages of n bytes (fold in, result out) when p > m:
   `(log2(m) + 2 [p > m]) (a + n/B)`.
 
-On two tiers the ring's steps each cross an interface once per node boundary (one message of
+On two levels the ring's steps each cross an interface once per node boundary (one message of
 n/p per node per step), and the tree's exchange with rank r ^ d stays inside a node when the
 node holds whole blocks of 2d ranks.
 
-The hierarchical collectives (`comm.hier`) are built for the two tiers: `hier_terms` gives, for
-R nodes of L ranks each, the bytes each rank moves through its intra-node link (the fold of its
-lane and the copy of the other lanes: (L-1)/L n each, less for what it does not copy), the
-bytes the busiest node's interface sends (all its lanes together):
+The hierarchical collectives (`comm.hier`) are built for the two link levels: `hier_terms`
+gives, for R nodes of L ranks each, the bytes each rank moves through its intra-node link (the
+fold of its lane and the copy of the other lanes: (L-1)/L n each, less for what it does not
+copy), the bytes the busiest node's interface sends (all its lanes together):
 
     op              interface bytes
     allreduce       n (R = 2), 2n (R > 2: forward and back)
@@ -74,7 +74,7 @@ HOST_BANDWIDTH = 2e9
 
 @dataclass(frozen=True)
 class Links:
-    """The two tiers' rates: a message inside a node costs node_latency + n / node_bandwidth
+    """The two link levels' rates: a message inside a node costs node_latency + n / node_bandwidth
     (each rank its own link), one between nodes net_latency + n / net_bandwidth (the node's
     interface, shared by its ranks)."""
 
@@ -85,7 +85,7 @@ class Links:
 
     @classmethod
     def flat(cls, latency: float, bandwidth: float) -> Links:
-        """One tier (every rank a node of its own: give `nodes` = p, `local` = 1)."""
+        """One level (every rank a node of its own: give `nodes` = p, `local` = 1)."""
         return cls(latency, bandwidth, latency, bandwidth)
 
 
@@ -108,7 +108,7 @@ def ring_terms(op: str, nbytes: float, nodes: int, local: int, links: Links,
     """The ring over `nodes` nodes of `local` consecutive ranks: 2(p-1) steps for an
     all-reduce, p-1 for a reduce-scatter or an all-gather, each a message of n/p bytes from
     every rank to the next, crossing an interface at each node boundary (a step waits for the
-    slower tier)."""
+    slower level)."""
     _check(op)
     p = nodes * local
     if p <= 1:

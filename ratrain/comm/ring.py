@@ -200,7 +200,7 @@ def ring_allreduce_op(buf, comm, op="sum", tag=COLL_TAG, link=None, ledger=None,
     if p == 1 or x.size == 0:
         return buf
     ufunc, wd = as_ufunc(op), work_dtype(x.dtype)
-    if link is not None and hasattr(link, "resolve"):  # two tiers: the one to the next rank
+    if link is not None and hasattr(link, "resolve"):  # two levels: the one to the next rank
         link = link.resolve(comm, (comm.Get_rank() + 1) % p)
     if link is not None:
         posted = link.clock()  # the latency runs from here, while the scratch is made

@@ -183,16 +183,16 @@ class Topology:
 
 
 class NodeLinks:
-    """The shim's two link tiers (`ratrain.shim.link.Tiers`) resolved per message: a message
+    """The shim's two link levels (`ratrain.shim.link.Levels`) resolved per message: a message
     between ranks of one node crosses the sender's intra-node link, one between nodes the
     node's interface. `latency`, `bandwidth`, `time_scale`, `chunk_bytes` and `intra` are the
-    tiers' (what cost models and the collectives' pacing ask)."""
+    levels' (what cost models and the collectives' pacing ask)."""
 
-    def __init__(self, tiers, topology: Topology):
-        self.tiers, self.topo = tiers, topology
-        self.intra, self.inter = tiers.intra, tiers.inter
-        self.latency, self.bandwidth = tiers.latency, tiers.bandwidth
-        self.time_scale, self.chunk_bytes = tiers.time_scale, tiers.chunk_bytes
+    def __init__(self, levels, topology: Topology):
+        self.levels, self.topo = levels, topology
+        self.intra, self.inter = levels.intra, levels.inter
+        self.latency, self.bandwidth = levels.latency, levels.bandwidth
+        self.time_scale, self.chunk_bytes = levels.time_scale, levels.chunk_bytes
         self._nodes: dict[int, list[int]] = {}  # communicator handle -> node of each rank
 
     def resolve(self, comm, peer: int):
@@ -201,10 +201,10 @@ class NodeLinks:
         nodes = self._nodes.get(key)
         if nodes is None:
             nodes = self._nodes[key] = self.topo.nodes_of(comm)
-        return self.tiers.tier(nodes[peer] == nodes[comm.Get_rank()])
+        return self.levels.level(nodes[peer] == nodes[comm.Get_rank()])
 
     def __repr__(self) -> str:
-        return f"NodeLinks({self.tiers})"
+        return f"NodeLinks({self.levels})"
 
 
 def teardown(engine=None, slots=None, topo=None) -> None:

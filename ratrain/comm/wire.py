@@ -11,9 +11,9 @@ and a zero-byte end marker follows when the slot ends (a `progress.Deadline`, me
 message completes at max(model, host) time instead of model + one chunk's host copy, and never
 before latency + bytes / bandwidth.
 
-Tiers: a link that can `resolve(comm, peer)` (`topology.NodeLinks`) gives the link a message to
-or from `peer` crosses (the intra-node link or the node's interface); both tiers cut messages
-into the same chunks, so sender and receiver agree on them.
+Link levels: a link that can `resolve(comm, peer)` (`topology.NodeLinks`) gives the link a
+message to or from `peer` crosses (the intra-node link or the node's interface); both levels cut
+messages into the same chunks, so sender and receiver agree on them.
 
 Message order: MPI keeps messages of one (communicator, peer, tag) in order. A throttled message
 is several MPI messages posted over time, so throttled sends to the same (communicator, peer,
@@ -104,7 +104,7 @@ def exchange_op(send, dest, recv, source, tag, comm, link=None, on_chunk=None, v
                      None if rbuf is None else rbuf.size, tag)
     item = recv.itemsize if recv is not None else 1
     slink = rlink = link
-    if link is not None and hasattr(link, "resolve"):  # two tiers: the link each peer is behind
+    if link is not None and hasattr(link, "resolve"):  # two levels: the link each peer is behind
         slink = link.resolve(comm, dest) if sbuf is not None else None
         rlink = link.resolve(comm, source) if rbuf is not None else None
         link = slink or rlink
@@ -128,7 +128,7 @@ def _throttled_exchange(sbuf, dest, rbuf, source, tag, comm, slink, rlink, on_ch
     """`exchange_op` through the link throttle: chunks, each released when its slot on the
     emulated wire ends (the last when its slot starts, then the end marker); receives are
     posted for every chunk at once and reported to `on_chunk` in order as they land.
-    `slink` / `rlink`: the links of the send and of the receive (the same with one tier)."""
+    `slink` / `rlink`: the links of the send and of the receive (the same with one level)."""
     pending: deque = deque()  # (request, lo, hi) of receive chunks, in order, then the end
     link = slink
     if rbuf is not None:

@@ -14,7 +14,7 @@ environment. The choice follows the config's switches (`run.fused`, `run.devkern
     rope, swiglu   fused                          devkernels             kernels.rope_*, swiglu_*
     attention      tiled-64                       cudnn (fp16, bf16),    kernels.attention_*
                                                   else tiled-1024
-    cross_entropy  numpy                          devkernels             kernels.logsumexp_rows
+    cross_entropy  numpy                          devkernels (devloss)   kernels.cross_entropy_*
     adamw          fused                          devkernels             optim._adam_core
     grad_norm      numpy                          devkernels             kernels.block_sq_norm
     cast           fused                          cupy                   kernels.as_dtype
@@ -48,7 +48,7 @@ import numpy as np
 
 from ratrain.config import is_half
 from ratrain.device import kind_of
-from ratrain.exec import cudnn_sdpa, devkernels, fused, kernels
+from ratrain.exec import cudnn_sdpa, devkernels, devlaunch, devloss, fused, kernels
 from ratrain.exec.attention import (
     DEVICE_GROUP_BYTES,
     TILE_BYTES,
@@ -63,8 +63,8 @@ from ratrain.exec.profile import timed
 # each op (but attention, an object of its own) and the table's fields that implement it
 ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
            "rope": ("rope_forward", "rope_backward"), "swiglu": ("swiglu_forward", "swiglu_backward"),
-           "cross_entropy": ("logsumexp_rows",), "adamw": ("adamw",), "grad_norm": ("grad_norm",),
-           "cast": ("cast", "assign")}
+           "cross_entropy": ("cross_entropy_rows", "cross_entropy_grad"), "adamw": ("adamw",),
+           "grad_norm": ("grad_norm",), "cast": ("cast", "assign")}
 OPS = (*ENTRIES, "attention")
 ENGINES = {"fused": "numba", "devkernels": "numba-cuda"}  # the compilers, for the banner
 
@@ -199,7 +199,8 @@ class Kernels:
     rope_backward: Callable
     swiglu_forward: Callable
     swiglu_backward: Callable
-    logsumexp_rows: Callable  # the head's cross-entropy: the rows' logsumexp
+    cross_entropy_rows: Callable  # the head's forward: the rows' logsumexp and losses
+    cross_entropy_grad: Callable  # the head's backward: a vocabulary chunk's dlogits
     adamw: Callable | None  # a flat-range update (fused.adamw's signature); None: the reference
     grad_norm: Callable  # (flat gradient, xp) -> sum of squares in float64
     cast: Callable  # (a, dtype) -> a in dtype (itself when it has it)
@@ -273,16 +274,16 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
     if fused_mode == "on" and not fused.available():
         raise BackendError(f"run.fused=on but {fused.why_off()}: install it (pip install "
                            "'ratrain[fast]') or set run.fused=auto")
-    if dev_mode in ("on", "sim") and devkernels.why_off():
-        raise BackendError(f"run.devkernels={dev_mode} but {devkernels.why_off()}; or set "
+    if dev_mode in ("on", "sim") and devlaunch.why_off():
+        raise BackendError(f"run.devkernels={dev_mode} but {devlaunch.why_off()}; or set "
                            "run.devkernels=auto")
     if dev_mode == "sim" and device == "gpu":
         raise BackendError("run.devkernels=sim runs the device kernels on run.device=standin, "
                            "in numba-cuda's simulator: on a GPU set run.devkernels=auto")
-    if dev_mode == "sim" and device == "standin" and not devkernels.simulated():
+    if dev_mode == "sim" and device == "standin" and not devlaunch.simulated():
         raise BackendError("run.devkernels=sim but numba-cuda is not its simulator here: set "
                            "NUMBA_ENABLE_CUDASIM=1 before numba loads, or run.devkernels=auto")
-    if dev_mode == "on" and device == "gpu" and devkernels.simulated():
+    if dev_mode == "on" and device == "gpu" and devlaunch.simulated():
         raise BackendError("run.devkernels=on on a GPU but numba-cuda runs its simulator "
                            "(NUMBA_ENABLE_CUDASIM=1): unset it, or set run.devkernels=auto")
     if precision not in ("fp32", "fp16", "bf16"):
@@ -291,7 +292,7 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
         return "fused" if fused_mode != "off" and fused.available() else None
     if device == "standin":
         return "devkernels" if dev_mode == "sim" else None
-    if dev_mode in ("auto", "on") and not devkernels.why_off() and not devkernels.simulated():
+    if dev_mode in ("auto", "on") and not devlaunch.why_off() and not devlaunch.simulated():
         return "devkernels"
     return None
 
@@ -305,8 +306,9 @@ _REFERENCE = dict(
     gemm=matmul, rmsnorm_forward=kernels.rmsnorm_forward,
     rmsnorm_backward=kernels.rmsnorm_backward, rope_forward=kernels.rope_forward,
     rope_backward=kernels.rope_backward, swiglu_forward=kernels.swiglu_forward,
-    swiglu_backward=kernels.swiglu_backward, logsumexp_rows=kernels.logsumexp_rows, adamw=None,
-    grad_norm=block_sq_norm, cast=kernels.as_dtype, assign=kernels.assign)
+    swiglu_backward=kernels.swiglu_backward, cross_entropy_rows=kernels.cross_entropy_rows,
+    cross_entropy_grad=kernels.cross_entropy_grad, adamw=None, grad_norm=block_sq_norm,
+    cast=kernels.as_dtype, assign=kernels.assign)
 
 _FUSED = dict(
     rmsnorm_forward=fused.rmsnorm_forward, rmsnorm_backward=fused.rmsnorm_backward,
@@ -380,11 +382,27 @@ def _dev_swiglu_backward(dact, cache, xp, out=None, with_act=False):
     return kernels.swiglu_backward(dact, cache, xp, out, with_act)
 
 
+def _ids(a) -> bool:
+    return a.dtype.kind in "iu"
+
+
 @timed("head")
-def _dev_logsumexp_rows(z, xp):
-    if _dk(z) and z.flags.c_contiguous:
-        return devkernels.logsumexp_rows(z, xp)
-    return kernels.logsumexp_rows(z, xp)
+def _dev_cross_entropy_rows(z, targets, xp, out=None):
+    if _dk(z) and z.flags.c_contiguous and _ids(targets) and \
+            all(o.dtype == np.float32 and o.flags.c_contiguous for o in out or ()):
+        return devloss.cross_entropy_rows(z, targets, xp, out=out)  # one launch
+    return kernels.cross_entropy_rows(z, targets, xp, out)
+
+
+@timed("head")
+def _dev_cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None):
+    if not (_dk(z, lse) and z.flags.c_contiguous and _ids(targets)):
+        return kernels.cross_entropy_grad(z, targets, lse, scale, xp, v0, out)
+    if out is None or (_dk(out) and out.flags.c_contiguous):  # fp16: the cast fused
+        return devloss.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0, out=out)
+    d = devloss.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0)  # bf16: then a cast
+    kernels.assign(out, d)
+    return out
 
 
 @timed("grad norm")
@@ -398,7 +416,8 @@ _DEVICE = dict(
     rmsnorm_forward=_dev_rmsnorm_forward, rmsnorm_backward=_dev_rmsnorm_backward,
     rope_forward=_dev_rope_forward, rope_backward=_dev_rope_backward,
     swiglu_forward=_dev_swiglu_forward, swiglu_backward=_dev_swiglu_backward,
-    logsumexp_rows=_dev_logsumexp_rows, adamw=devkernels.adamw, grad_norm=_dev_grad_norm)
+    cross_entropy_rows=_dev_cross_entropy_rows, cross_entropy_grad=_dev_cross_entropy_grad,
+    adamw=devkernels.adamw, grad_norm=_dev_grad_norm)
 
 _COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compiler provides
 

@@ -97,7 +97,7 @@ BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the
 # each way a step, each a GEMM and half a dozen small launches, 1,770 device operations a step
 # more than at 256 MiB (benchmarks/launches.py, bf16), each some microseconds of the host's
 # time on a card; at 256 MiB 4 chunks each way, GEMMs of 2048 rows, and a transient of about
-# 640 MiB (10 bytes a logit there: `layers.head_workspace_nbytes`).
+# 640 MiB (10 bytes a logit there: `head.head_workspace_nbytes`).
 HEAD_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "standin": 256 << 20}
 
 

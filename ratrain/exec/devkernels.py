@@ -2,10 +2,8 @@
 several, for the GPU path's elementwise and row work.
 
 Each public function takes the array module `xp` (cupy on a GPU; numpy or the stand-in under
-numba-cuda's simulator, `NUMBA_ENABLE_CUDASIM=1`, which runs the same kernels on a CPU, in the
-tests), allocates its outputs with `xp.empty` (cupy's pool owns them) and launches through
-`_launch`: on a GPU on cupy's current stream, the arrays passed by their CUDA array interface
-(no copy, no host sync); under the simulator host arrays in place (views and aliases included).
+numba-cuda's simulator, in the tests) and launches through `exec.devlaunch`, which loads
+numba-cuda, checks the arguments and says how a launch goes on a GPU and in the simulator.
 
     kernel                    matches                                     launch
     rmsnorm_forward/backward  kernels.rmsnorm_* (fused._rmsnorm_*)         a block per row; dw:
@@ -13,15 +11,12 @@ tests), allocates its outputs with `xp.empty` (cupy's pool owns them) and launch
                                                                             then a column sum
     swiglu_forward/backward   kernels.swiglu_* (fused._swiglu_*)           grid-stride
     rope_forward/backward     kernels.rope_* (fused._rope)                 grid-stride
-    logsumexp_rows            kernels.logsumexp_rows (the head's loss)     a block per row
     adamw                     fused.adamw (optim._adam_core's arithmetic)  grid-stride
     sum_squares               kernels.block_sq_norm (fp64 accumulation)      per-block partials,
                                                                             then one block
 
 The kernel table (`exec.backends`) puts them in the references' place on a GPU rank (and on the
-stand-in under the simulator, `run.devkernels: sim`). Kernels no run calls (the fused
-cross-entropy, the attention softmax, the cast) live with their tests and benchmark
-(tests/_unwired_devkernels.py), built on `device_functions` and `_launch`.
+stand-in under the simulator, `run.devkernels: sim`).
 
 Numerics: inputs are float32 or float16 (float64 stays on `kernels`, the reference); every
 value is loaded into fp32 and computed in fp32 in the reference's operator order, and results
@@ -32,9 +27,9 @@ reference does. Under the simulator the arithmetic is numpy's fp32 (exp, log, sq
 double); on a GPU libdevice's expf/logf (within 2 ulps) and the compiler's fused
 multiply-adds may change the last bit, so the tests compare with tolerances, not bitwise.
 Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
-reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256,
-1024 for the logsumexp's long rows; 32 under the simulator, one Python thread per CUDA
-thread); each kernel set is compiled once per block size.
+reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256;
+32 under the simulator, one Python thread per CUDA thread); each kernel set is compiled once
+per block size. The head's cross-entropy has kernels of its own (`exec.devloss`).
 """
 
 from __future__ import annotations
@@ -45,234 +40,24 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ratrain.device import kind_of, storage_of
-from ratrain.device.standin import COUNTS, StandinArray
+from ratrain.exec import devlaunch as dl
 from ratrain.exec import fused
+from ratrain.exec.devlaunch import F32
 
-# numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
-# `cuda` global of a kernel's module for its per-thread stand-in
+# numba.cuda and its scalar types, set by `_kernels` from `load()`: module globals, as the
+# simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
 cuda = float32 = float64 = None
-_SIM = None  # whether numba.cuda is the simulator (set by `load()`)
 
-F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
-GPU_THREADS = 256  # threads per block on a GPU (8 warps)
-LONG_ROW_THREADS = 1024  # rows of V logits on a GPU: fewer rows in flight, so a row's second
-# read hits L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
-SIM_THREADS = 32  # under the simulator: one Python thread each
-MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
-EXP_MAX = 88.72283935546875  # the smallest float32 whose expf overflows (log(FLT_MAX) < it)
-
-
-def numpy_compat(numpy=np) -> list[str]:
-    """Aliases numba-cuda's typing registry still names and numpy has removed, put back (the
-    names put back): numpy 2.5 dropped `row_stack` (= vstack), and numba-cuda (to 0.30.4)
-    registers an overload of it when it compiles its first kernel, failing on a GPU host with
-    numpy 2.5 (seen on the device image's numpy 2.5.2, 2026-11-28). Upstream: NVIDIA/numba-cuda
-    issue 907, not to be fixed there (the package is in maintenance mode); numba 0.67 guards
-    its own copy."""
-    added = []
-    if not hasattr(numpy, "row_stack"):
-        numpy.row_stack = numpy.vstack
-        added.append("row_stack")
-    return added
-
-
-@functools.cache
-def load():
-    """numba.cuda (numba-cuda's, not numba's deprecated built-in target), imported on first use;
-    ImportError naming the package when it is missing."""
-    global cuda, float32, float64, _SIM
-    numpy_compat()
-    try:
-        # numba-cuda is optional: only GPU hosts and the tests (the test extra) have it
-        import numba.cuda as numba_cuda
-    except ImportError as e:
-        raise ImportError(f"ratrain.exec.devkernels needs numba-cuda (pip install numba-cuda; "
-                          f"the test extra installs it): {e}") from e
-    if getattr(numba_cuda, "implementation", "") != "NVIDIA":
-        raise ImportError("ratrain.exec.devkernels needs numba-cuda (pip install numba-cuda): "
-                          "only numba's deprecated built-in numba.cuda is installed")
-    try:  # numba-cuda's own config (recent releases), else numba's
-        from numba.cuda.core import config
-    except ImportError:
-        from numba.core import config
-    cuda, float32, float64 = numba_cuda, numba_cuda.float32, numba_cuda.float64
-    _SIM = bool(config.ENABLE_CUDASIM)
-    return numba_cuda
-
-
-@functools.cache
-def why_off() -> str:
-    """Why these kernels cannot run here ("" when numba-cuda imports)."""
-    try:
-        load()
-    except ImportError as e:
-        return str(e)
-    return ""
-
-
-def simulated() -> bool:
-    """Whether kernels run in numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1 when numba.cuda was
-    first imported)."""
-    load()
-    return _SIM
-
-
-# --------------------------------------------------------------------------------------------
-# Launch: one helper for every kernel
-# --------------------------------------------------------------------------------------------
-
-
-def _check(xp, *arrays) -> None:
-    """One line on a wrong array module or dtype, before any launch."""
-    sim = simulated()
-    if sim and kind_of(xp) == "gpu":
-        raise TypeError("devkernels under the simulator (NUMBA_ENABLE_CUDASIM=1) take numpy "
-                        "or stand-in arrays: pass xp=numpy")
-    if not sim and xp is np:
-        raise TypeError("devkernels on a GPU take cupy arrays: pass xp=cupy (numpy arrays run "
-                        "only under NUMBA_ENABLE_CUDASIM=1)")
-    for a in arrays:
-        if a.dtype not in (F32, F16):
-            raise TypeError(f"devkernels compute float32 and float16 arrays, not {a.dtype}: "
-                            "float64 runs on ratrain.exec.kernels (the reference)")
-
-
-def _threads(threads, gpu=GPU_THREADS) -> int:
-    if threads is None:
-        return SIM_THREADS if simulated() else gpu
-    if not (1 <= threads <= 1024 and threads & (threads - 1) == 0):
-        raise ValueError(f"threads={threads}: a block is a power of two from 1 to 1024 threads")
-    return threads
-
-
-def _grid(n: int, threads: int) -> int:
-    """Blocks of a grid-stride kernel over n elements."""
-    return max(1, min(-(-n // threads), MAX_BLOCKS))
-
-
-@functools.lru_cache(maxsize=16)
-def _stream(ptr: int):
-    return cuda.external_stream(ptr)  # wraps cupy's stream; never owns or destroys it
-
-
-def _launch(kernel, blocks: int, threads: int, xp, *args) -> None:
-    """kernel[blocks, threads](*args) on cupy's current stream (a GPU), or in the simulator."""
-    if simulated():
-        from numba.cuda.simulator.cudadrv.devicearray import (  # the simulator only
-            FakeCUDAArray,
-        )
-
-        # its device arrays wrap numpy arrays in place (plain numpy arguments would be copied
-        # in and back, which loses writes through aliases and refuses strided views); a
-        # stand-in array's values are a numpy array (`storage_of`)
-        held = [storage_of(a) for a in args]
-        if any(type(a) is StandinArray for a in args):
-            COUNTS["ops"] += 1  # a launch of the stand-in's device (benchmarks/launches.py)
-        kernel[blocks, threads](*[a if h is None else FakeCUDAArray(h) for a, h in zip(args, held)])
-        return
-    stream = _stream(xp.cuda.get_current_stream().ptr)
-    # ordered on the same stream as the arrays' producers: no host sync (sync=False)
-    args = [cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
-            for a in args]
-    kernel[blocks, threads, stream](*args)
-
-
-def _rows(a):
-    """a (..., C) as (R, C) (a view when a is contiguous; a copy of an input otherwise)."""
-    return a.reshape(-1, a.shape[-1])
-
-
-def _out(out, shape, dtype, xp, any_strides=False):
-    """`out` (checked: shape, float32/16, C-contiguous unless the kernel takes `any_strides`, so
-    that a 2-D view of it writes through) or a new `dtype` array."""
-    if out is None:
-        return xp.empty(shape, dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
-        raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
-                         "float32 or float16")
-    if not (any_strides or out.flags.c_contiguous):
-        raise ValueError("out: must be C-contiguous (a view of it is written)")
-    return out
-
-
-def _two_d(name, a):
-    if a.ndim != 2:
-        raise ValueError(f"{name}: a 2-D (N, F) array (any strides), got shape {tuple(a.shape)}")
-    return a
-
-
-# --------------------------------------------------------------------------------------------
-# The kernels, compiled once per block size
-# --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def device_functions(TPB: int) -> SimpleNamespace:
-    """The device functions the kernels share, for blocks of TPB threads: fexp, flog, fmax,
-    block_reduce (kernels of other modules may call them too)."""
-    load()
-    inf = math.inf
-
-    @cuda.jit(device=True)
-    def fexp(v):  # expf; the simulator's math.exp would raise where expf gives inf
-        if v >= float32(EXP_MAX):
-            return float32(inf)
-        return float32(math.exp(v))
-
-    @cuda.jit(device=True)
-    def flog(v):  # logf; the simulator's math.log would raise at 0
-        if v == float32(0.0):
-            return float32(-inf)
-        return float32(math.log(v))
-
-    @cuda.jit(device=True)
-    def fmax(a, b):  # max that keeps a NaN from either side (numpy's max does)
-        if a > b or a != a:
-            return a
-        return b
-
-    @cuda.jit(device=True)
-    def block_reduce(sh, t, v, take_max):
-        """The sum (or the max) of every thread's v by a shared-memory tree; every thread gets
-        it. Called by all the block's threads alike."""
-        sh[t] = v
-        cuda.syncthreads()
-        s = TPB // 2
-        while s > 0:
-            if t < s:
-                if take_max:
-                    sh[t] = fmax(sh[t], sh[t + s])
-                else:
-                    sh[t] += sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh[0]
-        cuda.syncthreads()  # all have read sh[0] before the next tree writes sh
-        return total
-
-    @cuda.jit(device=True)
-    def row_logsumexp(sh, z, r, t):
-        """log(sum(exp(z[r] - max))) + max of row r of z (N, V), the max and the sum by
-        `block_reduce`; every thread gets it. Called by all the block's threads alike."""
-        m = float32(-inf)
-        for c in range(t, z.shape[1], TPB):
-            m = fmax(m, float32(z[r, c]))
-        m = block_reduce(sh, t, m, True)
-        acc = float32(0.0)
-        for c in range(t, z.shape[1], TPB):
-            acc += fexp(float32(z[r, c]) - m)
-        return flog(block_reduce(sh, t, acc, False)) + m
-
-    return SimpleNamespace(fexp=fexp, flog=flog, fmax=fmax, block_reduce=block_reduce,
-                           row_logsumexp=row_logsumexp)
 
 
 @functools.cache
 def _kernels(TPB: int) -> SimpleNamespace:
-    f = device_functions(TPB)
-    fexp, block_reduce, row_logsumexp = f.fexp, f.block_reduce, f.row_logsumexp
+    global cuda, float32, float64
+    cuda = dl.load()
+    float32, float64 = cuda.float32, cuda.float64
+    f = dl.device_functions(TPB)
+    fexp, block_reduce = f.fexp, f.block_reduce
     rope_pair = cuda.jit(device=True)(fused.rope_pair)
     adam_moments = cuda.jit(device=True)(fused.adam_moments)
 
@@ -375,15 +160,6 @@ def _kernels(TPB: int) -> SimpleNamespace:
             out[b, tt, h, k + d] = y2
             i += step
 
-    # -- Cross-entropy's row logsumexp ----------------------------------------------------
-
-    @cuda.jit
-    def lse_rows(z, lse):  # a block per row of z (N, V)
-        sh = cuda.shared.array(TPB, float32)
-        lse_r = row_logsumexp(sh, z, cuda.blockIdx.x, cuda.threadIdx.x)
-        if cuda.threadIdx.x == 0:
-            lse[cuda.blockIdx.x] = lse_r
-
     # -- AdamW, the gradient norm -----------------------------------------------------------
 
     @cuda.jit
@@ -432,14 +208,14 @@ def _kernels(TPB: int) -> SimpleNamespace:
 def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
     """x (..., C), w (C,) -> y (..., C) (float32, or `out`'s dtype), cache (x, rstd (..., 1)
     float32, w): `kernels.rmsnorm_forward`."""
-    _check(xp, x, w)
-    tpb = _threads(threads)
-    y = _out(out, x.shape, F32, xp)
+    dl.check(xp, x, w)
+    tpb = dl.block_threads(threads)
+    y = dl.out_array(out, x.shape, F32, xp)
     rstd = xp.empty((*x.shape[:-1], 1), F32)
     if x.size:
-        x2 = _rows(x)
-        _launch(_kernels(tpb).rmsnorm_fwd, x2.shape[0], tpb, xp, x2, w, np.float32(eps),
-                _rows(y), rstd.reshape(-1))
+        x2 = dl.rows(x)
+        dl.launch(_kernels(tpb).rmsnorm_fwd, x2.shape[0], tpb, xp, x2, w, np.float32(eps),
+                  dl.rows(y), rstd.reshape(-1))
     return y, (x, rstd, w)
 
 
@@ -448,11 +224,11 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     dw: each of at most ROW_GROUPS blocks sums its rows (every ROW_GROUPS-th) per column, then
     the partials are summed in block order."""
     x, rstd, w = cache
-    _check(xp, dy, x, rstd, w)
-    tpb = _threads(threads)
-    dx = _out(out, x.shape, F32, xp)
+    dl.check(xp, dy, x, rstd, w)
+    tpb = dl.block_threads(threads)
+    dx = dl.out_array(out, x.shape, F32, xp)
     C = x.shape[-1]
-    x2 = _rows(x)
+    x2 = dl.rows(x)
     R = x2.shape[0]
     dw = xp.empty(C, F32)
     if R == 0:
@@ -461,8 +237,9 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     k = _kernels(tpb)
     blocks = min(R, ROW_GROUPS)
     parts = xp.empty((blocks, C), F32)
-    _launch(k.rmsnorm_bwd, blocks, tpb, xp, _rows(dy), x2, rstd.reshape(-1), w, _rows(dx), parts)
-    _launch(k.column_sum, _grid(C, tpb), tpb, xp, parts, dw)
+    dl.launch(k.rmsnorm_bwd, blocks, tpb, xp, dl.rows(dy), x2, rstd.reshape(-1), w, dl.rows(dx),
+              parts)
+    dl.launch(k.column_sum, dl.grid(C, tpb), tpb, xp, parts, dw)
     return dx, dw
 
 
@@ -474,12 +251,12 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
 def swiglu_forward(gate, up, xp, out=None, threads=None):
     """act = gate * sigmoid(gate) * up of (N, F) arrays (views welcome) -> (act, (gate, up)):
     `kernels.swiglu_forward`."""
-    _check(xp, gate, up)
-    tpb = _threads(threads)
-    act = _out(out, _two_d("gate", gate).shape, F32, xp, True)
+    dl.check(xp, gate, up)
+    tpb = dl.block_threads(threads)
+    act = dl.out_array(out, dl.two_d("gate", gate).shape, F32, xp, True)
     if gate.size:
-        _launch(_kernels(tpb).swiglu_fwd, _grid(gate.size, tpb), tpb, xp, gate,
-                _two_d("up", up), act)
+        dl.launch(_kernels(tpb).swiglu_fwd, dl.grid(gate.size, tpb), tpb, xp, gate,
+                  dl.two_d("up", up), act)
     return act, (gate, up)
 
 
@@ -487,14 +264,15 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     """-> (dgate, dup) float32 (or `out` = (dgate, dup)'s dtypes, views welcome), and act with
     `with_act`: `kernels.swiglu_backward`."""
     gate, up = cache
-    _check(xp, dact, gate, up)
-    tpb = _threads(threads)
-    shape = _two_d("gate", gate).shape
-    dgate, dup = (_out(o, shape, F32, xp, True) for o in (out or (None, None)))
+    dl.check(xp, dact, gate, up)
+    tpb = dl.block_threads(threads)
+    shape = dl.two_d("gate", gate).shape
+    dgate, dup = (dl.out_array(o, shape, F32, xp, True) for o in (out or (None, None)))
     act = xp.empty(shape, F32) if with_act else None
     if gate.size:
-        _launch(_kernels(tpb).swiglu_bwd, _grid(gate.size, tpb), tpb, xp, _two_d("dact", dact),
-                gate, _two_d("up", up), dgate, dup, act if with_act else dgate, with_act)
+        dl.launch(_kernels(tpb).swiglu_bwd, dl.grid(gate.size, tpb), tpb, xp,
+                  dl.two_d("dact", dact), gate, dl.two_d("up", up), dgate, dup,
+                  act if with_act else dgate, with_act)
     return (dgate, dup, act) if with_act else (dgate, dup)
 
 
@@ -506,13 +284,13 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
 def _rope(x, cos, sin, xp, out, sign, threads):
     """x (B, T, H, D) with tables (T, 1, D), or x (B, H, T, D) with tables (T, D) (as
     `kernels.rope_forward` broadcasts them); out any strides (a new float32 array if None)."""
-    _check(xp, x, cos, sin)
-    tpb = _threads(threads)
+    dl.check(xp, x, cos, sin)
+    tpb = dl.block_threads(threads)
     if x.ndim != 4 or cos.ndim not in (2, 3) or x.shape[-1] % 2:
         raise ValueError(f"rope: x (B, T, H, D) with tables (T, 1, D) or x (B, H, T, D) with "
                          f"tables (T, D), D even; got x {tuple(x.shape)}, tables "
                          f"{tuple(cos.shape)}")
-    out = _out(out, x.shape, F32, xp, True)
+    out = dl.out_array(out, x.shape, F32, xp, True)
     if cos.ndim == 3:  # (T, 1, D): x token-major
         c2, s2, xv, ov = cos[:, 0], sin[:, 0], x, out
     else:  # (T, D): x head-major, seen token-major
@@ -520,7 +298,7 @@ def _rope(x, cos, sin, xp, out, sign, threads):
         xv, ov = x.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3)
     n = x.size // 2
     if n:
-        _launch(_kernels(tpb).rope, _grid(n, tpb), tpb, xp, xv, c2, s2, ov, sign)
+        dl.launch(_kernels(tpb).rope, dl.grid(n, tpb), tpb, xp, xv, c2, s2, ov, sign)
     return out
 
 
@@ -536,23 +314,6 @@ def rope_backward(dy, cache, xp, out=None, threads=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Cross-entropy's row logsumexp (the head's loss)
-# --------------------------------------------------------------------------------------------
-
-
-def logsumexp_rows(z, xp, threads=None):
-    """log(sum(exp(z), -1)) of rows of z (N, V), the max subtracted first: float32 (N,)."""
-    _check(xp, z)
-    if z.ndim != 2:
-        raise ValueError(f"logsumexp_rows: z (N, V), got shape {tuple(z.shape)}")
-    tpb = _threads(threads, LONG_ROW_THREADS)
-    lse = xp.empty(z.shape[0], F32)
-    if z.shape[0]:
-        _launch(_kernels(tpb).lse_rows, z.shape[0], tpb, xp, z, lse)
-    return lse
-
-
-# --------------------------------------------------------------------------------------------
 # AdamW, the gradient norm
 # --------------------------------------------------------------------------------------------
 
@@ -562,13 +323,13 @@ def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp, th
     `optim._adam_core` with the gradient scale and the decay factor `keep` = 1 - lr * wd folded
     in; the caller splits a block into decayed and undecayed ranges as `AdamW._update_fused`
     does). g is left as it was."""
-    _check(xp, p, m, v, g)
+    dl.check(xp, p, m, v, g)
     if not all(a.dtype == F32 and a.ndim == 1 for a in (p, m, v, g)):
         raise TypeError("adamw: p, m, v, g are flat float32 arrays")
-    tpb = _threads(threads)
+    tpb = dl.block_threads(threads)
     if p.size:
-        _launch(_kernels(tpb).adamw, _grid(p.size, tpb), tpb, xp, p, m, v, g,
-                *fused.adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps))
+        dl.launch(_kernels(tpb).adamw, dl.grid(p.size, tpb), tpb, xp, p, m, v, g,
+                  *fused.adam_scalars(grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps))
 
 
 def sum_squares(a, xp, threads=None):
@@ -576,32 +337,27 @@ def sum_squares(a, xp, threads=None):
     device (`float(...)` of it is the one host sync): `kernels.block_sq_norm` (a non-finite
     element makes it non-finite, the fp16 overflow signal). Per-block partials of a grid-stride
     pass, then one block sums them: the order is fixed by len(a) and `threads` alone."""
-    _check(xp, a)
+    dl.check(xp, a)
     if a.ndim != 1:
         raise ValueError(f"sum_squares: a flat array, got shape {tuple(a.shape)}")
-    tpb = _threads(threads)
+    tpb = dl.block_threads(threads)
     out = xp.zeros(1, np.float64)
     if a.size:
         k = _kernels(tpb)
-        blocks = _grid(a.size, tpb)
+        blocks = dl.grid(a.size, tpb)
         parts = xp.empty(blocks, np.float64)
-        _launch(k.sum_squares, blocks, tpb, xp, a, parts)
-        _launch(k.sum_parts, 1, tpb, xp, parts, out)
+        dl.launch(k.sum_squares, blocks, tpb, xp, a, parts)
+        dl.launch(k.sum_parts, 1, tpb, xp, parts, out)
     return out.reshape(())
 
 
 __all__ = [
     "adamw",
-    "device_functions",
-    "load",
-    "logsumexp_rows",
     "rmsnorm_backward",
     "rmsnorm_forward",
     "rope_backward",
     "rope_forward",
-    "simulated",
     "sum_squares",
     "swiglu_backward",
     "swiglu_forward",
-    "why_off",
 ]

@@ -365,11 +365,21 @@ def cross_entropy_forward(logits, targets, xp):
     Computed in the compute type with the row max subtracted. Returns (loss 0-d, cache)."""
     ct = compute_dtype(logits)
     z = as_dtype(logits, ct)
-    lse = logsumexp_rows(z, xp)  # (N,)
-    n = z.shape[0]
-    picked = z[xp.arange(n), targets]  # (N,)
-    losses = lse - picked
+    lse, losses = cross_entropy_rows(z, targets, xp)  # (N,) each
     return losses.mean(dtype=ct), (z, targets, lse)
+
+
+def cross_entropy_rows(z, targets, xp, out=None):
+    """The head's forward on rows of logits z (N, V) and their targets (N,): (lse, losses) in
+    z's dtype (or written into `out` = (lse, losses)), lse = logsumexp_rows(z) and
+    losses = lse - z[n, t_n]."""
+    lse = logsumexp_rows(z, xp)  # (N,)
+    picked = z[xp.arange(z.shape[0]), targets]  # (N,)
+    if out is None:
+        return lse, lse - picked
+    out[0][...] = lse
+    xp.subtract(out[0], picked, out=out[1])
+    return out
 
 
 @timed("head")
@@ -384,12 +394,24 @@ def logsumexp_rows(z, xp):
 def cross_entropy_backward(dloss, cache, xp):
     """-> dlogits (N, V) = (softmax(logits) - onehot(targets)) * dloss / N."""
     z, targets, lse = cache
-    n = z.shape[0]
-    d = z - lse[:, None]  # (N, V)
-    xp.exp(d, out=d)
-    d[xp.arange(n), targets] -= 1.0
-    d *= float(dloss) / n
-    return d
+    return cross_entropy_grad(z.copy(), targets, lse, float(dloss) / z.shape[0], xp)
+
+
+def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None):
+    """The head's backward on the vocabulary's columns [v0, v0 + W): from their logits z (N, W),
+    the targets (N,) and the rows' lse (N,), dlogits = (exp(z - lse) - onehot(targets - v0)) *
+    scale, computed over z (which it overwrites) and returned, or rounded into `out`."""
+    n, w = z.shape
+    z -= lse[:, None]
+    xp.exp(z, out=z)  # softmax
+    col = targets if v0 == 0 else targets - v0  # (N,) each target's column in this chunk
+    at = xp.clip(col, 0, w - 1)  # a column in range (0 is subtracted where the target is not)
+    z[xp.arange(n), at] -= (col == at).astype(z.dtype)
+    z *= scale
+    if out is None:
+        return z
+    assign(out, z)
+    return out
 
 
 __all__ = [
@@ -404,6 +426,8 @@ __all__ = [
     "compute_dtype",
     "cross_entropy_backward",
     "cross_entropy_forward",
+    "cross_entropy_grad",
+    "cross_entropy_rows",
     "embedding_backward",
     "embedding_forward",
     "gqa_shape",

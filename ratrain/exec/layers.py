@@ -1,17 +1,15 @@
-"""Block kernels: the embedding, one decoder layer, and the head (final norm + LM head + loss).
-
-The interface is docs/INTERNALS.md's "Block kernels":
+"""Block kernels: the embedding and one decoder layer, and what every block shares (its cache,
+the workspace tag, the compute-type cast, the gradient accumulation). The head, the third kind
+of block, is `exec.head`; it has the same interface.
 
     embed_forward(ids, p, ctx) -> (x, cache)          embed_backward(dx, cache, p, g, ctx) -> None
     layer_forward(x, p, ctx, recompute) -> (y, cache) layer_backward(dy, cache, p, g, ctx) -> dx
-    head_forward(x, targets, p, ctx) -> (loss, cache) head_backward(dscale, cache, p, g, ctx) -> dx
     cache_nbytes(cache) -> int ; cache_arrays(cache) -> list of arrays (for ledger.track)
     layer_cache_nbytes(model, batch, precision, recompute) -> int  (the same, from shapes)
 
 `p` maps local names to the block's working weight view (ctx.dtype: float16, bfloat16 or
 float32, Hugging Face layout (out, in), y = x @ W.T); `g` maps local names to fp32 gradient
-arrays that backward *adds* into. With tied embeddings the caller passes the embedding's view and gradient as the
-head's `p["weight"]` / `g["weight"]`.
+arrays that backward *adds* into.
 
 A decoder layer (pre-norm LLaMA):
     h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x))
@@ -20,7 +18,7 @@ Wq/Wk/Wv and Wg/Wu are concatenated once per call (one GEMM each, forward and ba
 fp16 and bf16 mode on the CPU every weight view is converted to fp32 once per call into scratch
 (`scratch.gemm`) so that each GEMM is an sgemm (on a device the GEMMs run in the 16-bit dtype).
 Activations crossing blocks and kept in caches are ctx.dtype; inside a call everything is fp32
-(GEMM accumulation, norms, softmax, loss). In fp16 and bf16 mode q, k, v are rounded to 16 bits
+(GEMM accumulation, norms, softmax). In fp16 and bf16 mode q, k, v are rounded to 16 bits
 before attention (they are kept so), so that a recomputation from the kept values reproduces
 the forward bit for bit. Every op runs through
 the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
@@ -98,8 +96,8 @@ def _as(ctx, a, dtype):
     return a if a.dtype == dtype else ctx.kernels.cast(a, dtype)
 
 
-def _c(ctx, a):
-    """`a` in the compute type."""
+def as_compute(ctx, a):
+    """`a` in the compute type (itself when it has it)."""
     return _as(ctx, a, ctx.compute)
 
 
@@ -245,7 +243,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
     eps = ctx.model.norm_eps
 
-    x32 = _c(ctx, x)  # (b, T, C)
+    x32 = as_compute(ctx, x)  # (b, T, C)
     xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
     qkv = ops.gemm(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=half16)  # (N, HD + 2 KVD)
     q = xp.empty((b, H, T, D), ct)
@@ -311,11 +309,11 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     C, _, _, _, F = _dims(ctx)
     b, T, _ = dy.shape
     N = b * T
-    dy32 = _c(ctx, dy).reshape(N, C)  # (N, C)
+    dy32 = as_compute(ctx, dy).reshape(N, C)  # (N, C)
     # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
     # dy32), else dy32
     dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
-    h, gu = _c(ctx, kept["h"]), _c(ctx, kept["gu"])  # (b, T, C), (N, 2F)
+    h, gu = as_compute(ctx, kept["h"]), as_compute(ctx, kept["gu"])  # (b, T, C), (N, 2F)
     dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
     _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
@@ -325,7 +323,7 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     del act, dyg
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
-    xn2 *= _c(ctx, p["mlp_norm"])
+    xn2 *= as_compute(ctx, p["mlp_norm"])
     dgu = _g(ctx, dgu)  # both GEMMs' operand
     parts["wgu"] = ops.gemm(dgu.T, xn2.reshape(N, C), xp=xp, half=half16)  # (2F, C)
     del xn2
@@ -372,10 +370,10 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
                       out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
-    x32 = _c(ctx, x)
+    x32 = as_compute(ctx, x)
     rms1 = (x32, kept["rstd1"], p["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
-    xn1 *= _c(ctx, p["attn_norm"])
+    xn1 *= as_compute(ctx, p["attn_norm"])
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
     parts["wqkv"] = ops.gemm(dqkv.T, xn1.reshape(N, C), xp=xp, half=half16)  # (HD + 2 KVD, C)
     del xn1
@@ -425,12 +423,12 @@ def layer_backward(dy, cache, p, g, ctx):
         ("attn.wo", "wo", 0), ("mlp.w_gate", "wgu", 0), ("mlp.w_up", "wgu", F),
         ("mlp.w_down", "wd", 0), ("attn_norm", "attn_norm", 0), ("mlp_norm", "mlp_norm", 0),
     ]
-    _accumulate(g, parts, pairs, ctx)
+    accumulate(g, parts, pairs, ctx)
     return dx
 
 
 @timed("grad accumulate")
-def _accumulate(g, parts, pairs, ctx):
+def accumulate(g, parts, pairs, ctx):
     """g[name] += part[key][r0 : r0 + len(g[name])] for every chunk's part, in chunk order (the
     chunks are the batch's, so the order never depends on the thread count); the rows of each
     gradient are split across the threads (elementwise: any split gives the same bits)."""
@@ -446,202 +444,17 @@ def _accumulate(g, parts, pairs, ctx):
     ctx.map(add, range(n))
 
 
-# --------------------------------------------------------------------------------------------
-# Head: final RMSNorm, LM head, mean cross-entropy
-# --------------------------------------------------------------------------------------------
-
-
-def _head_rows(ctx, V):
-    """Rows of the forward's logits chunk: (rows, V) fp32 within `head_chunk_bytes`."""
-    return max(1, ctx.head_chunk_bytes // (4 * V))
-
-
-def _head_cols(ctx, N):
-    """Vocabulary columns of the backward's logits chunk: (N, cols) fp32 within
-    `head_chunk_bytes`."""
-    return max(1, ctx.head_chunk_bytes // (4 * N))
-
-
-def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
-    """An estimate of the transient workspace of one head call on a micro-batch of `batch`
-    sequences. Forward, per batch chunk running at once: its fp32 rows (the input, the normed
-    input, the norm's temporaries, statistics) and one logits chunk (`head_chunk_bytes` of
-    fp32; the log-sum-exp takes a copy). Backward, every batch chunk at once (they meet at each
-    vocabulary chunk): its rows (also dxn and a GEMM's result) and its weight-gradient piece
-    (columns x C fp32), and a logits chunk per chunk running. On a device the logits chunk also
-    has its 16-bit GEMM result and operand copy. The weights' fp32 copy on the host is
-    `scratch.gemm`'s."""
-    C, V = ctx.model.hidden, ctx.model.vocab_size
-    chunks = ctx.split(batch)
-    running = min(len(chunks), ctx.parts())
-    n = max(s.stop - s.start for s in chunks) * seq_len  # rows of the largest chunk
-    per_logit = (4 if backward else 8) if ctx.host else 10
-    logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
-    if not backward:
-        return running * (4 * n * (4 * C + 4) + logits)
-    piece = 4 * min(_head_cols(ctx, n), V) * C
-    return len(chunks) * (4 * n * (6 * C + 4) + piece) + running * logits
-
-
-@timed("head")
-def _head_fwd_chunk(x, targets, p, w, ctx):
-    xp, ops, ct = ctx.xp, ctx.kernels, ctx.compute
-    xn, rstd = _head_norm(x, p, ctx)  # (N, C)
-    N = xn.shape[0]
-    t = targets.reshape(N)
-    lse = xp.empty(N, ct)
-    losses = xp.empty(N, ct)
-    rows = _head_rows(ctx, w.shape[0])
-    for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
-        r1 = min(r0 + rows, N)
-        z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
-        lse[r0:r1] = ops.logsumexp_rows(z, xp)
-        xp.subtract(lse[r0:r1], z[xp.arange(r1 - r0), t[r0:r1]], out=losses[r0:r1])
-    return {"rstd": rstd, "lse": lse}, losses
-
-
-class _HeadRows:
-    """One batch chunk's state through the head's backward (see `head_backward`)."""
-
-    def __init__(self, x, targets, kept, p, ctx, cols, V):
-        xp, half16 = ctx.xp, ctx.device_half
-        b, T, C = x.shape
-        self.shape, N = x.shape, b * T
-        x32 = _c(ctx, x)
-        self.rms = (x32, kept["rstd"], p["norm"])
-        xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
-        xn *= _c(ctx, p["norm"])
-        self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
-        self.lse = kept["lse"][:, None]  # (N, 1)
-        self.where, self.col = xp.divmod(targets.reshape(N), cols)  # each target's chunk, column
-        self.rows = xp.arange(N)
-        self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
-        self.part = xp.empty((N, C), ctx.compute) if cols < V else None  # a chunk's term of it
-        self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
-
-
-@timed("head")
-def _head_bwd_rows(*args) -> _HeadRows:
-    return _HeadRows(*args)
-
-
-@timed("head")
-def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
-    """Vocabulary columns [v0, v1) (chunk k) of one batch chunk's head backward: its term of
-    dxn, and its weight-gradient rows (the chunk's `piece`, returned)."""
-    xp, ops, half16 = ctx.xp, ctx.kernels, ctx.device_half
-    wk = w[v0:v1]  # (cols, C)
-    d = ops.gemm(s.xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
-    d -= s.lse
-    xp.exp(d, out=d)  # softmax
-    # minus the one-hot of the targets in this chunk (0 subtracted elsewhere)
-    last = v1 - v0 < s.piece.shape[0]  # the narrower last chunk: its columns stay in range
-    d[s.rows, xp.minimum(s.col, v1 - v0 - 1) if last else s.col] -= (s.where == k).astype(d.dtype)
-    d *= coef
-    dg = d if half16 is None else d.astype(half16)  # one cast for both GEMMs
-    piece = s.piece[: v1 - v0]
-    ops.gemm(dg.T, s.xg, out=piece, xp=xp, half=half16)  # (cols, C)
-    if k == 0:
-        ops.gemm(dg, wk, out=s.dxn, xp=xp, half=half16)
-    else:
-        s.dxn += ops.gemm(dg, wk, out=s.part, xp=xp, half=half16)
-    return piece
-
-
-@timed("head")
-def _head_bwd_finish(s, ctx, dx_out):
-    dx, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp)
-    ctx.kernels.assign(dx_out, dx)
-    return {"norm": dnorm}
-
-
-def _head_norm(x, p, ctx):
-    """The head's final norm of x (b, T, C), in the compute dtype -> (xn (b*T, C), rstd)."""
-    b, T, C = x.shape
-    xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(_c(ctx, x), p["norm"], ctx.model.norm_eps,
-                                                   ctx.xp)  # (b, T, C)
-    return xn.reshape(b * T, C), rstd
-
-
-def head_logits(x, p, ctx):
-    """x (B, T, C) -> next-token logits (B, T, V) in the compute dtype: the head's forward
-    (the same norm, weight and GEMM) without the loss, for inference."""
-    B, T, _ = x.shape
-    w = _head_weight(p, ctx)
-    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
-        return ctx.kernels.gemm(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)
-
-
-def _head_weight(p, ctx):
-    w = p["weight"]
-    if ctx.host and w.dtype != ctx.compute:
-        return ctx.kernels.cast(w, ctx.compute)
-    return w
-
-
-def head_forward(x, targets, p, ctx):
-    """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache)."""
-    xp = ctx.xp
-    ct = ctx.compute
-    chunks = ctx.split(x.shape[0])
-    w = _head_weight(p, ctx)
-    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2])), \
-            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
-    losses = xp.concatenate([r[1] for r in res])  # (B * T,)
-    loss = losses.mean(dtype=ct)
-    return loss, BlockCache("head", "none", x, chunks, [r[0] for r in res], {"targets": targets})
-
-
-def head_backward(dscale, cache, p, g, ctx):
-    """Seeds d(loss) = dscale; adds into g["norm"], g["weight"]; -> dx (B, T, C) ctx.dtype.
-
-    The logits are walked by chunks of the vocabulary, every batch chunk at each (in the
-    threads): each batch chunk's weight-gradient rows of the chunk (its `piece`) are added into
-    g in chunk order, as `_accumulate` adds whole parts, so no (V, C) part is ever made, and
-    the sums over chunks go into each batch chunk's dxn (tokens x hidden)."""
-    xp = ctx.xp
-    x, chunks, targets = cache.x, cache.chunks, cache.extra["targets"]
-    coef = float(dscale) / (x.shape[0] * x.shape[1])
-    dx = xp.empty(x.shape, ctx.dtype)
-    w = _head_weight(p, ctx)
-    V, gw = w.shape[0], g["weight"]
-    cols = min(_head_cols(ctx, max(c.stop - c.start for c in chunks) * x.shape[1]), V)
-    n = ctx.parts()
-    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
-            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        rows = ctx.map(lambda i: _head_bwd_rows(x[chunks[i]], targets[chunks[i]],
-                                                cache.parts[i], p, ctx, cols, V),
-                       range(len(chunks)))
-        for k, v0 in enumerate(range(0, V, cols)):
-            v1 = min(v0 + cols, V)
-            pieces = ctx.map(lambda s, k=k, v0=v0, v1=v1: _head_bwd_cols(s, w, k, v0, v1, coef,
-                                                                       ctx), rows)
-
-            def add(i, v0=v0, v1=v1, pieces=pieces):  # rows split across the threads
-                a, b = (v1 - v0) * i // n, (v1 - v0) * (i + 1) // n
-                for piece in pieces:  # in chunk order
-                    gw[v0 + a : v0 + b] += piece[a:b]
-
-            ctx.map(add, range(n))
-        parts = ctx.map(lambda i: _head_bwd_finish(rows[i], ctx, dx[chunks[i]]),
-                        range(len(chunks)))
-        _accumulate(g, parts, [("norm", "norm", 0)], ctx)
-    return dx
-
-
 __all__ = [
+    "WORK_TAG",
     "BlockCache",
+    "accumulate",
+    "as_compute",
     "cache_arrays",
     "cache_nbytes",
     "embed_backward",
     "embed_forward",
-    "head_backward",
-    "head_forward",
-    "head_logits",
-    "head_workspace_nbytes",
     "layer_backward",
+    "layer_cache_nbytes",
     "layer_forward",
     "layer_workspace_nbytes",
 ]

@@ -14,7 +14,7 @@ rates (`Rates`), each carrying its source:
   stages, which node each sits on, how many of the node's ranks are the same stage (copies
   whose traffic shares the interface), and how many nodes and ranks per node each stage's
   data-parallel group spans;
-- point-to-point: one message of n bytes costs `latency + n / bandwidth` on the tier it
+- point-to-point: one message of n bytes costs `latency + n / bandwidth` on the link level it
   crosses (the shim's link model);
 - collectives across the data-parallel replicas: the algorithm the runtime runs, chosen by the
   registry's rule (`comm.algos.choose`, with `comm.allreduce`: `hier` unless another is
@@ -310,7 +310,7 @@ class CostModel:
 
     def p2p_time(self, nbytes: float | None = None, same_node: bool = False) -> float:
         """One activation (default) or any message between neighbouring stages, alone on the
-        tier it crosses (inside a node, or through the interface)."""
+        link level it crosses (inside a node, or through the interface)."""
         n = self.activation_bytes if nbytes is None else nbytes
         r = self.rates
         if same_node:
@@ -319,7 +319,7 @@ class CostModel:
 
     @property
     def links(self) -> comm_model.Links:
-        """The two tiers' rates (inside a node, through the node's interface)."""
+        """The two link levels' rates (inside a node, through the node's interface)."""
         r = self.rates
         return comm_model.Links(r.intra_latency, r.intra_bandwidth, r.link_latency,
                                 r.link_bandwidth)

@@ -1,19 +1,19 @@
 """One stage's compute: its blocks run forward and backward on one micro-batch.
 
-`StageCompute` calls the block kernels (`exec.layers`) in block order (reverse order backward)
-with the blocks' working views and gradient buffers, keeps each block's cache per micro-batch
-(tracked in the DDR ledger as `activations.mb<i>.<block>`) until its backward, runs each layer
-with its recompute choice, pads each block to the platform's time for its flops when a pacer is
-given (`exec.spec.block_flops`; the embedding, a gather, is not paced), and runs the lifecycle
-hooks a compute action carries around each block (`hook(hooks, block)`, the executor's).
-Tied embeddings: the head uses the embedding's view and gradient as its weight.
+`StageCompute` calls the block kernels (`exec.layers`, `exec.head`) in block order (reverse
+order backward) with the blocks' working views and gradient buffers, keeps each block's cache
+per micro-batch (tracked in the DDR ledger as `activations.mb<i>.<block>`) until its backward,
+runs each layer with its recompute choice, pads each block to the platform's time for its flops
+when a pacer is given (`exec.spec.block_flops`; the embedding, a gather, is not paced), and runs
+the lifecycle hooks a compute action carries around each block (`hook(hooks, block)`, the
+executor's). Tied embeddings: the head uses the embedding's view and gradient as its weight.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 from ratrain.exec.spec import block_flops
 
 
@@ -67,7 +67,7 @@ class StageCompute:
                 else:
                     # a 0-d array, on the device where it ran: the executor downloads
                     # the step's losses together (one host sync per step)
-                    loss, cache = layers.head_forward(x, targets[mb], p, self.ctx)
+                    loss, cache = head.head_forward(x, targets[mb], p, self.ctx)
             if keep_caches:
                 self.ledger.track(f"activations.mb{mb}.{b}", *layers.cache_arrays(cache))
                 self.caches[(mb, b)] = cache
@@ -86,7 +86,7 @@ class StageCompute:
             p, g = self.view(b), self.grad(b)
             with self.pace(role, "backward", cache.recompute):
                 if role == "head":
-                    dx = layers.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
+                    dx = head.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
                 elif role == "layer":
                     dx = layers.layer_backward(dy, cache, p, g, self.ctx)
                 else:

@@ -5,7 +5,7 @@ It decides nothing: its lists come from the `PipelinePlan` it is handed (`lifecy
 its recompute choice from `set_recompute` (`runtime.rank.build_rank` measures and chooses it
 as an explicit step); no collective runs in its constructor.
 
-    rank = build_rank(cfg, comm)                       # lifecycle.rank: the usual way to get one
+    rank = build_rank(cfg, comm)                       # runtime.rank: the usual way to get one
     res = rank.executor.run_step(step, (inputs, targets))  # (M, B, T) int64 each, or None
     res.loss, res.grad_norm, res.skipped ...           # known on every rank
     ex.flush()            # finish deferred lifecycle work: before a checkpoint, eval, the end

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import OFFLOAD, RECOMPUTE
 from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
@@ -47,7 +47,7 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
             if role == "embed":
                 act[b] = {"none": layers.cache_nbytes(layers.embed_forward(ids, p, ctx)[1])}
             elif role == "head":
-                act[b] = {"none": layers.cache_nbytes(layers.head_forward(x, ids, p, ctx)[1])}
+                act[b] = {"none": layers.cache_nbytes(head.head_forward(x, ids, p, ctx)[1])}
             else:
                 layer_sizes = {r: layers.cache_nbytes(layers.layer_forward(x, p, ctx, r)[1])
                                for r in RECOMPUTE}
@@ -58,7 +58,7 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
     params = {b.name: b.size for b in ex.state.blocks}
     extra = layers.layer_workspace_nbytes(ctx, shape[0], shape[1], backward=True)
     if "head" in (run.role[b] for b in ex.blocks):  # the larger of the two: never at once
-        extra = max(extra, layers.head_workspace_nbytes(ctx, shape[0], shape[1], backward=True))
+        extra = max(extra, head.head_workspace_nbytes(ctx, shape[0], shape[1], backward=True))
     if ex.info.half:
         extra += 4 * max(params.values())  # fp32 GEMM copies of a block's weights
     held_grads = sum(GRAD_BYTES_PER_PARAM * params[b] for b in ex.blocks if ex.state.has_grad(b))

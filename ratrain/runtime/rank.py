@@ -9,7 +9,7 @@ Every part comes from the config. The pipeline's plan (`lifecycle.pipeline.Pipel
 policy, stages, step lists, validated; this replica's micro-batch count) is made first, pure.
 The platform profile (`platform.*`; the rank's class's under `platform.classes`, which
 `shim.platform.rank_profile` finds from the rank or its node) gives the DDR cap of the
-ledger, the link throttle of the communication engine in two tiers (inside a node, and the
+ledger, the link throttle of the communication engine in two levels (inside a node, and the
 node's interface, whose slots the node's ranks share) and the compute pacer (both only under
 `platform.emulate`, where one host's ranks are also cut into nodes of the profile's
 `ranks_per_node`); `parallel.placement` lays the grid on the ranks (`comm.topology`); the
@@ -46,7 +46,7 @@ from ratrain.lifecycle.passes import offload
 from ratrain.runtime.passes.offload import open_tier
 from ratrain.lifecycle.pipeline import PipelinePlan
 from ratrain.shim.ledger import Ledger
-from ratrain.shim.link import Tiers
+from ratrain.shim.link import Levels
 from ratrain.shim.pacing import Pacer
 from ratrain.shim.platform import Profile, class_profile, rank_profile
 
@@ -131,7 +131,7 @@ def _affinity() -> set[int]:
 
 
 def _open_comm(cfg, comm, profile, ledger, watchdog_s):
-    """The topology, the engine (with the two-tier link throttle under emulation) and the
+    """The topology, the engine (with the two-level link throttle under emulation) and the
     node's shared interface slots, for a world of more than one rank."""
     from ratrain.comm.engine import CommEngine  # loads MPI: only for more than one rank
     from ratrain.comm.shm import SharedSlots  # loads MPI too
@@ -146,14 +146,14 @@ def _open_comm(cfg, comm, profile, ledger, watchdog_s):
     slots = engine = tier_slots = None
     try:
         ledger.reserve("comm.shm", topo.shm_bytes)
-        tiers = None
+        levels = None
         if profile.emulate and profile.link_bandwidth:
             slots = SharedSlots(topo.node_comm)
-            tiers = Tiers.from_profile(profile, shared=slots)
+            levels = Levels.from_profile(profile, shared=slots)
         if profile.emulate and cfg.offload.enabled and profile.tier and profile.tier.bandwidth:
             tier_slots = SharedSlots(topo.node_comm)  # the node's tier, shared like its interface
         engine = CommEngine(topo, watchdog_s=watchdog_s,
-                            link=NodeLinks(tiers, topo) if tiers is not None else None,
+                            link=NodeLinks(levels, topo) if levels is not None else None,
                             ledger=ledger, config=cfg.comm)
     except BaseException:
         _free(tier_slots)

@@ -2,7 +2,7 @@
 
 Owns: platform profiles with a source for every value (`platform`, `profiles/*.yaml`); the DDR
 ledger that accounts and caps every buffer of a rank (`ledger`); the link model and throttle in
-two tiers, a node's shared interface and each rank's link inside its node (`link`); compute
+two levels, a node's shared interface and each rank's link inside its node (`link`); compute
 and memory pacing (`pacing`); the host allocator settings that keep freed memory in the
 process, as DDR does (`allocator`); the memory tier below the DDR, its figures, accounting and
 throttle (`tier`) and a rank's memory-mapped files in it with their transfer thread
@@ -14,9 +14,9 @@ models, schedules or MPI.
 """
 
 from .ledger import DDRCapExceeded, Ledger
-from .link import Link, Slots, Tiers
+from .link import Levels, Link, Slots
 from .pacing import Pacer
 from .platform import Profile, ProfileError, load_profile, resolve_platform
 
-__all__ = ["DDRCapExceeded", "Ledger", "Link", "Pacer", "Profile", "ProfileError", "Slots",
-           "Tiers", "load_profile", "resolve_platform"]
+__all__ = ["DDRCapExceeded", "Ledger", "Levels", "Link", "Pacer", "Profile", "ProfileError",
+           "Slots", "load_profile", "resolve_platform"]

@@ -2,7 +2,7 @@
 
 Model (LogGP-like): a message of n bytes costs `latency + n / bandwidth` on the link it crosses;
 a link is one resource, so its concurrent sends share the bandwidth. Emulated times are platform
-times x `time_scale`. Links come in two tiers (`Tiers`): a message to a rank of the same node
+times x `time_scale`. Links come in two levels (`Levels`): a message to a rank of the same node
 crosses the sender's own intra-node link; a message to another node crosses the node's network
 interface, one link whose slots every rank of the node reserves from (`Link(shared=...)`: a
 slot book that the ranks of a node share, e.g. in shared memory; `ratrain.comm` provides it),
@@ -166,31 +166,31 @@ class Link:
         )
 
 
-class Tiers:
-    """The links of one rank in two tiers: `intra` (to ranks of the same node: the rank's own
+class Levels:
+    """The links of one rank in two levels: `intra` (to ranks of the same node: the rank's own
     link) and `inter` (to other nodes: the node's interface, shared).
 
-    Both tiers cut messages into the same chunks (the inter tier's), so that a receiver, which
-    posts one receive per chunk, cuts a message as its sender did whichever tier it crossed.
-    `latency`, `bandwidth` and `time_scale` are the inter tier's (what a cost model of the
+    Both levels cut messages into the same chunks (the inter level's), so that a receiver, which
+    posts one receive per chunk, cuts a message as its sender did whichever level it crossed.
+    `latency`, `bandwidth` and `time_scale` are the inter level's (what a cost model of the
     network asks)."""
 
     def __init__(self, intra: Link, inter: Link):
         if intra.chunk_bytes != inter.chunk_bytes:
-            raise ValueError(f"the tiers cut messages differently: {intra} and {inter}")
+            raise ValueError(f"the link levels cut messages differently: {intra} and {inter}")
         self.intra, self.inter = intra, inter
         self.latency, self.bandwidth = inter.latency, inter.bandwidth
         self.time_scale, self.chunk_bytes = inter.time_scale, inter.chunk_bytes
 
-    def tier(self, same_node: bool) -> Link:
+    def level(self, same_node: bool) -> Link:
         """The link a message crosses: intra when both ranks are on one node."""
         return self.intra if same_node else self.inter
 
     @classmethod
-    def from_profile(cls, profile, shared=None) -> Tiers | None:
-        """The two tiers of `profile` (the interface's slots `shared` by the node's ranks), or
+    def from_profile(cls, profile, shared=None) -> Levels | None:
+        """The two link levels of `profile` (the interface's slots `shared` by the node's ranks), or
         None when emulation is off or the network is not modelled. Without an `intra_bandwidth`
-        the intra tier costs nothing (an infinitely fast link)."""
+        the intra level costs nothing (an infinitely fast link)."""
         inter = Link.from_profile(profile, shared=shared)
         if inter is None:
             return None
@@ -199,8 +199,8 @@ class Tiers:
         return cls(intra, inter)
 
     def __repr__(self) -> str:
-        return f"Tiers(intra={self.intra}, inter={self.inter})"
+        return f"Levels(intra={self.intra}, inter={self.inter})"
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Link", "Slots", "Tiers", "auto_chunk_bytes",
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Levels", "Link", "Slots", "auto_chunk_bytes",
            "fine_sleep"]

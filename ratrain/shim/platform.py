@@ -1,6 +1,6 @@
 """Platform profiles: what one rank's cluster has (DDR, links, compute), each value with its source.
 
-Links come in two tiers: `link_bandwidth` / `link_latency` are the network between nodes (the
+Links come in two levels: `link_bandwidth` / `link_latency` are the network between nodes (the
 bandwidth of one node's interface, which the node's ranks share; the latency of a message
 across nodes), `intra_bandwidth` / `intra_latency` the path between two ranks of one node (each
 rank its own), and `ranks_per_node` how many ranks (clusters) a node holds.

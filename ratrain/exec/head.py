@@ -1,0 +1,200 @@
+"""The head block: the final RMSNorm, the LM head and the mean token cross-entropy.
+
+    head_forward(x, targets, p, ctx) -> (loss, cache)  head_backward(dscale, cache, p, g, ctx) -> dx
+    head_logits(x, p, ctx) -> logits (inference: the forward without the loss)
+    head_workspace_nbytes(ctx, batch, seq_len, backward) -> int (what the memory plan counts)
+
+The interface and conventions are `exec.layers`' (`p`, `g`, the cache, the workspace under
+`scratch.exec`). With tied embeddings the caller passes the embedding's view and gradient as
+the head's `p["weight"]` / `g["weight"]`.
+
+The logits never exist whole. The forward walks them by rows, at most `head_chunk_bytes` of
+fp32 at a time, and keeps each row's log-sum-exp. The backward walks them by columns of the
+vocabulary, every batch chunk at each, and recomputes each chunk's logits from the kept
+statistics (docs/INTERNALS.md, "The head's backward walks the vocabulary").
+"""
+
+from __future__ import annotations
+
+from ratrain.exec.gemm import SCRATCH_TAG
+from ratrain.exec.layers import WORK_TAG, BlockCache, accumulate, as_compute
+from ratrain.exec.profile import timed
+
+
+
+def _head_rows(ctx, V):
+    """Rows of the forward's logits chunk: (rows, V) fp32 within `head_chunk_bytes`."""
+    return max(1, ctx.head_chunk_bytes // (4 * V))
+
+
+def _head_cols(ctx, N):
+    """Vocabulary columns of the backward's logits chunk: (N, cols) fp32 within
+    `head_chunk_bytes`."""
+    return max(1, ctx.head_chunk_bytes // (4 * N))
+
+
+def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
+    """An estimate of the transient workspace of one head call on a micro-batch of `batch`
+    sequences. Forward, per batch chunk running at once: its fp32 rows (the input, the normed
+    input, the norm's temporaries, statistics) and one logits chunk (`head_chunk_bytes` of
+    fp32; the log-sum-exp takes a copy). Backward, every batch chunk at once (they meet at each
+    vocabulary chunk): its rows (also dxn and a GEMM's result) and its weight-gradient piece
+    (columns x C fp32), and a logits chunk per chunk running. On a device the logits chunk also
+    has its 16-bit GEMM result and operand copy. The weights' fp32 copy on the host is
+    `scratch.gemm`'s."""
+    C, V = ctx.model.hidden, ctx.model.vocab_size
+    chunks = ctx.split(batch)
+    running = min(len(chunks), ctx.parts())
+    n = max(s.stop - s.start for s in chunks) * seq_len  # rows of the largest chunk
+    per_logit = (4 if backward else 8) if ctx.host else 10
+    logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
+    if not backward:
+        return running * (4 * n * (4 * C + 4) + logits)
+    piece = 4 * min(_head_cols(ctx, n), V) * C
+    return len(chunks) * (4 * n * (6 * C + 4) + piece) + running * logits
+
+
+@timed("head")
+def _head_fwd_chunk(x, targets, p, w, ctx):
+    xp, ops, ct = ctx.xp, ctx.kernels, ctx.compute
+    xn, rstd = _head_norm(x, p, ctx)  # (N, C)
+    N = xn.shape[0]
+    t = targets.reshape(N)
+    lse = xp.empty(N, ct)
+    losses = xp.empty(N, ct)
+    rows = _head_rows(ctx, w.shape[0])
+    for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
+        r1 = min(r0 + rows, N)
+        z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
+        ops.cross_entropy_rows(z, t[r0:r1], xp, out=(lse[r0:r1], losses[r0:r1]))
+    return {"rstd": rstd, "lse": lse}, losses
+
+
+class _HeadRows:
+    """One batch chunk's state through the head's backward (see `head_backward`)."""
+
+    def __init__(self, x, targets, kept, p, ctx, cols, V):
+        xp, half16 = ctx.xp, ctx.device_half
+        b, T, C = x.shape
+        self.shape, N = x.shape, b * T
+        x32 = as_compute(ctx, x)
+        self.rms = (x32, kept["rstd"], p["norm"])
+        xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
+        xn *= as_compute(ctx, p["norm"])
+        self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
+        self.lse, self.targets = kept["lse"], targets.reshape(N)  # (N,) each
+        self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
+        self.part = xp.empty((N, C), ctx.compute) if cols < V else None  # a chunk's term of it
+        self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
+
+
+@timed("head")
+def _head_bwd_rows(*args) -> _HeadRows:
+    return _HeadRows(*args)
+
+
+@timed("head")
+def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
+    """Vocabulary columns [v0, v1) (chunk k) of one batch chunk's head backward: its term of
+    dxn, and its weight-gradient rows (the chunk's `piece`, returned)."""
+    xp, ops, half16 = ctx.xp, ctx.kernels, ctx.device_half
+    wk = w[v0:v1]  # (cols, C)
+    d = ops.gemm(s.xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
+    # (softmax - the one-hot of the targets in this chunk) * coef, over d or rounded once into
+    # the 16-bit operand of both GEMMs
+    dg = d if half16 is None else xp.empty(d.shape, half16)
+    ops.cross_entropy_grad(d, s.targets, s.lse, coef, xp, v0=v0,
+                           out=None if half16 is None else dg)
+    piece = s.piece[: v1 - v0]
+    ops.gemm(dg.T, s.xg, out=piece, xp=xp, half=half16)  # (cols, C)
+    if k == 0:
+        ops.gemm(dg, wk, out=s.dxn, xp=xp, half=half16)
+    else:
+        s.dxn += ops.gemm(dg, wk, out=s.part, xp=xp, half=half16)
+    return piece
+
+
+@timed("head")
+def _head_bwd_finish(s, ctx, dx_out):
+    dx, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp)
+    ctx.kernels.assign(dx_out, dx)
+    return {"norm": dnorm}
+
+
+def _head_norm(x, p, ctx):
+    """The head's final norm of x (b, T, C), in the compute dtype -> (xn (b*T, C), rstd)."""
+    b, T, C = x.shape
+    xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(as_compute(ctx, x), p["norm"],
+                                                   ctx.model.norm_eps, ctx.xp)  # (b, T, C)
+    return xn.reshape(b * T, C), rstd
+
+
+def head_logits(x, p, ctx):
+    """x (B, T, C) -> next-token logits (B, T, V) in the compute dtype: the head's forward
+    (the same norm, weight and GEMM) without the loss, for inference."""
+    B, T, _ = x.shape
+    w = _head_weight(p, ctx)
+    with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
+        return ctx.kernels.gemm(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)
+
+
+def _head_weight(p, ctx):
+    w = p["weight"]
+    if ctx.host and w.dtype != ctx.compute:
+        return ctx.kernels.cast(w, ctx.compute)
+    return w
+
+
+def head_forward(x, targets, p, ctx):
+    """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache)."""
+    xp = ctx.xp
+    ct = ctx.compute
+    chunks = ctx.split(x.shape[0])
+    w = _head_weight(p, ctx)
+    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2])), \
+            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
+    losses = xp.concatenate([r[1] for r in res])  # (B * T,)
+    loss = losses.mean(dtype=ct)
+    return loss, BlockCache("head", "none", x, chunks, [r[0] for r in res], {"targets": targets})
+
+
+def head_backward(dscale, cache, p, g, ctx):
+    """Seeds d(loss) = dscale; adds into g["norm"], g["weight"]; -> dx (B, T, C) ctx.dtype.
+
+    The logits are walked by chunks of the vocabulary, every batch chunk at each (in the
+    threads): each batch chunk's weight-gradient rows of the chunk (its `piece`) are added into
+    g in chunk order, as `accumulate` adds whole parts, so no (V, C) part is ever made, and
+    the sums over chunks go into each batch chunk's dxn (tokens x hidden)."""
+    xp = ctx.xp
+    x, chunks, targets = cache.x, cache.chunks, cache.extra["targets"]
+    coef = float(dscale) / (x.shape[0] * x.shape[1])
+    dx = xp.empty(x.shape, ctx.dtype)
+    w = _head_weight(p, ctx)
+    V, gw = w.shape[0], g["weight"]
+    cols = min(_head_cols(ctx, max(c.stop - c.start for c in chunks) * x.shape[1]), V)
+    n = ctx.parts()
+    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
+            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        rows = ctx.map(lambda i: _head_bwd_rows(x[chunks[i]], targets[chunks[i]],
+                                                cache.parts[i], p, ctx, cols, V),
+                       range(len(chunks)))
+        for k, v0 in enumerate(range(0, V, cols)):
+            v1 = min(v0 + cols, V)
+            pieces = ctx.map(lambda s, k=k, v0=v0, v1=v1: _head_bwd_cols(s, w, k, v0, v1, coef,
+                                                                       ctx), rows)
+
+            def add(i, v0=v0, v1=v1, pieces=pieces):  # rows split across the threads
+                a, b = (v1 - v0) * i // n, (v1 - v0) * (i + 1) // n
+                for piece in pieces:  # in chunk order
+                    gw[v0 + a : v0 + b] += piece[a:b]
+
+            ctx.map(add, range(n))
+        parts = ctx.map(lambda i: _head_bwd_finish(rows[i], ctx, dx[chunks[i]]),
+                        range(len(chunks)))
+        accumulate(g, parts, [("norm", "norm", 0)], ctx)
+    return dx
+
+
+__all__ = ["head_backward", "head_forward", "head_logits", "head_workspace_nbytes"]
