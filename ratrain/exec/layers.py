@@ -1,6 +1,6 @@
 """Block kernels: the embedding, one decoder layer, and the head (final norm + LM head + loss).
 
-The interface is docs/INTERNALS.md's "Block kernels":
+The interface:
 
     embed_forward(ids, p, ctx) -> (x, cache)          embed_backward(dx, cache, p, g, ctx) -> None
     layer_forward(x, p, ctx, recompute) -> (y, cache) layer_backward(dy, cache, p, g, ctx) -> dx
