@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The communication figures of docs/BENCHMARKS.md (Communication; issues 3 and 15), measured in
+# The communication figures of docs/history/communication.md (issues 3 and 15), measured in
 # one go, each contender interleaved with MPI_Allreduce in the same processes where there is
 # one. Run from the repo root on a quiet host (the load is printed before every command):
 #   ROUNDS=3 bash benchmarks/comm_targets.sh > /tmp/comm_targets.txt

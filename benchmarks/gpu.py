@@ -347,7 +347,7 @@ def agree(a, dev) -> dict:
     for prec in ("fp16", "bf16"):
         out[f"{prec}_vs_fp32_max_rel"] = _max_rel(loss[prec], fp32)
         # the curve rather than the step: the mean loss over 20-step windows (a step's loss
-        # moves by percents between two fp32 frameworks within 200 steps: docs/BENCHMARKS.md)
+        # moves by percents between two fp32 frameworks within 200 steps: docs/history/gpu.md)
         out[f"{prec}_vs_fp32_window_rel"] = _window_rel(loss[prec], fp32, min(20, nh))
     print(f"fp32 cpu vs {dev.kind}, {n} steps: max rel {out['cpu_vs_device_fp32_max_rel']} "
           f"(target 1e-5); vs fp32 on {dev.kind} over {nh} steps, max rel: fp16 "

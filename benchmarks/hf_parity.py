@@ -12,7 +12,7 @@ Builds a random LlamaForCausalLM, saves it with save_pretrained, trains it for N
 With `--precision bf16` or `fp16` ratrain runs at that precision and PyTorch under autocast to
 that dtype (fp16 with a GradScaler), masters fp32 on both: each side's 16-bit curve, set beside
 its own fp32 curve (`python -m ratrain.compare`), says how far 16 bits move a run in either
-framework (docs/BENCHMARKS.md, "16 bits against fp32").
+framework (docs/history/gpu.md, "16 bits against fp32 over 200 steps").
 
 Prints `max_rel_dev=<float> steps=<n>` (ratrain.compare) and exits 1 above --tol. The torch side
 is an independent reference: it shares with ratrain only the token file, the batch contract of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's targets on emulated nodes (docs/BENCHMARKS.md (Nodes)), as root, from the repo root:
+# Issue 10's targets on emulated nodes (docs/history/nodes.md), as root, from the repo root:
 #   bash benchmarks/nodes_targets.sh [PART...] [OUT_DIR via OUT=]
 # PARTS: train threads comm kill sim (default: all). Each part prints what it measured (exit 1
 # when a comparison that claims equality within its tolerance does not hold); raw

@@ -49,14 +49,14 @@ signed one at the end, what a partial step is worth in full's steps (`step_effic
 `ratrain.compare`'s: 0.77 = partial's 150 steps got as far as full's first 116), both final
 losses, whether within. `--seeds S,S,...` trains a pair at each `init.seed` into
 `DIR/seed-S/`, a line each, then a summary (the mean deviation at the end and step efficiency,
-the worst after 20%): one pair of runs is too noisy to judge a job by (docs/BENCHMARKS.md). `--set`
+the worst after 20%): one pair of runs is too noisy to judge a job by (docs/history/partial-sync.md). `--set`
 overrides both runs; `--full-set` and `--partial-set` one of them (to ask, say, whether the
 replicas want another learning rate or clip than full sync's). `--control` trains full sync against
 itself instead, the second run with the global batch in half as many micro-batches of twice the
 sequences (`DIR/full-regrouped`: the same tokens and the same mathematics, summed in another order)
 and judges it by the same bounds, either way: how far rounding alone moves the job's eval loss. A
 job whose floor is near the bounds cannot judge them (at `optim.lr` 3e-3 the psync job's was up to
-3.4%, docs/BENCHMARKS.md). `--average P` sets the partial runs' `sync.average` (none: the job's;
+3.4%, docs/history/partial-sync.md, "The job's floor"). `--average P` sets the partial runs' `sync.average` (none: the job's;
 after-update, the default: each block averaged after the step's update, into `DIR/partial-H-after`;
 before-update, DreamDDP's placement, into `DIR/partial-H`); every subcommand takes it.
 

@@ -1,9 +1,11 @@
 """Figures generated from records: benchmarks/record.py writes a record (the command, commit, CPU,
 cores, load before and after, date, figures), benchmarks/tables.py turns the newest records into
-the summary tables of docs/BENCHMARKS.md and docs/FAULTS.md, and the pages in the tree are what
-the generator makes of the records in docs/records/."""
+the summary tables of docs/BENCHMARKS.md and docs/FAULTS.md and the record tables of
+docs/history/, and the pages in the tree are what the generator makes of the records in
+docs/records/."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +29,30 @@ def test_the_summary_tables_are_up_to_date_with_their_records():
             f"{page} is out of date with docs/records/: run python benchmarks/tables.py")
     for rec in records.values():
         assert set(rec) == FIELDS and rec["commit"] and rec["cpu_model"], rec["name"]
+
+
+def gone_scripts(page: str, records: dict) -> list[str]:
+    """Scripts a row's command runs that the tree lacks, where the row does not say which commit
+    has them (`git show COMMIT:PATH`)."""
+    gone = []
+    for row in tables.table(page, records).splitlines():
+        if not row.startswith("| ") or row.startswith("| figure"):
+            continue
+        command = row.split(" | ")[2]
+        for path in re.findall(r"(?:benchmarks|scripts|jobs)/[\w./-]+\.(?:py|sh|yaml)", command):
+            if not (ROOT / path).exists() and f":{path}`" not in row:
+                gone.append(path)
+    return gone
+
+
+def test_every_script_a_row_runs_exists_or_its_row_says_where_it_went(tmp_path):
+    records = record.read_records(ROOT / "docs" / "records")
+    for page in tables.TABLES:
+        assert not gone_scripts(page, records), page
+    record.write_record("bench-step", "python benchmarks/gone.py --rounds 1", {"x": 1},
+                        out_dir=tmp_path)  # a planted record whose script was removed
+    assert gone_scripts("docs/BENCHMARKS.md", record.read_records(tmp_path)) == [
+        "benchmarks/gone.py"]
 
 
 def test_a_new_record_changes_its_row_and_the_row_names_its_host(tmp_path):

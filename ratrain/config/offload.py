@@ -18,11 +18,11 @@ class OffloadConfig:
     bitwise the same.
 
     activations: off | all | auto | prefer: whether a layer's saved activations are written to
-        the tier after its forward and fetched back before its backward (double-buffered);
-        all = every layer (schedule.recompute must be none); with schedule.recompute=auto, the
+        the tier after its forward and fetched back before its backward (double-buffered).
+        All: every layer (schedule.recompute must be none). With schedule.recompute=auto, the
         layers that must leave the DDR to fit its cap are offloaded as far as the tier hides
         their transfers behind compute and the rest recomputed (auto), or all offloaded while
-        the tier has room (prefer); off = recomputation alone
+        the tier has room (prefer). Off: recomputation alone
     optimizer: off | moments | masters: AdamW's moments (masters: and the fp32 masters, which
         needs separate working views: fp16, or a sharded optimizer state) live in the tier,
         fetched before each block's update and written back after it

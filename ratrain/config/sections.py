@@ -128,7 +128,7 @@ class ParallelConfig:
     micro_batch: int = 1
     num_micro_batches: int = 1
     layers_per_stage: tuple[int, ...] | str | None = None
-    placement: str = "pp"  # see comm.topology and docs/BENCHMARKS.md (Nodes) for the default
+    placement: str = "pp"  # the default's case: docs/history/nodes.md, "The planner with nodes"
     replica_shares: tuple[int, ...] | str | None = None
 
     PLACEMENTS = ("pp", "dp")
@@ -399,11 +399,12 @@ class RunConfig:
     devkernels: the fused device kernels (numba-cuda) on a GPU rank: auto (on when numba-cuda
         imports) | on (refused when it does not) | off (cupy only) | sim (on the stand-in, in
         numba-cuda's simulator: tests only); RATRAIN_DEVKERNELS overrides it
-    attention: the attention backend: auto (this device's best) or a registered backend's name:
-        tiled-64 (the tiled online softmax at tile 64: the host's auto), tiled-1024 (tile 1024:
-        the stand-in's auto, a GPU's at fp32 or where cudnn cannot run, the banner saying why),
-        cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and bf16; refused elsewhere), or one a
-        program registered (docs/INTERNALS.md, "Kernel backends")
+    attention: the attention backend, auto (this device's best) or a registered backend's name.
+        The built-in ones: tiled-64 (the tiled online softmax at tile 64: the host's auto),
+        tiled-1024 (tile 1024: the stand-in's auto, and a GPU's at fp32 or where cudnn cannot
+        run, the banner saying why) and cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and
+        bf16; refused elsewhere). A program may register its own (docs/INTERNALS.md, "An
+        attention backend")
     reference_ops: ops that run their reference (the array module's composition: numpy,
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
         cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way
@@ -504,22 +505,23 @@ class SyncConfig:
     """How the data-parallel replicas stay together (schedule.sync says when a gradient sync
     starts; this section says what is synchronised).
 
-    mode: full (every step sums every gradient across the replicas: exact, the default) |
-        partial (DreamDDP's layer-wise partial synchronization for slow links: no gradient
-        sync; each replica steps on its own gradients, and each step averages the parameters
-        of 1/period of the blocks across the replicas, overlapped with the backward, so every
-        block is averaged once every `period` steps; AdamW's moments stay local; not
-        equivalent to full: judge it with `ratrain.compare`)
+    mode: full | partial. Full, the default, sums every gradient across the replicas at every
+        step: exact. Partial is DreamDDP's layer-wise partial synchronization for slow links,
+        with no gradient sync. Each replica steps on its own gradients, and each step averages
+        the parameters of 1/period of the blocks across the replicas, overlapped with the
+        backward. So every block is averaged once every `period` steps, and AdamW's moments
+        stay local. Partial is not equivalent to full: judge it with `ratrain.compare`
     period: partial: H, the steps over which every block is averaged once (H = 1: every block
         every step)
     assign: partial: which blocks a step averages: round-robin (block i of the model, embed
         first, in step i mod period)
-    average: partial: where a block's average sits in its step: after-update (started after
-        the block's update and waited before its next forward, so every replica goes on from
-        the same point; with plain SGD at period 1, full sync exactly; nearer full sync than
-        before-update at the same speed, docs/BENCHMARKS.md) | before-update (DreamDDP's own:
-        started after the block's last backward, waited before its update, which applies each
-        replica's own update to the mean)
+    average: partial: where a block's average sits in its step, after-update or before-update.
+        After-update starts it after the block's update and waits for it before the block's
+        next forward, so every replica goes on from the same point. With plain SGD at period 1
+        that is full sync exactly, and it ends nearer full sync than before-update at the same
+        speed (docs/BENCHMARKS.md, "Partial synchronization"). Before-update, DreamDDP's own,
+        starts it after the block's last backward and waits before the block's update, which
+        applies each replica's own update to the mean
     """
     mode: str = "full"
     period: int = 4

@@ -102,7 +102,7 @@ HEAD_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "standin": 256 << 20}
 
 
 class ExecContext:
-    """Execution context of the block kernels (see docs/INTERNALS.md, "Block kernels").
+    """Execution context of the block kernels (their interface: `exec.layers`).
 
     `kernels`: the rank's table (`exec.backends.kernels_for`); without one, the `auto` table
     of `xp` and `precision`. `host`: whether it computes on the host (numpy), asked once."""

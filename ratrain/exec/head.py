@@ -11,7 +11,7 @@ the head's `p["weight"]` / `g["weight"]`.
 The logits never exist whole. The forward walks them by rows, at most `head_chunk_bytes` of
 fp32 at a time, and keeps each row's log-sum-exp. The backward walks them by columns of the
 vocabulary, every batch chunk at each, and recomputes each chunk's logits from the kept
-statistics (docs/INTERNALS.md, "The head's backward walks the vocabulary").
+statistics (docs/INTERNALS.md, "Decisions, and why": the head's backward walks the vocabulary).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How a run ends: the exit codes of `python -m ratrain.train`, written once (README: "How a
-run ends"; `runctl` documents each). Imports nothing, so that the entry point's first
+"""How a run ends: the exit codes of `python -m ratrain.train`, written once (README.md, "When things
+go wrong"; `runctl` documents each). Imports nothing, so that the entry point's first
 instruction (`early`) can use them before anything heavy is loaded."""
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_SILENT = 0, 1, 2, 3

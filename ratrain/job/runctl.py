@@ -6,7 +6,7 @@ stop early (signals, a wall-clock budget).
     ... at each step boundary: reason = stop.local_reason(step_s, save_s)
     stop.close(); lock.release()
 
-Exit codes of `python -m ratrain.train` (README: "How a run ends"):
+Exit codes of `python -m ratrain.train` (README.md, "When things go wrong"):
 
     0   finished (or there was nothing left to do)
     1   an unexpected error on some rank (the job was aborted)

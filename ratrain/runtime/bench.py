@@ -17,7 +17,7 @@ timings hold with more ranks than cores), and prints the median step time per po
 and `--set` override it), the policies in `--rounds` rotated rounds, and prints per policy the
 median step time after `--skip` steps, peak DDR, layers recomputed, the paced compute of the
 busiest rank and the 1F1B ideal `(m + p - 1) / m` x it, ratios, and stage 0's time per kind of
-action (scripts/bench-lifecycle.sh, docs/BENCHMARKS.md (Lifecycle)).
+action (scripts/bench-lifecycle.sh, docs/history/lifecycle.md, "Lifecycle").
 """
 
 from __future__ import annotations
