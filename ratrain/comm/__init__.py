@@ -15,7 +15,8 @@ the benchmark `python -m ratrain.comm.bench`. The job's abort, watchdog and cont
 in `ratrain.job`.
 
 May import: `ratrain.shim` (the link model and throttle, the allocator), `ratrain.config` (the
-`comm` section: the all-reduce algorithm, the message log); mpi4py and numpy. Never exec,
+`comm` section: the all-reduce algorithm, the message log), `ratrain.job.faults` (elastic
+mode: a lost peer ends a wait); mpi4py and numpy. Never exec,
 lifecycle, plan or the commands. Importing this package does not initialise MPI; the
 submodules that need it import mpi4py.MPI (which does); `algos`, `model`, `arrays` and
 `topology` never do. No `RATRAIN_*` variable is read here (the config's `comm` section says

@@ -51,6 +51,7 @@ from ratrain.shim.link import fine_sleep
 
 from . import algos
 from . import collectives as coll
+from ratrain.job import faults
 from .progress import SPIN_S, Deadline, Scheduler, Task, sleep_until
 from .wire import log_messages, recv_op, send_op
 
@@ -230,6 +231,10 @@ class CommEngine:
                     break
                 self._start(item)
                 started = True
+            try:
+                faults.check()  # elastic: a lost peer fails what is in flight (a no-op off)
+            except faults.RankLost as e:
+                self._fail_all(e)
             progressed, timer = self._sched.poll()
             if not self._sched.tasks:
                 if self._closing and self._queue.empty():
@@ -256,6 +261,25 @@ class CommEngine:
                 self._wake.wait(wait)
                 self._wake.clear()
             sleep = min(sleep * 2, self.max_poll_s)
+
+    def _fail_all(self, err: BaseException) -> None:
+        """A peer is lost (elastic): every operation in flight or queued fails with `err`, and
+        so does every later submission (the recovery makes a new engine)."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = err
+        for task in list(self._sched.tasks):
+            task.dead = True
+            self._sched.tasks.remove(task)
+            self._inflight.pop(task.seq, None)
+            task.on_error(faults.RankLost(str(err)))
+        while True:
+            try:
+                _seq, _name, fut, _fn, _a, _k = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.done():
+                fut.set_exception(faults.RankLost(str(err)))
 
     def _watch(self) -> None:
         period = min(1.0, self.watchdog_s / 4)

@@ -27,6 +27,8 @@ from mpi4py import MPI
 
 from ratrain.shim.link import fine_sleep
 
+from ratrain.job import faults
+
 Op = Generator[Any, None, Any]
 
 # A sleep overshoots by 30-70 us on a KVM guest even with 1 us timer slack (measured here:
@@ -94,6 +96,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float | None = None, what: str
     t_end = t0 + YIELD_S
     nap = 1e-5
     while not cond():
+        faults.check()  # elastic: a lost peer ends the wait (a no-op off)
         now = time.perf_counter()
         if now < t_end:
             os.sched_yield()
@@ -125,6 +128,7 @@ def run(gen: Op, poll_s: float | None = None):
             if isinstance(wait, list):
                 if poll_s is not None:
                     while wait and not MPI.Request.Testall(wait):
+                        faults.check()
                         if spin:
                             os.sched_yield()
                         else:

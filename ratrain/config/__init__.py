@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from ratrain.config.data import DataConfig
+from ratrain.config.elastic import ElasticConfig
 from ratrain.config.offload import OffloadConfig, check_offload
 from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
@@ -54,6 +55,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -249,7 +251,7 @@ def _apply_override(data: dict, ov: str) -> None:
 __all__ = [
     "PRECISIONS", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
     "InitConfig", "act_itemsize", "is_half",
-    "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
+    "ElasticConfig", "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PlatformConfig", "RunConfig",
     "SWITCHES", "ScheduleConfig", "StrictLoader", "SyncConfig", "env_overrides", "config_from_dict", "global_batch", "job_path", "load_config",
     "replace",
     "shipped_jobs", "with_overrides",

@@ -158,6 +158,10 @@ class AdamW:
         """The largest t applied to any block (all blocks agree between training steps)."""
         return max([self._base, *self._block_step.values()])
 
+    def block_step(self, block: str) -> int:
+        """The last update number `block` took (every block's t agrees between steps)."""
+        return self._block_step.get(block, self._base)
+
     def decay_ranges(self, state, block: str) -> list[tuple[int, int]]:
         """Merged (start, stop) ranges within the block's held slice (`state.flat`: the whole
         block, or this replica's segment of it when sharded) that get weight decay."""

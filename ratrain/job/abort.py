@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from ratrain.job import faults
 from ratrain.job.runctl import EXIT_ERROR
 
 _notify: Callable[[str, int], None] | None = None  # the watchdog's failure notice, when one runs
@@ -63,8 +65,12 @@ def _world_rank() -> int:
 
 def abort(exc: BaseException | None = None, code: int = EXIT_ERROR, why: str = "") -> None:
     """Print `exc` (if any) tagged with the rank, record the end (`on_end`), then stop every
-    rank of the job."""
+    rank of the job. In elastic mode (`job.faults` watching) an error of this rank ends this
+    rank alone, by SIGKILL, which MPI's fault tolerance reports to the survivors as a lost
+    process (an exit with a status would leave them waiting), and they go on without it."""
     rank = _world_rank()
+    if exc is not None and faults.watching():
+        _leave(exc, rank)
     if exc is not None:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         sys.stderr.write(f"[rank {rank}] {type(exc).__name__}: {exc}\n"
@@ -84,6 +90,17 @@ def abort(exc: BaseException | None = None, code: int = EXIT_ERROR, why: str = "
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
+
+
+def _leave(exc: BaseException, rank: int) -> None:
+    """Elastic mode: print why this rank fails, then end it by SIGKILL (see `abort`)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"[rank {rank}] {type(exc).__name__}: {exc}\n"
+                     + "".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines())
+                     + f"[rank {rank}] this rank leaves the job (elastic: the others go on)\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ import time
 
 from mpi4py import MPI
 
+from ratrain.job import faults
 from ratrain.job.watchdog import Watchdog
 
 TAG_COLL = 31  # gather / bcast (point-to-point tags of callers are their own)
@@ -65,6 +66,7 @@ class Control:
         sleep, t0, said = 5e-5, time.monotonic(), False
         limit = self.watchdog.timeout if self.watchdog is not None else None
         while not done():
+            faults.check()  # elastic: a lost peer ends the wait (a no-op off)
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.02)
             if limit and not said and time.monotonic() - t0 > limit:

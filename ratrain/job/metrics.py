@@ -139,6 +139,12 @@ class MetricsWriter:
         parts.append(f"ETA {_eta(eta)}")
         return " | ".join(parts)
 
+    def event(self, rec: dict) -> None:
+        """A record of something that happened to the job (elastic mode's recovery from a lost
+        rank: `"event": "rank_lost"`), between the steps; it holds no `step` or `loss`, so
+        the curves (`read_curve`) skip it."""
+        append_whole(self._fd, (json.dumps(rec) + "\n").encode())
+
     def write_event(self, rec: dict) -> None:
         """An eval record, to `eval.jsonl` (appended; its own file so that `metrics.jsonl`
         keeps one type per field)."""

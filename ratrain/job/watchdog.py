@@ -31,8 +31,10 @@ calls while the main and engine threads make theirs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -42,6 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ratrain.job import abort as _abort
+from ratrain.job import faults
 from ratrain.job.runctl import EXIT_ERROR, EXIT_SILENT
 
 TAG_BEAT, TAG_FAIL, TAG_ACK = 11, 12, 13
@@ -162,7 +165,18 @@ class Watchdog:
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - a broken watchdog must not pass silently
+            if faults.watching() and faults.lost(e):  # elastic: a lost peer; the loop recovers
+                faults.trip(f"the watchdog's messages failed: {e}")
+                return
             self.out.write(f"[rank {self.world_rank}] warning: the watchdog stopped: {e}\n")
+
+    def abandon(self) -> None:
+        """Elastic recovery: stop the thread without the collective goodbye (its communicator
+        is revoked; the recovery makes a new watchdog on the survivors')."""
+        self._stop.set()
+        self._changed.set()
+        self._thread.join(2.0)
+        _abort.on_abort(None)
 
     def _loop(self) -> None:
         beats = {r: np.zeros(BEAT_BYTES, np.uint8) for r in self._watched()}
@@ -248,7 +262,26 @@ class Watchdog:
                       f"stopped answering: no sign of life for {max(silent[r] for r in gone):.1f} s "
                       f"(comm.timeout={self.timeout:g}): {names}")
 
+    def _kill(self, ranks) -> None:
+        """Elastic mode: end the silent `ranks` that run on this host (SIGKILL), so that MPI
+        reports them failed and the survivors shrink; a stopped process answers nothing else."""
+        here = socket.gethostname()
+        for r in ranks:
+            host, pid = self.who[r]
+            if host == here:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
     def _end(self, message: str) -> None:
+        if faults.watching():  # elastic: the silent rank goes, the others go on
+            gone = sorted(r for r, s in self.suspects.items() if s >= self.timeout)
+            self.out.write(f"[rank {self.world_rank}] error: {message}; ending it (elastic: the "
+                           "others go on)\n")
+            self.out.flush()
+            self._kill(gone)
+            faults.trip(message)
+            self._stop.set()
+            return
         self.out.write(f"[rank {self.world_rank}] error: {message}; ending the job on every rank "
                        "(MPI_Abort)\n")
         self.out.flush()

@@ -225,14 +225,16 @@ class _Lifecycle:
         if flag is not None and getattr(e, flag) != self.sharded:
             self.fail(e, f"{flag}={getattr(e, flag)} on a stage whose optimizer state is "
                          f"{'' if self.sharded else 'not '}sharded")
+        for x in self.ext:
+            x.before(blk, e)
         if isinstance(e, sched.GradNorm):
             late = [b for b, x in self.st.items() if x.waited != self.k]
             if late:
                 self.fail(e, f"global norm before the sync wait of {late}")
             self.norm_step = self.k
+            for x in self.ext:
+                x.after(blk, e)
             return
-        for x in self.ext:
-            x.before(blk, e)
         names = [blk] if blk is not None else (
             list(e.blocks) if hasattr(e, "blocks") else [e.block] if hasattr(e, "block") else [])
         for b in names:

@@ -152,6 +152,7 @@ class Executor:
         self.opt = opt if opt is not None else AdamW(cfg.optim, ctx.kernels)
         self.scaler = scaler if scaler is not None else LossScaler.from_config(cfg.optim, cfg.precision)
         self._adam_t, self._carry, self._pending = self.opt.step, False, None
+        self.facts_seen: tuple | None = None  # (step, global facts) of the last GradNorm
         self.gathers: dict[str, Future] = {}  # block -> view all-gather in flight
         self.mailbox, self.handlers = self._open_mailbox(), self._dispatch_table()
         # what it ran: the current step, or with run.trace every step up to run.trace_bytes
@@ -331,6 +332,8 @@ class Executor:
         self.opt.load_state_dict(sd["opt"])
         self.scaler.load_state_dict(sd["scaler"])
         self._adam_t = self.opt.step
+        for r in self.runners.values():  # a runner with an optimizer of its own (peer copies)
+            r.load_state_dict(sd)
 
     def iter_full_state(self, buffers=STATE_BUFFERS, mean: bool = False):
         """Whole blocks of this stage, `(block, {buffer: {name: array}})`; collective over the
@@ -485,8 +488,13 @@ class Executor:
             facts.put_loss(vec, self.replica, mb, loss)
         facts.put_peak(vec, self.rank, self.ledger.peak)
         facts.put_resident(vec, self.rank, resident_bytes())
-        vec = self._allreduce_world(vec)
+        self._take_facts(self._allreduce_world(vec))
 
+    def _take_facts(self, vec) -> None:
+        """The step's decisions from its global facts `vec` (the world's all-reduced vector, the
+        same on every rank): the norm, the skip, the loss scale, the pending update."""
+        facts = self.facts
+        self.facts_seen = (self.step, vec)  # a survivor that missed them takes a peer's (elastic)
         loss_scale = self.scaler.scale
         norm = global_grad_norm(facts.sq_partials(vec), loss_scale, segments=self.dp)
         norms = (norm, norm, math.isfinite(norm))  # clipping, reported, finite everywhere
@@ -506,6 +514,25 @@ class Executor:
             loss_scale=loss_scale, skipped=skipped, peak_ddr_bytes=facts.peak(vec),
             local_peak_ddr_bytes=int(self.ledger.peak), step_time_s=0.0,
             peaks_ddr_bytes=facts.peaks(vec), resident_bytes=facts.resident(vec))
+
+    def settle(self, step: int, vec) -> None:
+        """Elastic recovery, on a survivor: finish step `step`'s committed work, so that every
+        survivor holds the state after its update. `vec`: the step's global facts from a
+        survivor that saw them, taken here if this rank did not (its all-reduce was cut off:
+        every survivor had contributed to it, or none could have finished it); then every
+        block not yet updated with them is (a deferred update cut off by the loss), and each
+        runner settles its own (the peer copies of a sharded state)."""
+        if vec is not None and (self.facts_seen is None or self.facts_seen[0] < step):
+            self.step = step
+            self._take_facts(vec)
+        pend = self._pending
+        if pend is None or pend.skipped:
+            return
+        for b in self.blocks:
+            if self.opt.block_step(b) < pend.t:
+                self._update(sched.Update(b))
+        for r in self.runners.values():
+            r.settle(pend)
 
     def _update(self, a: sched.Update) -> None:
         pend = self._pending

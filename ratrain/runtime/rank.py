@@ -208,6 +208,8 @@ def build_rank(cfg, comm=None, *, cap=PROFILE_CAP, watchdog_s: float | None = 30
                             resources={offload.NAME: tier})
         # measured and chosen here, at the same point on every rank (collective when sharded)
         executor.set_recompute(*fit_rank_recompute(executor))
+        for runner in executor.runners.values():  # the passes' (the peer copies' first fill)
+            runner.start()
     except BaseException:
         if tier is not None:
             tier.store.close()

@@ -30,6 +30,8 @@ import argparse
 import faulthandler
 import sys
 
+from ratrain.elastic import launch
+from ratrain.job import faults
 from ratrain.job.abort import abort, abort_on_error
 from ratrain.config import CommConfig, ConfigError, load_config
 from ratrain.data import open_datasets
@@ -119,16 +121,16 @@ def _eval_files(paths) -> str:
     return ", ".join(files) or "none"
 
 
-def _comm_timeout(args) -> float:
+def _comm_timeout(args) -> tuple[float, bool]:
     """comm.timeout of the job as this process reads it alone (before MPI starts; the default
-    when the config is bad: start-up will say why on every rank); its run.stop_signals are
-    caught from here on."""
+    when the config is bad: start-up will say why on every rank), and whether it is elastic;
+    its run.stop_signals are caught from here on."""
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError:
-        return CommConfig.timeout
+        return CommConfig.timeout, False
     early.catch(cfg.run.stop_signals)
-    return cfg.comm.timeout
+    return cfg.comm.timeout, cfg.elastic.enabled
 
 
 def main(argv=None) -> int:
@@ -146,7 +148,7 @@ def _command(argv) -> int:
         return print_config(args)
     if args.dry_run:
         early.phase("--dry-run")
-    timeout = _comm_timeout(args)
+    timeout, elastic = _comm_timeout(args)
     # MPI's start-up and the watchdog's own set-up are collectives that no watchdog covers yet:
     # should a rank stop meanwhile, dump the stacks and exit instead of waiting for ever.
     backstop = timeout and "mpi4py.MPI" not in sys.modules
@@ -157,17 +159,26 @@ def _command(argv) -> int:
     from ratrain.job.control import Control  # loads MPI, after the backstop is armed
 
     comm = MPI.COMM_WORLD
+    problem = launch.problem(comm.Get_size()) if elastic else None
+    if elastic and problem is None:
+        launch.arm()  # every communicator returns its errors: a lost peer is handled
     ctl = Control.for_job(comm, timeout)
+    if elastic and problem is None:
+        faults.watch([ctl.comm])
     if backstop:
         faulthandler.cancel_dump_traceback_later()
     with abort_on_error():  # an error on one rank, even in start-up, ends every rank
-        code = _main(args, comm, ctl)
+        code = _main(args, comm, ctl, timeout, problem)
+    if faults.watching():
+        return code  # elastic: the job's communicators may hold lost ranks: no collective end
     ctl.close()  # collective: every rank gets here with the same code
     return code
 
 
-def _main(args, comm, ctl) -> int:
+def _main(args, comm, ctl, timeout: float = 0.0, elastic_problem: str | None = None) -> int:
     try:
+        if elastic_problem:  # elastic.enabled where MPI or the launch cannot deliver it
+            raise StartupError(elastic_problem)
         setup = startup(args, ctl)
         if args.dry_run:
             return dry_run(setup, ctl)
@@ -181,6 +192,10 @@ def _main(args, comm, ctl) -> int:
             print(f"ratrain: {setup.finished}", flush=True)
         return EXIT_OK
     try:
+        if faults.watching():
+            from ratrain.train import survive  # loads MPI (loaded already here), as the run does
+
+            return survive.run(setup, comm, ctl, timeout)
         return Trainer(setup, comm, ctl).run()
     except ResumeFailed as e:  # every rank verified it; this one could not read it after all
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ from ratrain.runtime.rank import build_rank
 from ratrain.runtime.trace import TAG as TIMELINE_TAG
 from ratrain.shim.allocator import resident_bytes
 from ratrain.job.metrics import MetricsWriter
-from ratrain.job import early
+from ratrain.job import early, faults
 from ratrain.job.runctl import (
     EXIT_CHECKPOINT,
     EXIT_DIVERGED,
@@ -82,14 +82,17 @@ def writing(what: str, run_dir: str, key: str = "run.dir"):
 class Trainer:
     """One rank's training loop."""
 
-    def __init__(self, setup: Setup, comm, ctl=None):
+    def __init__(self, setup: Setup, comm, ctl=None, peers=None):
         cfg = self.cfg = setup.cfg
         self.comm = comm
         self.ctl = ctl if ctl is not None else comm  # the control plane (comm.control.Control)
         self.rank = comm.Get_rank()
         self.start_step = 0
         self.resume_state = None
-        self.resumed = bool(setup.resume)
+        self.resumed = bool(setup.resume) or peers is not None
+        # elastic: the survivors' state after a lost rank (`train.survive.Peers`), or None
+        self.peers = peers
+        self.saving: int | None = None  # the step whose checkpoint is being written
         self.classes = setup.classes  # every world rank's class (`platform.classes`), or None
         self.this_rank = build_rank(cfg, comm if comm.Get_size() > 1 else None,  # a `Rank`
                                     watchdog_s=cfg.comm.timeout or None, device=setup.device,
@@ -118,8 +121,12 @@ class Trainer:
         return self.topo.replica if self.topo is not None else 0
 
     def _load_weights(self, state, resume: str | None) -> None:
-        """The starting weights: a checkpoint to resume, or an imported Hugging Face model."""
-        if resume:
+        """The starting weights: the survivors' (elastic, after a lost rank), a checkpoint to
+        resume, or an imported Hugging Face model."""
+        if self.peers is not None and not resume:
+            self.peers.load(state)
+            self.start_step, self.resume_state = self.peers.step, self.peers.state
+        elif resume:
             self._load_checkpoint(state, resume)
         elif self.cfg.init.from_hf:
             state.load_named(load_hf_params(self.cfg.init.from_hf, self.cfg.model,
@@ -185,11 +192,17 @@ class Trainer:
             if cfg.run.tensorboard:
                 with writing("tensorboard/", cfg.run.dir):
                     self.tb = TensorBoard(cfg.run.dir)
-        code = EXIT_ERROR
+        if self.peers is not None:
+            self._recovered(self.peers.event)
+        code, lost = EXIT_ERROR, False
         try:
             code = self._loop()
+        except Exception as e:
+            lost = faults.lost(e) and faults.watching()  # elastic: the survivors recover
+            raise
         finally:
-            early.ended(code)  # a signal from now on: this code at once
+            if not lost:
+                early.ended(code)  # a signal from now on: this code at once
             self.stop.close()
         if cfg.run.trace and code in (EXIT_OK, EXIT_STOPPED):
             with writing("trace.json", cfg.run.dir, "run.trace"):
@@ -221,6 +234,9 @@ class Trainer:
 
     def _loop(self) -> int:
         cfg = self.cfg
+        cut = self.peers.save if self.peers is not None else None  # cut off by the loss
+        if cut is not None and not self._save(cut):
+            return EXIT_CHECKPOINT
         for step in range(self.start_step, cfg.run.steps):
             n = step + 1  # steps are numbered from 1 in metrics and checkpoints
             self._doing(f"step {n}")
@@ -358,9 +374,11 @@ class Trainer:
         return whether training goes on (`checkpoint.on_error`; never when stopping)."""
         self._doing(f"checkpoint save at step {n}")
         t0 = time.perf_counter()
+        self.saving = n
         try:
             path = self._write_checkpoint(n)
         except CheckpointError as e:
+            self.saving = None
             go_on = self.cfg.checkpoint.on_error == "continue" and not stopping
             self.why = "" if go_on else str(e).splitlines()[0]
             if self.rank == 0:
@@ -372,6 +390,7 @@ class Trainer:
                       flush=True)
             return go_on
         self.save_s = time.perf_counter() - t0
+        self.saving = None
         if self.rank == 0:
             size = checkpoint_bytes(path)
             print(f"step {n:>5d} | checkpoint saved: {path} ({size / 2**20:.2f} MiB, {size} "
@@ -443,6 +462,34 @@ class Trainer:
                 "timeline of the current step only (run.trace off)")
         return (f"memory at start: rss {resident_bytes() / 2**20:.1f} MiB, ledger "
                 f"{ledger.current / 2**20:.1f} MiB (rank 0), {kept}")
+
+    def _recovered(self, event) -> None:
+        """Elastic: record the recovery that made this job (metrics.jsonl, status.json, the
+        log), once the new job is ready."""
+        event.recovered_at = time.time()
+        rec = event.record()
+        if self.metrics is not None:
+            with writing("metrics.jsonl", self.cfg.run.dir):
+                self.metrics.event(rec)
+        if self.rank == 0:
+            print(f"ratrain: rank(s) {', '.join(map(str, event.lost))} lost; the survivors go "
+                  f"on as {event.layout} from step {event.step} (state from {event.how}; "
+                  f"{rec['detect_to_ready_s']:.2f} s from detection to the new job)", flush=True)
+            with writing("status.json", self.cfg.run.dir):
+                write_status(self.cfg.run.dir, event.step - 1, None,
+                             f"recovered from lost rank(s) {event.lost} at step {event.step}")
+
+    def abandon(self) -> None:
+        """Elastic recovery: let go of this rank's engine, watchdog and files without the
+        collective ends (their communicators are revoked; the survivors make new ones)."""
+        eng = self.this_rank.engine
+        if eng is not None:
+            eng.close(timeout=2.0)
+        if self.watchdog is not None:
+            self.watchdog.abandon()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -3,8 +3,9 @@
 A policy places the pipeline's and the lifecycle's actions (`lifecycle.policies`). A feature
 that changes where bytes wait or what is synchronised, without changing the policy, is a pass:
 the plan (`lifecycle.pipeline.PipelinePlan`) builds every stage's lists with the policy, then
-hands them to each of its passes in turn. Partial synchronization (`partial`) and offload to
-the memory tier (`offload`) are the first two. A pass is a `Pass` with five parts:
+hands them to each of its passes in turn. Partial synchronization (`partial`), offload to
+the memory tier (`offload`) and elastic mode's peer copies of a sharded optimizer state
+(`mirror`) are the ones so far. A pass is a `Pass` with five parts:
 
 - `check(policy, stages, passes)`: refuse a configuration it cannot run with, in one line
   naming the keys and the fix;
@@ -27,7 +28,7 @@ A pass joins from anywhere with `register`, as collectives and attention backend
 (partial, then offload, then those registered later): each rewrites what the one before left.
 """
 
-from ratrain.lifecycle.passes import offload, partial
+from ratrain.lifecycle.passes import mirror, offload, partial
 from ratrain.lifecycle.passes.base import (
     Handlers,
     Lists,
@@ -44,6 +45,7 @@ from ratrain.lifecycle.passes.base import (
 # the averages too)
 register(partial.NAME, partial.of_config)
 register(offload.NAME, offload.of_config)
+register(mirror.NAME, mirror.of_config)
 
-__all__ = ["Handlers", "Lists", "Pass", "named", "offload", "partial", "passes_of", "period_of", "register", "registered",
+__all__ = ["Handlers", "Lists", "Pass", "mirror", "named", "offload", "partial", "passes_of", "period_of", "register", "registered",
            "unregister"]

@@ -19,8 +19,20 @@ class Runner:
     def handlers(self) -> dict:
         return {}
 
+    def start(self) -> None:
+        """What the runner does once the rank is built, at the same point on every rank (may be
+        collective: `runtime.rank.build_rank` calls it after the recovery choice)."""
+
     def close(self) -> None:
         pass
+
+    def load_state_dict(self, sd: dict) -> None:
+        """The executor's resumed state (`Executor.load_state_dict`), for a runner that keeps
+        an optimizer step of its own."""
+
+    def settle(self, pending) -> None:
+        """Elastic recovery: finish what the runner owes the committed update `pending`
+        (the executor's `_Pending`), as `Executor.settle` does for the blocks."""
 
     def seed_count(self, n: int) -> int:
         return n
