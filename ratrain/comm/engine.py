@@ -111,6 +111,9 @@ class CommEngine:
         the engine drives it alongside the others; otherwise its return value is the result."""
         fut: Future = Future()
         with self._lock:
+            if isinstance(self._broken, faults.RankLost):  # elastic: the recovery makes anew
+                fut.set_exception(faults.RankLost(str(self._broken)))
+                return fut
             if self._broken is not None or self._closing:
                 fut.set_exception(EngineClosed(
                     f"rank {self.rank}: communication engine is closed"
