@@ -24,6 +24,8 @@
 # OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM), and watches the nodes: when the job loses a node (Open MPI
 # reports a lost daemon, or a node that held ranks has had no process for 10 s), it names the
 # MPI ranks that were on it and exits non-zero (Open MPI 5.0's mpirun may itself exit 0 then).
+# Under a fault-tolerant launch (`--with-ft ulfm`, elastic mode) it names them and leaves the job
+# to its survivors: its status is mpirun's.
 # Everything `up` creates is removed again if `up` fails; `down` kills the nodes' processes and
 # removes the namespaces, the bridge and the state directory ($RATRAIN_CLUSTER_STATE, default
 # /run/ratrain-cluster/NAME). Root runs the agent written there, so the directory
@@ -201,21 +203,24 @@ cmd_run() {
     --mca btl tcp,self,sm --mca btl_tcp_if_include "$subnet" "${TCP_TUNING[@]}" \
     --bind-to none "${hosts[@]}" \
     "${REST[@]}" > >(tee "$run/stdout") 2> >(tee "$run/stderr" >&2) &
-  local pid=$! rc=0
+  local pid=$! rc=0 ft=0
+  # a fault-tolerant launch (elastic mode): a lost node is the survivors' to handle
+  [[ " ${REST[*]} " == *" --with-ft "* ]] && ft=1
   set +e  # from here on a failing probe of a vanished process must not end the script
   trap 'kill -TERM $pid 2>/dev/null' INT TERM
-  watch_nodes "$pid" "$run" "$nodes"
+  watch_nodes "$pid" "$run" "$nodes" "$ft"
   wait "$pid" || rc=$?
   trap - INT TERM
   sleep 0.2  # let tee finish the stderr file
-  report_lost "$run" "$nodes" "$rc" || rc=$?
+  report_lost "$run" "$nodes" "$rc" "$ft" || rc=$?
   rm -rf "$run"
   return "$rc"
 }
 
 watch_nodes() {  # while mpirun runs: which MPI ranks each node holds; a node that held ranks
-  # and has had no process at all for $LOST_AFTER s is lost: mpirun is stopped then
-  local pid=$1 run=$2 nodes=$3 n p r empty
+  # and has had no process at all for $LOST_AFTER s is lost: mpirun is stopped then (unless the
+  # launch is fault-tolerant, $4 = 1: the survivors go on without it)
+  local pid=$1 run=$2 nodes=$3 ft=${4:-0} n p r empty
   declare -A since=()
   while kill -0 "$pid" 2>/dev/null; do
     for n in $nodes; do
@@ -228,7 +233,8 @@ watch_nodes() {  # while mpirun runs: which MPI ranks each node holds; a node th
       if [ "$empty" = 1 ] && [ -s "$run/ranks.$n" ]; then
         since[$n]=${since[$n]:-$SECONDS}
         if [ $((SECONDS - since[$n])) -ge "${LOST_AFTER:-10}" ]; then
-          echo "$n" >> "$run/lost"
+          grep -qx "$n" "$run/lost" 2>/dev/null || echo "$n" >> "$run/lost"
+          [ "$ft" = 1 ] && continue
           echo "cluster.sh: $n has had no process for ${LOST_AFTER:-10} s; stopping the job" >&2
           kill -TERM "$pid" 2>/dev/null; sleep 2; kill -KILL "$pid" 2>/dev/null
           return
@@ -241,8 +247,9 @@ watch_nodes() {  # while mpirun runs: which MPI ranks each node holds; a node th
   done
 }
 
-report_lost() {  # name the ranks of the nodes the job lost; non-zero when it lost any
-  local run=$1 nodes=$2 rc=$3 n lost=""
+report_lost() {  # name the ranks of the nodes the job lost; non-zero when it lost any (a
+  # fault-tolerant launch, $4 = 1: mpirun's own status, the survivors having gone on)
+  local run=$1 nodes=$2 rc=$3 ft=${4:-0} n lost=""
   for n in $nodes; do  # Open MPI names the node it lost a daemon on (and may still exit 0)
     # (Open MPI prints the report on stdout or stderr: both are read)
     if cat "$run/stdout" "$run/stderr" | grep -q "lost communication with a remote daemon\|daemon failed to report back" &&
@@ -256,6 +263,7 @@ report_lost() {  # name the ranks of the nodes the job lost; non-zero when it lo
   for n in $lost; do
     echo "cluster.sh: the job lost node $n: MPI rank(s) $(sort -n "$run/ranks.$n" 2>/dev/null | paste -sd, || echo unknown) gone" >&2
   done
+  [ "$ft" = 1 ] && return "$rc"
   [ "$rc" != 0 ] && return "$rc"
   return 1
 }

@@ -3,7 +3,8 @@
 #
 # Functions: ratrain_setup NAME (venv, Open MPI wheel, log file; cd to the repository),
 # ratrain_config PATH (a config path as given at submission -> absolute), ratrain_launch CMD...
-# (the ranks under srun or mpirun; forwards USR1/TERM; returns their exit code),
+# (the ranks under srun or mpirun; forwards USR1/TERM; returns their exit code), ratrain_elastic
+# CONFIG [--set ...] (whether the config turns elastic mode on),
 # ratrain_after_stop (requeue or say how to continue after exit 75).
 
 ratrain_die() { echo "ratrain: $*" >&2; exit 2; }
@@ -85,6 +86,13 @@ ratrain_status() {
   line=$(cat "$1/status.json" 2>/dev/null) || return 0
   t=$(echo "$line" | sed -n 's/.*"time": \([0-9]*\).*/\1/p')
   [ -n "$t" ] && [ "$t" -ge "$2" ] && echo "$line" | sed -n 's/.*"exit": \([0-9]*\).*/\1/p'
+}
+
+# ratrain_elastic CONFIG [--set ...]: whether the resolved config turns elastic mode on (its
+# --print-config, read by the venv's python; false when it cannot be read: the run says why).
+ratrain_elastic() {
+  "$python" -m ratrain.train --config "$@" --print-config 2>/dev/null | "$python" -c \
+    'import sys, yaml; sys.exit(0 if (yaml.safe_load(sys.stdin) or {}).get("elastic", {}).get("enabled") else 1)'
 }
 
 # ratrain_launch CMD...: run CMD on every task of the allocation; returns its exit code.

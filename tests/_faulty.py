@@ -1,5 +1,6 @@
 """`python -m ratrain.train` with a fault planted in one rank, for the elastic tests and
-`benchmarks/faults_elastic.py`: `python tests/_faulty.py KIND:RANK:STEP:WHERE TRAIN_ARGS...`.
+`benchmarks/faults_elastic.py`: `python tests/_faulty.py KIND:RANK:STEP:WHERE TRAIN_ARGS...`
+(several faults separated by commas).
 
 KIND: `kill` (SIGKILL), `stop` (SIGSTOP: a hung rank), `raise` (a Python exception); RANK:
 the world rank it happens on; STEP: the 0-based training step; WHERE: the executor's handler
@@ -75,9 +76,10 @@ def plant(spec: str, run_dir: str) -> None:
 
 
 def main(argv) -> int:
-    spec, args = argv[0], argv[1:]
+    specs, args = argv[0], argv[1:]
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("run.dir="))
-    plant(spec, run_dir)
+    for spec in specs.split(","):
+        plant(spec, run_dir)
     from ratrain.train import main as train
 
     return train(args)

@@ -89,6 +89,7 @@ class _Watch:
         self.comms: list = []
         self.why: str | None = None  # a loss known: every check raises
         self.at: float | None = None  # wall-clock time it became known
+        self.lost_any = False  # a peer was lost in this job's life (MPI may not finalize)
         self.last = 0.0
         self.lock = threading.Lock()
 
@@ -134,8 +135,14 @@ def trip(why: str) -> None:
     """This rank knows a peer is lost (its watchdog found it silent, or an error said so):
     every later `check()` raises."""
     with _WATCH.lock:
+        _WATCH.lost_any = True
         if _WATCH.why is None:
             _WATCH.why, _WATCH.at = why, time.time()
+
+
+def note_loss() -> None:
+    """A loss reached this rank (as an MPI error, without a `trip`): remembered for `finalize`."""
+    _WATCH.lost_any = True
 
 
 def seen_at() -> float | None:
@@ -173,6 +180,21 @@ def check(force: bool = False) -> None:
             raise RankLost(w.why)
 
 
+def finalize(code: int) -> None:
+    """End the process in elastic mode once a peer was lost: with `code`, its output flushed,
+    without MPI_Finalize, which may wait for ever on the lost peer (seen with Open MPI 5.0's
+    ULFM; the launcher still takes the exit status). A job that lost nothing ends as usual
+    (a no-op here)."""
+    if not (_WATCH.on and _WATCH.lost_any):
+        return
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def revoke_all() -> None:
     """Revoke every watched communicator, so that every rank still waiting in one of them
     learns of the loss (ULFM's revoke reaches them all); errors of ones already revoked are
@@ -183,5 +205,5 @@ def revoke_all() -> None:
                 c.Revoke()
 
 
-__all__ = ["CHECK_S", "RankLost", "fault_classes", "check", "lost", "returning", "revoke_all",
-           "seen_at", "trip", "unwatch_all", "watch", "watching"]
+__all__ = ["CHECK_S", "RankLost", "fault_classes", "check", "finalize", "lost", "returning", "revoke_all",
+           "note_loss", "seen_at", "trip", "unwatch_all", "watch", "watching"]

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     early.begin()  # caught since the import already; again for a second main() in one process
     code = _command(argv)
     early.ended(code)
+    faults.finalize(code)  # elastic, after a loss: exit without MPI_Finalize (it may hang)
     early.ignore()  # exiting with `code`: a signal now would only turn it into a kill
     return code
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from mpi4py import MPI
 
-from ratrain.checkpoint import checkpoint_root
+from ratrain.checkpoint import checkpoint_root, read_manifest
 from ratrain.checkpoint.stage import newest_committed
 from ratrain.elastic import recover as rec
 from ratrain.elastic import reshard
@@ -70,6 +70,7 @@ def survive(trainer, setup, ctl, origin: int, timeout: float):
     """One recovery on this survivor (see `elastic.recover`): the new job's (setup, control,
     trainer), or an exit code (this rank leaves, or nobody can go on)."""
     detected = faults.seen_at() or time.time()
+    faults.note_loss()
     faults.revoke_all()
     trainer.abandon()
     mirror = trainer.executor.runners.get("mirror")
@@ -142,6 +143,7 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
                   f"yet: nothing to go on from; exiting with the requeue code {EXIT_STOPPED}",
                   file=sys.stderr, flush=True)
             return EXIT_STOPPED
+        step = read_manifest(resume)["step"]  # the steps after it are redone
     event = rec.Event(origins, step + 1, detected, layout=_layout(dec.cfg),
                       how="the last checkpoint" if how == "checkpoint" else "peers",
                       overrides=rec.overrides_of(dec.cfg.parallel))
