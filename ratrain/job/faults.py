@@ -182,16 +182,22 @@ def check(force: bool = False) -> None:
 
 def finalize(code: int) -> None:
     """End the process in elastic mode once a peer was lost: with `code`, its output flushed,
-    without MPI_Finalize, which may wait for ever on the lost peer (seen with Open MPI 5.0's
-    ULFM; the launcher still takes the exit status). A job that lost nothing ends as usual
-    (a no-op here)."""
+    without MPI_Finalize, which may wait for ever on the lost peer or on requests it left
+    pending (seen with Open MPI 5.0's ULFM). The launcher is told the process ends on purpose
+    (`PMIx_Finalize`, where the PMIx library is loaded: a spawned process that skips it counts as
+    an abnormal end), then the process exits. A job that lost nothing ends as usual (a no-op
+    here)."""
     if not (_WATCH.on and _WATCH.lost_any):
         return
+    import ctypes
     import os
     import sys
 
     sys.stdout.flush()
     sys.stderr.flush()
+    with contextlib.suppress(OSError, AttributeError):  # no PMIx loaded: nothing to tell
+        pmix = ctypes.CDLL("libpmix.so.2", mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
+        pmix.PMIx_Finalize(None, ctypes.c_size_t(0))
     os._exit(code)
 
 

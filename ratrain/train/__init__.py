@@ -144,6 +144,7 @@ def main(argv=None) -> int:
 
 def _command(argv) -> int:
     args = parse_args(argv)
+    args.raw = list(sys.argv[1:] if argv is None else argv)  # elastic.respawn starts new ranks so
     if args.print_config:
         early.phase("--print-config")
         return print_config(args)
@@ -159,6 +160,8 @@ def _command(argv) -> int:
 
     from ratrain.job.control import Control  # loads MPI, after the backstop is armed
 
+    if elastic and MPI.Comm.Get_parent() != MPI.COMM_NULL:  # spawned in a lost rank's place
+        return _join(MPI.Comm.Get_parent(), timeout, backstop)
     comm = MPI.COMM_WORLD
     problem = launch.problem(comm.Get_size()) if elastic else None
     if elastic and problem is None:
@@ -174,6 +177,17 @@ def _command(argv) -> int:
         return code  # elastic: the job's communicators may hold lost ranks: no collective end
     ctl.close()  # collective: every rank gets here with the same code
     return code
+
+
+def _join(parent, timeout: float, backstop: bool) -> int:
+    """A process spawned in a lost rank's place (`elastic.respawn`): join the survivors."""
+    from ratrain.train import survive  # loads MPI (loaded already here), as the run does
+
+    launch.arm()
+    if backstop:
+        faulthandler.cancel_dump_traceback_later()
+    with abort_on_error():
+        return survive.join(parent, timeout)
 
 
 def _main(args, comm, ctl, timeout: float = 0.0, elastic_problem: str | None = None) -> int:
@@ -196,6 +210,7 @@ def _main(args, comm, ctl, timeout: float = 0.0, elastic_problem: str | None = N
         if faults.watching():
             from ratrain.train import survive  # loads MPI (loaded already here), as the run does
 
+            survive.ARGS[:] = args.raw
             return survive.run(setup, comm, ctl, timeout)
         return Trainer(setup, comm, ctl).run()
     except ResumeFailed as e:  # every rank verified it; this one could not read it after all

@@ -19,15 +19,20 @@ from mpi4py import MPI
 
 from ratrain.checkpoint import checkpoint_root, read_manifest
 from ratrain.checkpoint.stage import newest_committed
+from ratrain.comm.topology import coords
 from ratrain.elastic import recover as rec
 from ratrain.elastic import reshard
+from ratrain.exec.params import segment_bounds
 from ratrain.exec.spec import block_params, block_role, stage_blocks
 from ratrain.job import faults
 from ratrain.job.control import Control
 from ratrain.job.runctl import EXIT_OK, EXIT_STOPPED, write_status
+from ratrain.lifecycle.pipeline import PipelinePlan
+from ratrain.train.startup import Setup
 from ratrain.train.trainer import Trainer
 
 ATTEMPTS = 8  # losses during one recovery before the survivors give up (requeue)
+ARGS: list[str] = []  # the training command's arguments (a spawned process is started so)
 
 
 @dataclass
@@ -46,8 +51,10 @@ class Peers:
 
 def run(setup, comm, ctl, timeout: float) -> int:
     """Train; survive each lost rank (see the module). The exit code."""
-    trainer = Trainer(setup, comm, ctl)
-    origin = MPI.COMM_WORLD.Get_rank()
+    return _loop(Trainer(setup, comm, ctl), setup, ctl, MPI.COMM_WORLD.Get_rank(), timeout)
+
+
+def _loop(trainer, setup, ctl, origin: int, timeout: float) -> int:
     while True:
         try:
             return trainer.run()
@@ -103,6 +110,10 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
         holder = min(i.rank for i in infos if i.facts_step == dec.committed)
         vec = shrunk.bcast(ex.facts_seen[1] if me == holder else None, root=holder)
         ex.settle(dec.committed, vec)
+    if cfg.elastic.respawn:  # new processes in the lost ranks' places, where they can start
+        nxt = _respawn(trainer, setup, shrunk, infos, dec, origins, detected, mirror, timeout)
+        if nxt is not None:
+            return nxt
     if dec.cfg is None:
         if me == 0:
             print(f"ratrain: lost rank(s) {origins}: no data-parallel replica is whole, so "
@@ -157,6 +168,86 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
     finally:
         reshard.wait(sends)
     return new_setup, ctl2, trainer2
+
+
+def _state_of(trainer, step: int) -> dict:
+    """The executor's and the data's state after the settled step (the same on every
+    survivor)."""
+    return {"executor": trainer.executor.state_dict(), "data": trainer.train_ds.state_dict(step)}
+
+
+def _respawn(trainer, setup, shrunk, infos, dec, origins, detected, mirror, timeout):
+    """Spawn a process in each lost rank's place and go on in the original layout (see the
+    module); None when no process can be started there (the survivors then shrink)."""
+    cfg, me = trainer.cfg, shrunk.Get_rank()
+    try:
+        inter = shrunk.Spawn(sys.executable, args=["-m", "ratrain.train", *ARGS],
+                             maxprocs=len(dec.failed), root=0)
+    except MPI.Exception as e:
+        if me == 0:
+            print(f"ratrain: elastic.respawn: no process could be spawned ({e}); the "
+                  "survivors shrink instead", file=sys.stderr, flush=True)
+        return None
+    merged = faults.returning(inter.Merge(high=False))  # survivors first, then the new ones
+    size = shrunk.Get_size()
+    new_rank = {i.rank: i.old for i in infos}
+    new_rank.update({size + j: r for j, r in enumerate(dec.failed)})
+    step, how, resume, moves = dec.committed + 1, "peers", None, []
+    p = cfg.parallel
+    try:
+        shards = PipelinePlan.from_config(cfg, validate=False).shards
+        for s in range(p.pp):
+            sizes = _sizes(cfg, s)
+            dests = [reshard.Held(m, {b: segment_bounds(n, q, shards) if shards > 1 else (0, n)
+                                      for b, n in sizes.items()})
+                     for m, r in new_rank.items()
+                     for st, q in [coords(r, p.pp, p.dp, p.placement)] if st == s]
+            moves += reshard.transfers(sizes, rec.sources_of(infos, s), dests)
+    except ValueError:  # a lost segment without its copy: the last checkpoint instead
+        how, moves = "checkpoint", []
+        resume = newest_committed(checkpoint_root(cfg.checkpoint, cfg.run.dir))
+        step = read_manifest(resume)["step"] if resume else step
+    event = rec.Event(origins, step + 1, detected, layout=_layout(cfg) + ", respawned",
+                      how="the last checkpoint" if how == "checkpoint" else "peers",
+                      overrides=[])
+    pack = {"cfg": cfg, "data_paths": setup.data_paths, "classes": setup.classes,
+            "moves": moves, "new_rank": new_rank, "step": step, "event": event,
+            "state": _state_of(trainer, step), "resume": resume, "timeout": timeout}
+    merged.bcast(pack if me == 0 else None, root=0)
+    held = {False: trainer.executor.state, True: mirror.state if mirror is not None else None}
+    sends = reshard.post_sends(merged, me, moves, held)
+    return _join_new(merged, me, pack, setup, held, sends)
+
+
+def _join_new(merged, me, pack, setup, held, sends):
+    """Build this rank of the respawned job (a survivor or a new process): its communicator,
+    control plane and trainer, its state received from `pack`'s moves over `merged`."""
+    new = faults.returning(merged.Split(0, pack["new_rank"][me]))
+    ctl = Control.for_job(new, pack["timeout"])
+    faults.unwatch_all()
+    faults.watch([ctl.comm, new])
+    moves = pack["moves"]
+    peers = Peers(pack["step"], pack["state"],
+                  lambda state: reshard.receive(merged, me, moves, state, held), pack["event"])
+    new_setup = replace(setup, cfg=pack["cfg"], resume=pack["resume"])
+    try:
+        trainer = Trainer(new_setup, new, ctl, peers=peers)
+    finally:
+        reshard.wait(sends)
+    return new_setup, ctl, trainer
+
+
+def join(parent, timeout: float) -> int:
+    """A process spawned in a lost rank's place (`elastic.respawn`): join the survivors, take
+    the place and the state they give it, and train on as one of them (see `run`)."""
+    faults.note_loss()  # it joins a job that lost ranks: it ends as they do (`faults.finalize`)
+    merged = faults.returning(parent.Merge(high=True))
+    faults.watch([merged])
+    pack = merged.bcast(None, root=0)
+    setup = Setup(cfg=pack["cfg"], data_paths=pack["data_paths"], resume=None,
+                  classes=pack["classes"])
+    setup, ctl, trainer = _join_new(merged, merged.Get_rank(), pack, setup, None, [])
+    return _loop(trainer, setup, ctl, MPI.COMM_WORLD.Get_rank(), timeout)
 
 
 def _origins(comm, ranks) -> list[int]:
