@@ -19,7 +19,10 @@ lists with these sizes and returns the peak, so the same model serves the execut
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import operator
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
 
 from ratrain.config import act_itemsize, is_half
 from ratrain.exec.params import (
@@ -143,7 +146,7 @@ class _Walk:
         self.views: set[str] = set()
         self.grads: dict[str, int] = {}  # block -> bytes held
         self.msgs = 0  # received activations held until their micro-batch's backward
-        self.tier = MemoryTier(self, held_params(sizes, blocks))  # offload's transfers
+        self.tier = self._tier_model(held_params(sizes, blocks))  # offload's transfers
         self.table = dispatch_table("memory.simulate_peak", {
             **self.tier.handlers(),
             sched.Forward: self._forward, sched.Backward: self._backward, sched.MaterializeView: self._view,
@@ -152,6 +155,9 @@ class _Walk:
             sched.SendForward: self._message, sched.RecvBackward: self._message, sched.SendBackward: self._message,
         }, ignore=(sched.WaitView, sched.SyncGrad, sched.GradNorm,
                    sched.AverageParams, sched.WaitAverage))  # averages: in place
+
+    def _tier_model(self, held: dict[str, int]) -> MemoryTier:
+        return MemoryTier(self, held)
 
     def bump(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.cur + extra)
@@ -228,22 +234,213 @@ def simulate_peaks(lists, blocks, sizes: StageSizes) -> tuple[int, int]:
     return int(walk.peak), int(walk.tier.peak)
 
 
-def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True
-                     ) -> tuple[dict[str, str], int]:
+# -- the walk compiled once --------------------------------------------------------------------
+
+
+class _Sum:
+    """A constant plus symbol terms ((coefficient, symbol), ...): what the compiled walk holds
+    where the plain walk holds a number of bytes. Symbols are `LinearWalk`'s."""
+
+    __slots__ = ("const", "terms")
+
+    def __init__(self, const: int = 0, terms: tuple = ()):
+        self.const, self.terms = const, terms
+
+    def __rsub__(self, other: int) -> _Sum:  # int - self: a forward's transient
+        return _Sum(other - self.const, tuple((-c, k) for c, k in self.terms))
+
+
+class _Tape:
+    """A running total as its increments, and the points where the walk looks at it (each
+    with an extra that counts at that point only)."""
+
+    def __init__(self, start: int):
+        self.const, self.coef, self.sym = [operator.index(start)], [0], [-1]
+        self.at: list[int] = []  # a point: the total after this many increments (less one)
+        self.extra: list[int] = []  # its constant extra
+        self.extra_terms: list[tuple[int, int, int]] = []  # (point, coefficient, symbol)
+        self.plain = -1  # the last increment looked at with no extra
+        self.look()
+
+    def _add(self, x, sign: int) -> _Tape:
+        if x.__class__ is int:  # the common case, first
+            self.const.append(sign * x)
+            self.coef.append(0)
+            self.sym.append(-1)
+            return self
+        if isinstance(x, _Sum) and not x.terms:
+            return self._add(x.const, sign)
+        if isinstance(x, _Sum):  # the constant rides on the first term
+            for i, (c, k) in enumerate(x.terms):
+                self.const.append(sign * x.const if i == 0 else 0)
+                self.coef.append(sign * c)
+                self.sym.append(k)
+        else:
+            self.const.append(sign * operator.index(x))
+            self.coef.append(0)
+            self.sym.append(-1)
+        return self
+
+    def __iadd__(self, x) -> _Tape:
+        return self._add(x, 1)
+
+    def __isub__(self, x) -> _Tape:
+        return self._add(x, -1)
+
+    def look(self, extra=0) -> None:
+        pos = len(self.const) - 1
+        if extra.__class__ is int and extra == 0:  # the common case, first
+            if pos != self.plain:
+                self.plain = pos
+                self.at.append(pos)
+                self.extra.append(0)
+            return
+        if isinstance(extra, _Sum):
+            self.extra_terms += [(len(self.at), c, k) for c, k in extra.terms]
+            extra = extra.const
+        elif extra == 0:
+            if pos == self.plain:  # the same total looked at again: nothing new
+                return
+            self.plain = pos
+        self.at.append(pos)
+        self.extra.append(operator.index(extra))
+
+    def freeze(self) -> _Peak:
+        return _Peak(self)
+
+class _Peak:
+    """A frozen `_Tape`: the largest value at its points, for given symbol values."""
+
+    def __init__(self, tape: _Tape):
+        i64 = np.int64
+        self.const, self.coef = np.array(tape.const, i64), np.array(tape.coef, i64)
+        self.sym, self.at = np.array(tape.sym, np.intp), np.array(tape.at, np.intp)
+        self.extra = np.array(tape.extra, i64)
+        x = np.array(tape.extra_terms, i64).reshape(-1, 3)
+        self.x_at, self.x_coef, self.x_sym = x[:, 0].astype(np.intp), x[:, 1], x[:, 2]
+
+    def max(self, values) -> int:
+        """The peak with `values[k]` for symbol k (`values[-1]`: 0, the no-symbol slot)."""
+        total = np.cumsum(self.const + self.coef * values[self.sym])
+        points = total[self.at] + self.extra
+        np.add.at(points, self.x_at, self.x_coef * values[self.x_sym])
+        return int(points.max())
+
+
+class _SymbolSizes(StageSizes):
+    """`StageSizes` whose blocks keep a symbol each (`LinearWalk`'s `k` symbols)."""
+
+    def kept(self, block: str):
+        return self.symbols[block]
+
+
+class _SymbolTier(MemoryTier):
+    """The tier's handlers with symbols: an activation transfer moves its block's `o` symbol,
+    and the tier's total is a tape."""
+
+    def __init__(self, walk, held: dict[str, int], moved: dict[str, _Sum]):
+        super().__init__(walk, held)
+        self.cur, self.moved = _Tape(self.cur), moved
+
+    def _bytes(self, e):
+        return self.moved[e.block] if e.what == "act" else super()._bytes(e)
+
+    def _tier(self, n) -> None:
+        self.cur += n
+        self.cur.look()
+
+
+class _Compile(_Walk):
+    """The plain walk over symbols: each bump becomes a point of the tape."""
+
+    def __init__(self, blocks, sizes: StageSizes):
+        n = len(blocks)
+        fixed = {f.name: getattr(sizes, f.name) for f in fields(StageSizes)}
+        sym = _SymbolSizes(**fixed)
+        sym.symbols = {b: _Sum(0, ((1, i),)) for i, b in enumerate(blocks)}
+        self.moved = {b: _Sum(0, ((1, n + i),)) for i, b in enumerate(blocks)}
+        super().__init__(blocks, sym)
+        self.cur = _Tape(self.cur)
+
+    def _tier_model(self, held):
+        return _SymbolTier(self, held, self.moved)
+
+    def bump(self, extra=0) -> None:
+        self.cur.look(extra)
+
+    def event(self, blk, e) -> None:
+        self.table[type(e)](blk, e)
+        self.cur.look()
+
+
+def _fixed(sizes: StageSizes) -> tuple:
+    """What a compiled walk holds fixed: every size but the recompute choice and the bytes
+    each choice keeps."""
+    return (sizes.precision, sizes.params, sizes.full_act, sizes.message_bytes, sizes.static,
+            sizes.extra, sizes.shards, sizes.offload_state)
+
+
+class LinearWalk:
+    """`simulate_peaks` of one rank's `lists`, compiled once for every recompute choice.
+
+    The walk adds and subtracts sizes, and the peak is the largest total it looks at. Every
+    size but what a block keeps is fixed by `sizes`. So the walk is played once with a symbol
+    for each block's kept bytes (`k`) and for its activation bytes in transit (`o`). Each
+    total it looks at is then a constant plus symbol terms, and `peaks` evaluates them all
+    at once in exact int64 sums: the same numbers the plain walk compares, so the same peak.
+
+    `peaks(sizes, offloaded)`: `offloaded` names the layers whose activation transfers in
+    `lists` count; the others' count as absent (None: all count). `lifecycle.offload.place`
+    puts each layer's transfers where they go whatever else is offloaded. So the lists with
+    every layer's transfers, counted for a subset, are the subset's own lists.
+    """
+
+    def __init__(self, lists, blocks, sizes: StageSizes):
+        self.blocks, self.fixed = tuple(blocks), _fixed(sizes)
+        walk, blocks = _Compile(self.blocks, sizes), self.blocks
+        order = {sched.Forward: blocks, sched.Backward: blocks[::-1]}
+        for actions in lists:
+            for a in actions:
+                if a.group != "compute":
+                    walk.event(None, a)
+                elif a.pre or a.post:
+                    for blk, e in expand(a, blocks):
+                        walk.event(blk, e)
+                else:  # no hooks: its blocks, as `expand` gives them
+                    for blk in order[type(a)]:
+                        walk.event(blk, a)
+        self.ddr, self.tier = walk.cur.freeze(), walk.tier.cur.freeze()
+
+    def peaks(self, sizes: StageSizes, offloaded=None) -> tuple[int, int]:
+        """(peak DDR bytes, peak tier bytes) with `sizes` (its recompute choice)."""
+        if _fixed(sizes) != self.fixed:
+            raise ValueError("LinearWalk.peaks: sizes differ from the compiled ones in more "
+                             "than the recompute choice")
+        kept = [operator.index(sizes.kept(b)) for b in self.blocks]
+        moved = [k if offloaded is None or b in offloaded else 0
+                 for b, k in zip(self.blocks, kept)]
+        values = np.array(kept + moved + [0], np.int64)
+        return self.ddr.max(values), self.tier.max(values)
+
+
+def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_layer: bool = True,
+                     walk=None) -> tuple[dict[str, str], int]:
     """The fewest layers fully recomputed (the first ones of the stage) whose simulated peak
     fits `cap`; returns ({layer: recompute choice}, peak). All of them when nothing fits.
-    `per_layer=False` (uniform recovery): no layer, or every layer."""
+    `per_layer=False` (uniform recovery): no layer, or every layer. `walk`: `lists` compiled
+    (a `LinearWalk`; default: compiled here)."""
     layers = [b for b in blocks if b.startswith("layers.")]
     counts = range(len(layers) + 1) if per_layer else sorted({0, len(layers)})
+    walk = walk or LinearWalk(lists, blocks, sizes)
     best: tuple[dict[str, str], int] = ({}, 0)
     for k in counts:
         choice = {b: ("full" if i < k else "none") for i, b in enumerate(layers)}
-        peak = simulate_peak(lists, blocks, sizes.with_recompute(choice))
+        peak = walk.peaks(sizes.with_recompute(choice))[0]
         best = (choice, peak)
         if cap is None or peak <= cap:
             return best
     return best
 
 
-__all__ = ["StageSizes", "act_itemsize", "choose_recompute", "layer_activation_bytes",
-           "simulate_peak", "simulate_peaks", "stage_sizes"]
+__all__ = ["LinearWalk", "StageSizes", "act_itemsize", "choose_recompute",
+           "layer_activation_bytes", "simulate_peak", "simulate_peaks", "stage_sizes"]
