@@ -39,20 +39,20 @@ class TierItems:
         return (self.flat.step, a.what, a.block, a.mb)
 
     def _bytes(self, a) -> float:
-        cost, role = self.flat.cost, block_role(a.block)
+        fig, role = self.flat.figure, block_role(a.block)
         if a.what == "act":
-            return cost.offload_bytes(role)
-        n = shard_size(cost.block_params(role), self.flat.shards)
+            return fig("offload_bytes", role)
+        n = shard_size(fig("block_params", role), self.flat.shards)
         return (STATE_TIER_BYTES[self.mode] if a.what == "state" else 4) * n
 
     def _move(self, a):
         if isinstance(a, sched.Offload) and a.what == "master":
             return  # a read-only copy, dropped: nothing moves
-        self.flat.out.append(self.item("tier", step=self.flat.step, label=a.name(),
+        self.flat.out.append(self.item("tier", step=self.flat.step, act=a,
                                        key=self._key(a), nbytes=self._bytes(a)))
 
     def _wait(self, a):
-        self.flat.out.append(self.item("tierwait", step=self.flat.step, label=a.name(),
+        self.flat.out.append(self.item("tierwait", step=self.flat.step, act=a,
                                        key=self._key(a)))
 
 
