@@ -13,12 +13,21 @@ lists with these sizes and returns the peak, so the same model serves the execut
 `recompute: auto` (with activation sizes measured from the kernels' caches,
 `lifecycle.measure`) and the planner (with sizes computed from shapes, `stage_sizes`).
 
+`LinearWalk` is the same walk played once for every recompute choice. The walk only adds and
+subtracts sizes, and only what a block keeps depends on its choice. So a symbol stands for
+each block's kept bytes, and each total the walk looks at becomes a constant plus symbol
+terms. A choice then sets the symbols, and numpy's exact int64 sums give every total at once:
+the numbers the plain walk compares, so the same peak. `choose_recompute` asks it one choice
+after another; the plain `simulate_peaks` stays as the reference it is tested against.
+
     act = {"none": ..., "full": ...}                      # bytes per layer per micro-batch
     recompute, peak = choose_recompute(cap, sizes, lists) # fewest layers recomputed that fit
+    walk = LinearWalk(lists, blocks, sizes); walk.peaks(sizes.with_recompute(choice))
 """
 
 from __future__ import annotations
 
+import numbers
 import operator
 from dataclasses import dataclass, field, fields, replace
 
@@ -373,6 +382,14 @@ class _Compile(_Walk):
         self.cur.look()
 
 
+def whole_bytes(sizes: StageSizes) -> bool:
+    """Whether every size is a whole number of bytes, as `LinearWalk` needs."""
+    values = [*sizes.params.values(), *sizes.full_act.values(), sizes.message_bytes,
+              sizes.extra, 0 if sizes.static is None else sizes.static,
+              *(v for modes in sizes.act.values() for v in modes.values())]
+    return all(isinstance(v, numbers.Integral) for v in values)
+
+
 def _fixed(sizes: StageSizes) -> tuple:
     """What a compiled walk holds fixed: every size but the recompute choice and the bytes
     each choice keeps."""
@@ -428,14 +445,16 @@ def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_laye
     """The fewest layers fully recomputed (the first ones of the stage) whose simulated peak
     fits `cap`; returns ({layer: recompute choice}, peak). All of them when nothing fits.
     `per_layer=False` (uniform recovery): no layer, or every layer. `walk`: `lists` compiled
-    (a `LinearWalk`; default: compiled here)."""
+    (a `LinearWalk`; default: compiled here when the sizes are whole bytes)."""
     layers = [b for b in blocks if b.startswith("layers.")]
     counts = range(len(layers) + 1) if per_layer else sorted({0, len(layers)})
-    walk = walk or LinearWalk(lists, blocks, sizes)
+    if walk is None and whole_bytes(sizes):  # else the plain walk, whose floats it keeps
+        walk = LinearWalk(lists, blocks, sizes)
     best: tuple[dict[str, str], int] = ({}, 0)
     for k in counts:
         choice = {b: ("full" if i < k else "none") for i, b in enumerate(layers)}
-        peak = walk.peaks(sizes.with_recompute(choice))[0]
+        sz = sizes.with_recompute(choice)
+        peak = walk.peaks(sz)[0] if walk is not None else simulate_peak(lists, blocks, sz)
         best = (choice, peak)
         if cap is None or peak <= cap:
             return best
@@ -443,4 +462,5 @@ def choose_recompute(cap: int | None, sizes: StageSizes, lists, blocks, per_laye
 
 
 __all__ = ["LinearWalk", "StageSizes", "act_itemsize", "choose_recompute",
-           "layer_activation_bytes", "simulate_peak", "simulate_peaks", "stage_sizes"]
+           "layer_activation_bytes", "simulate_peak", "simulate_peaks", "stage_sizes",
+           "whole_bytes"]
