@@ -2,8 +2,10 @@
 
 A search prints its fastest plans. A candidate that cannot be among them need not be
 simulated, and `TopPlayed` says when one cannot: its most tokens/s (from `StepGraph`'s lower
-bound of its step) is below what the search keeps of the plans simulated so far. The plans
-the search prints are then the same, in the same order.
+bound of its step) is below what the search keeps of the plans simulated so far. The search
+plays its candidates in its own order and prunes only once it keeps all it keeps. A candidate
+is left out only when its bound is strictly below, so the plans it prints, and their order
+among equals, stay the same.
 
 The bound. `plan.simulate` measures the last step: from the moment the last rank ended the
 step before, to the moment the last rank ends this one. A rank runs its items in order, a busy
@@ -18,7 +20,8 @@ list, from a send to its receive, and through the barrier.
   then at least the longest chain from those starts, less the latest start.
 - Otherwise, call r the rank that ended the step before last: the step is at least the
   longest chain from r's start. r is not known before the simulation, so the bound takes the
-  least over the ranks.
+  least over the ranks. This `weak` bound also holds for lists that add waits to these: the
+  same plan with its optimizer state in the tier.
 
     graph = StepGraph(plan, cost)                   # once per plan and cost
     low = graph.lower_bound(recompute)              # <= simulate(...).step_s, for any choice
