@@ -7,7 +7,7 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing
+# PARTS (default all): bench parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing
 # (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
 # 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
@@ -20,7 +20,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -92,6 +92,11 @@ for part in $PARTS; do
     rec tier-bench -- "${MPI[@]}" -n 2 "$PY" benchmarks/tier.py measure "${T[@]}"
     if [ "$SMOKE" = 1 ]; then M=(jobs/llama2-7b.yaml); else M=(); fi
     rec tier-models -- "$PY" benchmarks/tier.py models "${M[@]}" ;;
+  plan)  # ~2.5 min: python -m ratrain.plan on the paper's four models, no tier, host, nvme;
+    # PLAN_GOLDEN=DIR compares each output with DIR/MODEL-TIER.txt (a run of older code)
+    G=(); [ -n "${PLAN_GOLDEN:-}" ] && G=(--golden "$PLAN_GOLDEN")
+    if [ "$SMOKE" = 1 ]; then G+=(--models llama2-7b --tiers none,nvme); fi
+    rec plan-speed -- "$PY" benchmarks/plan_speed.py "${G[@]}" ;;
   psync)  # ~30 min: partial against full synchronization (jobs/psync.yaml) on 2 emulated nodes
     # (root): steps/s interleaved beside the simulator, then both trained on the default corpus
     # and judged by ratrain.compare (the curves: docs/psync-curves.png)

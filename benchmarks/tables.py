@@ -225,6 +225,22 @@ TABLES = {
          [("llama2-7b.ratio", "7B", ".3f"), ("baichuan2-13b.ratio", "13B", ".3f"),
           ("qwen2.5-32b.ratio", "32B", ".3f"), ("llama2-70b.ratio", "70B", ".3f"),
           ("llama2-70b.tier_pp", "70B stages", "d"), ("llama2-70b.today_pp", "today's", "d")]),
+        ("plan-speed", "`python -m ratrain.plan` on the paper's four models, without a tier and "
+         "with mt3000's host and nvme: 12 runs, wall and user seconds (issue 46: at most 60 s "
+         "on 2 cores, the output unchanged)",
+         [("llama2-70b/host.wall_s", "70B host s", ".1f"),
+          ("llama2-70b/host.user_s", "user s", ".1f"),
+          ("llama2-70b/nvme.wall_s", "70B nvme s", ".1f"),
+          ("llama2-70b/none.wall_s", "70B none s", ".1f"),
+          ("max_wall_s", "slowest of 12 s", ".1f"),
+          ("all_same", "every output as at 10da978", "")]),
+        ("plan-speed-before", "the same at 10da978, before issue 46 (7B, 13B and 32B; 70B "
+         "without a tier)",
+         [("qwen2.5-32b/host.wall_s", "32B host s", ".1f"),
+          ("qwen2.5-32b/host.user_s", "user s", ".1f"),
+          ("baichuan2-13b/nvme.wall_s", "13B nvme s", ".1f"),
+          ("llama2-70b/none.wall_s", "70B none s", ".1f"),
+          ("llama2-7b/nvme.wall_s", "7B nvme s", ".1f")]),
     ],
     "docs/history/communication.md": [
         ("board_step", "whole steps with the small all-reduce board / without, 4 ranks "

@@ -8,7 +8,9 @@ lifecycle's memory model); one run's memory plan against the cap, checked before
 (`check`, for `train --dry-run`); the discrete-event simulator (`simulate`, its event loop in
 `events`); full against partial synchronization on a link (`sync`); the search over layouts
 under the DDR cap and weak scaling (`search`); the same with a memory tier below the DDR,
-offload as a recovery choice (`tierplan`, the tier in the simulator: `tiersim`); the planner
+offload as a recovery choice (`tierplan`, the tier in the simulator: `tiersim`); a lower
+bound of a simulated step, which lets both searches skip what cannot be among their best
+(`prune`); the planner
 for mixed clusters, layer splits and replica shares by each rank's class (`hetero`); the command
 `python -m ratrain.plan`.
 

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     _print_rates(cost.rates)
 
     plans = search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs,
-                   placements=args.placements)
+                   placements=args.placements, top=args.top)
     _print_plans(plans, policies, clusters, m.layers, args.top)
 
     if args.scale:
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         _print_memory(cfg, cap, clusters)
     if resolve_platform(cfg.platform).tier is not None:  # beside today's plan: with the tier
         tiered = tier_search(cfg, clusters, policies, cost, cap, args.global_batch, args.mbs,
-                             placements=args.placements)
+                             placements=args.placements, top=args.top)
         print("\n".join(report(cfg, tiered, plans, cost, clusters, args.top)))
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -36,9 +36,14 @@ class _Item:
     peer: int = -1  # send: destination stage
     blocks: tuple = ()  # sync / wait / gather / waitview
     step: int = 0
-    label: str = ""
+    act: object = None  # the action it comes from (its name is the item's label)
     coll: str = "allreduce"  # sync: allreduce | scatter (sharded optimizer state) | average
     nbytes: float = 0.0  # tier: bytes moved (`plan.tiersim`)
+
+    @property
+    def label(self) -> str:
+        """The action's name, made when asked (the timeline, an error): most never are."""
+        return self.act.name() if self.act is not None else ""
 
 
 class _Flatten:
@@ -48,6 +53,7 @@ class _Flatten:
         self.stage, self.rank, self.blocks, self.recompute = stage, rank, blocks, recompute
         self.cost, self.step, self.shards = cost, step, shards
         self.out: list[_Item] = []
+        self.memo: dict = {}  # (cost method, arguments) -> its figure
         parts = [x for x in (p.simulator(self) for p in passes) if x is not None]
         self.table = dispatch_table("simulate", {
             sched.Forward: self._compute, sched.Backward: self._compute,
@@ -63,14 +69,21 @@ class _Flatten:
         }, ignore=(sched.DropView, sched.AllocGrad, sched.FreeGrad), passes=passes)  # memory only
 
     def add(self, op, a, **kw):
-        """An item `op` of action `a` (its name the label) in this step."""
-        self.out.append(_Item(op, step=self.step, label=a.name(), **kw))
+        """An item `op` of action `a` (its name the label, made when asked) in this step."""
+        self.out.append(_Item(op, step=self.step, act=a, **kw))
 
-    def busy(self, cat: str, dur: float, label: str, extra: float = 0.0):
+    def figure(self, name: str, *args):
+        """The cost model's `name(*args)`, asked once per item list (the same figure)."""
+        key = (name, *args)
+        if key not in self.memo:
+            self.memo[key] = getattr(self.cost, name)(*args)
+        return self.memo[key]
+
+    def busy(self, cat: str, dur: float, act, extra: float = 0.0):
         if self.out and self.out[-1].op == "busy":
             it = self.out[-1]
         else:
-            it = _Item("busy", parts={}, step=self.step, label=label)
+            it = _Item("busy", parts={}, step=self.step, act=act)
             self.out.append(it)
         it.dur += dur
         it.parts[cat] = it.parts.get(cat, 0.0) + dur - extra
@@ -78,17 +91,21 @@ class _Flatten:
             it.parts["recompute"] = it.parts.get("recompute", 0.0) + extra
 
     def _compute(self, a):
-        cost = self.cost
-        for blk, ev in expand(a, self.blocks):
+        fig = self.figure
+        events = (expand(a, self.blocks) if a.pre or a.post else  # no hooks: its blocks
+                  ((b, a) for b in (self.blocks if isinstance(a, sched.Forward)
+                                    else reversed(self.blocks))))
+        for blk, ev in events:
             if blk is None:  # a lifecycle hook
                 self.table[type(ev)](ev)
                 continue
             role = block_role(blk)
             if isinstance(ev, sched.Forward):
-                self.busy("compute", cost.forward_time(role), a.name())
+                self.busy("compute", fig("forward_time", role), a)
             else:
-                t = cost.backward_time(role, kernel_recompute(self.recompute.get(blk, "none")))
-                self.busy("compute", t, a.name(), t - cost.backward_time(role))
+                t = fig("backward_time", role,
+                        kernel_recompute(self.recompute.get(blk, "none")))
+                self.busy("compute", t, a, t - fig("backward_time", role))
 
     def _send(self, a):
         d = "f" if isinstance(a, sched.SendForward) else "b"
@@ -101,10 +118,10 @@ class _Flatten:
         self.add("recv", a, key=(self.step, d, a.mb, src))
 
     def _update(self, a):
-        self.busy("update", self.cost.update_time(block_role(a.block), self.shards), a.name())
+        self.busy("update", self.figure("update_time", block_role(a.block), self.shards), a)
 
     def _view(self, a):
-        self.busy("view", self.cost.view_time(block_role(a.block), self.shards), a.name())
+        self.busy("view", self.figure("view_time", block_role(a.block), self.shards), a)
         if a.gather:  # sharded: the rest of the view comes by ring all-gather
             self.add("gather", a, blocks=(a.block,))
 
@@ -235,6 +252,10 @@ class Sim:
         self.waiting: dict[tuple, list[int]] = {}
         self.norm_arrived: dict[int, list[tuple[int, float]]] = {}
         self.timeline: list | None = [] if timeline else None
+        self.steps = {"busy": self._busy, "send": self._send, "recv": self._recv,
+                      "sync": self._submit, "gather": self._submit, "waitview": self._waitview,
+                      "wait": self._wait, "await": self._await, "norm": self._norm,
+                      "end": self._end, "tier": self.tier.start, "tierwait": self.tier.wait}
 
     def at(self, t: float, fn, *args) -> None:
         self.seq += 1
@@ -374,13 +395,10 @@ class Sim:
         """Run rank `r`'s items from its program counter until one blocks or takes time. Each
         item op has a step method returning True to go on with the next item, False to stop
         (the rank is blocked, or busy until an event wakes it)."""
-        rk = self.ranks[r]
-        steps = {"busy": self._busy, "send": self._send, "recv": self._recv,
-                 "sync": self._submit, "gather": self._submit, "waitview": self._waitview,
-                 "wait": self._wait, "await": self._await, "norm": self._norm, "end": self._end,
-                 "tier": self.tier.start, "tierwait": self.tier.wait}
-        while rk.pc < len(rk.items):
-            it = rk.items[rk.pc]
+        rk, steps = self.ranks[r], self.steps
+        items = rk.items
+        while rk.pc < len(items):
+            it = items[rk.pc]
             if not steps[it.op](t, r, rk, it):
                 return
             rk.pc += 1

@@ -12,6 +12,13 @@ validator (`lifecycle.validate`) checks the order of actions, which the sizes on
 through Megatron's buckets; the tests validate every policy, and each run validates its own
 plan at start-up.
 
+Three things keep it within a minute with the same answers. A layout's plan and memory do not
+depend on its placement, so both placements share them (`fit_layout`), and each stage's
+lists are compiled once for every recompute choice (`plan.memory.Walks`). A mode stops at
+the first stage over the cap, since what does not fit is dropped. With `top` (the command's
+`--top`), a candidate is simulated only while the bound of its step (`plan.prune`) says it
+can still be among the `top` fastest or the fastest of its placement: what the command prints.
+
     plans = search(cfg, clusters=1024)                   # {policy: [Plan, ...] best first}
     rows = scaling(cfg, plans["ratrain"][0].layout, "ratrain", [64, 128, 256, 512, 1024])
 """
@@ -19,13 +26,15 @@ plan at start-up.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 from ratrain.config import Config, global_batch
 from ratrain.exec.params import STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.spec import block_params, block_role
-from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
+from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy, stage_block_names
 from ratrain.plan.cost import CostModel
-from ratrain.plan.memory import fit_recompute, stage_peaks
+from ratrain.plan.memory import Walks, fit_recompute, stage_peaks
+from ratrain.plan.prune import Bounds, TopPlayed
 from ratrain.plan.simulate import SimResult, simulate
 from ratrain.plan.steps import recompute_for
 from ratrain.shim.platform import resolve_platform
@@ -135,72 +144,146 @@ def _static_lower_bound(cfg: Config, blocks, shards: int = 1) -> int:
                for names in blocks)
 
 
+@dataclass
+class Fitted:
+    """What a layout's plans share whatever its placement: the plan, and per recompute mode
+    tried its choice, peaks and whether it fits (`low`: the static bound, when over the cap)."""
+
+    plan: PipelinePlan | None  # None when `low` is over the cap
+    low: int | None
+    modes: list  # [(layout fields, recompute choice, peaks, fits)]
+    least: tuple[int, ...] | None
+
+
+def layout_plan(cfg: Config, layout: Layout, policy: str, cap: int | None = None,
+                blocks=None):
+    """The unchecked plan of `layout` under `policy`, or None when its optimizer state alone
+    goes over `cap` (`_static_lower_bound`; `blocks`: its stages' block names, when known)."""
+    pol = resolve_policy(cfg.schedule, policy)  # the preset with the config's component keys
+    low = _static_lower_bound(cfg, blocks or stage_block_names(cfg.model, layout.pp),
+                              pol.shards(layout.dp))
+    if cap is not None and low > cap:
+        return None
+    return PipelinePlan.from_config(cfg, pol, pp=layout.pp, dp=layout.dp,
+                                    m=layout.num_micro_batches, layers_per_stage=None,
+                                    validate=False)  # see the module: unchecked in the search
+
+
+def fit_layout(cfg: Config, layout: Layout, policy: str, cap: int | None = None,
+               recompute=("none", "selective", "auto"), steps: int = 2,
+               least: bool = True, plan=None) -> Fitted:
+    """The memory side of `plan_layout`: the same for either placement of a layout.
+    `least=False`: a mode stops at its first stage over the cap (its peaks cut short), and
+    `Fitted.least` is not known: enough for a search, which drops what does not fit.
+    `plan`: `layout_plan`'s, when made already (so under the static bound)."""
+    m = cfg.model
+    if plan is None:
+        pol = resolve_policy(cfg.schedule, policy)
+        low = _static_lower_bound(cfg, stage_block_names(m, layout.pp), pol.shards(layout.dp))
+        if cap is not None and low > cap:
+            return Fitted(None, low, [], None)
+        plan = layout_plan(cfg, layout, policy)
+    blocks = plan.blocks
+    walks = Walks(plan, m, layout.micro_batch, steps)
+    stop = None if least else cap
+    modes, low_peaks = [], None
+    for mode in recompute:
+        if mode == "auto":
+            counts, peaks, fits = fit_recompute(plan, m, layout.micro_batch, cap, steps, walks,
+                                                stop=not least)
+            choice = recompute_for(blocks, "auto", counts + [0] * (len(blocks) - len(counts)))
+            peaks = tuple(peaks)
+            fields = {"recompute": "auto", "recompute_layers": tuple(counts)}
+        else:
+            choice = recompute_for(blocks, mode)
+            peaks = stage_peaks(plan, m, layout.micro_batch, choice, steps, walks, stop)
+            fits = len(peaks) == len(blocks) and (cap is None or max(peaks) <= cap)
+            fields = {"recompute": mode}
+        if low_peaks is None or max(peaks) < max(low_peaks):
+            low_peaks = peaks
+        modes.append((fields, choice, peaks, fits))
+        if fits and mode == "none":
+            break
+    return Fitted(plan, None, modes, low_peaks if least else None)
+
+
 def plan_layout(cfg: Config, layout: Layout, policy: str, cost: CostModel | None = None,
                 cap: int | None = None, recompute=("none", "selective", "auto"), steps: int = 2,
-                send_mode: str = "eager") -> list[Plan]:
+                send_mode: str = "eager", fitted: Fitted | None = None) -> list[Plan]:
     """The plans of one layout under one policy, one per recompute mode that fits (the first
     that fits only, when it is `none`); a single non-fitting plan (result None, its least
-    peak) when none fits."""
+    peak) when none fits. `fitted`: `fit_layout`'s answer for it, when known."""
     m = cfg.model
     cost = cost or CostModel.from_config(cfg)
     cost = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
                    placement=layout.placement)
-    pol = resolve_policy(cfg.schedule, policy)  # the preset with the config's component keys
-    plan = PipelinePlan.from_config(cfg, pol, pp=layout.pp, dp=layout.dp,
-                                    m=layout.num_micro_batches, layers_per_stage=None,
-                                    validate=False)  # see the module: unchecked in the search
-    blocks = plan.blocks
-    low = _static_lower_bound(cfg, blocks, plan.shards)
-    if cap is not None and low > cap:
-        return [Plan(layout, policy, None, (low,), cap)]
+    fitted = fitted or fit_layout(cfg, layout, policy, cap, recompute, steps)
+    if fitted.low is not None:
+        return [Plan(layout, policy, None, (fitted.low,), cap)]
     tokens = layout.global_batch * m.seq_len
-
-    def run(lay: Layout, recompute, peaks) -> Plan:
-        res = simulate(plan, cost, recompute, tokens, send_mode, steps=steps)
-        for st, pk in zip(res.ranks, peaks):
-            st.peak_bytes = pk
-        return Plan(lay, policy, res, peaks, cap)
-
     out: list[Plan] = []
-    least: tuple[int, ...] | None = None
-    for mode in recompute:
-        if mode == "auto":
-            counts, peaks, fits = fit_recompute(plan, m, layout.micro_batch, cap, steps)
-            choice = recompute_for(blocks, "auto", counts)
-            peaks = tuple(peaks)
-            lay = replace(layout, recompute="auto", recompute_layers=tuple(counts))
-        else:
-            choice = recompute_for(blocks, mode)
-            peaks = stage_peaks(plan, m, layout.micro_batch, choice, steps)
-            fits = cap is None or max(peaks) <= cap
-            lay = replace(layout, recompute=mode)
-        if least is None or max(peaks) < max(least):
-            least = peaks
+    for fields, choice, peaks, fits in fitted.modes:
         if fits:
-            out.append(run(lay, choice, peaks))
-            if mode == "none":
-                break
+            res = simulate(fitted.plan, cost, choice, tokens, send_mode, steps=steps)
+            for st, pk in zip(res.ranks, peaks):
+                st.peak_bytes = pk
+            out.append(Plan(replace(layout, **fields), policy, res, peaks, cap))
     if not out:
-        return [Plan(layout, policy, None, least or (0,), cap)]
+        return [Plan(layout, policy, None, fitted.least or (0,), cap)]
     return out
+
+
+def unplaced(layout: Layout) -> Layout:
+    """`layout` without its placement: what its memory and action lists depend on."""
+    return replace(layout, placement="pp")
 
 
 def search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
            cap: int | None = -1, global_batch: int | None = None, micro_batches=(1, 2),
            recompute=("none", "selective", "auto"), pps=None, steps: int = 2,
-           send_mode: str = "eager", placements=None) -> dict[str, list[Plan]]:
-    """Every fitting plan per policy, fastest first. `cap=-1`: the platform's DDR cap."""
+           send_mode: str = "eager", placements=None, top: int | None = None
+           ) -> dict[str, list[Plan]]:
+    """Every fitting plan per policy, fastest first. `cap=-1`: the platform's DDR cap. The
+    placements of a layout share its `fit_layout`. `top`: a plan is simulated only while it
+    can be among the `top` fastest, or the fastest of its placement (`plan.prune`), so the
+    list holds those at least; None: every plan."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
     layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps, placements)
-    out = {}
+    out, blocks = {}, {}  # blocks: each depth's stages' block names
     for pol in policies:
+        # kept: the `top` fastest, and each placement's fastest (what the command prints)
+        kept = TopPlayed(None if top is None else {
+            None: top, **dict.fromkeys((lay.placement for lay in layouts), 1)})
         plans = []
-        for lay in layouts:
-            plans += [p for p in plan_layout(cfg, lay, pol, cost, cap, recompute, steps,
-                                             send_mode) if p.result is not None]
+        for key, placed in groupby(layouts, key=unplaced):
+            group, tokens = list(placed), key.global_batch * cfg.model.seq_len
+            groups = (None, *{lay.placement for lay in group})
+            if key.pp not in blocks:
+                blocks[key.pp] = stage_block_names(cfg.model, key.pp)
+            plan = layout_plan(cfg, key, pol, cap, blocks[key.pp])
+            bounds = plan and Bounds(plan, placed_cost(cost, cfg, key), tokens, steps)
+            if plan is None or kept.prunes(groups, bounds, recompute_for(plan.blocks, "none")):
+                continue  # over the cap whatever it does; or slower, even recomputing nothing
+            fitted = fit_layout(cfg, key, pol, cap, recompute, steps, least=False, plan=plan)
+            for lay in group:
+                for fields, choice, peaks, fits in fitted.modes:
+                    if not fits or kept.prunes((None, lay.placement), bounds, choice):
+                        continue
+                    res = simulate(plan, placed_cost(cost, cfg, lay), choice, tokens, send_mode,
+                                   steps=steps)
+                    for st, pk in zip(res.ranks, peaks):
+                        st.peak_bytes = pk
+                    plans.append(Plan(replace(lay, **fields), pol, res, peaks, cap))
+                    kept.add((None, lay.placement), plans[-1].tokens_per_s)
         out[pol] = sorted(plans, key=lambda p: -p.tokens_per_s)
     return out
+
+
+def placed_cost(cost: CostModel, cfg: Config, layout: Layout) -> CostModel:
+    """`cost` for `layout`: its micro-batch and placement, the config's precision."""
+    return replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision,
+                   placement=layout.placement)
 
 
 @dataclass
@@ -280,6 +363,7 @@ def memory_table(cfg: Config, pps, policy: str = "ratrain", cap: int | None = -1
 
 
 __all__ = [
+    "Fitted",
     "Layout",
     "MemoryRow",
     "POLICY_NAMES",
@@ -289,8 +373,12 @@ __all__ = [
     "candidate_layouts",
     "candidate_pps",
     "cap_bytes",
+    "fit_layout",
+    "layout_plan",
     "memory_table",
+    "placed_cost",
     "plan_layout",
     "scaling",
     "search",
+    "unplaced",
 ]

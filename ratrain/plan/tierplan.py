@@ -11,23 +11,33 @@ on each node's tier (`plan.tiersim`). `python -m ratrain.plan` prints the best o
 today's plan when the config states a tier (`platform.tier`, `--tier`), with the tier's traffic
 and whether the simulator finds it hidden.
 
+The search keeps the plain search's answers and does less. The placements of a layout share
+its plans and recoveries. A stage's lists are compiled once with every layer's transfers in
+place, and every choice of `choose_recovery` is read from them (`plan.memory.stage_recovery`).
+A recovery stops at its first stage that does not fit. With `top`, a layout or recovery is
+played only while the bound of its step (`plan.prune`) says it can still be among the `top`
+fastest.
+
     plans = tier_search(cfg, clusters)          # {policy: [Plan, ...] best first}
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import groupby
 
 from ratrain.config import Config
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM, shard_size
 from ratrain.exec.params import view_bytes_per_param
 from ratrain.exec.spec import block_params, block_role
 from ratrain.exec.spec import OFFLOAD
-from ratrain.lifecycle.passes.offload import STATE_TIER_BYTES, OffloadPass, state_of
-from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy
+from ratrain.lifecycle.passes import offload
+from ratrain.lifecycle.passes.offload import STATE_TIER_BYTES, OffloadPass
 from ratrain.lifecycle.recovery import TierRates
+from ratrain.lifecycle.pipeline import PipelinePlan, resolve_policy, stage_block_names
 from ratrain.plan.cost import CostModel
-from ratrain.plan.memory import fit_recovery
+from ratrain.plan.memory import Walks, offloaded_layers, stage_fits, stage_recovery
+from ratrain.plan.prune import Bounds, TopPlayed
 from ratrain.plan.search import (
     POLICY_NAMES,
     Layout,
@@ -35,8 +45,11 @@ from ratrain.plan.search import (
     candidate_layouts,
     candidate_pps,
     cap_bytes,
+    placed_cost,
+    unplaced,
 )
 from ratrain.plan.simulate import simulate
+from ratrain.plan.steps import recompute_for
 
 ACT_MODES = ("auto", "prefer")  # offload.activations tried
 STATE_MODES = ("off", "moments", "masters")  # offload.optimizer tried (masters where legal)
@@ -54,14 +67,51 @@ def tier_cap(cost: CostModel) -> int | None:
     return int(r.tier_bytes // r.ranks_per_node) if r.tier_bytes else None
 
 
-def _resident_lower_bound(cfg: Config, plan) -> int:
-    """Bytes a stage holds in the DDR whatever its recovery: the resident part of its
-    optimizer state, and every block's gradient and view (all held in the last backward)."""
-    state = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[state_of(plan)]
-    view = view_bytes_per_param(plan.precision, plan.shards)
-    return max(sum(state * shard_size(n, plan.shards) + (GRAD_BYTES_PER_PARAM + view) * n
+def _resident_lower_bound(cfg: Config, blocks, shards: int, state: str) -> int:
+    """Bytes a stage of `blocks` holds in the DDR whatever its recovery: the resident part of
+    its optimizer state (`state` in the tier), and every block's gradient and view (all held
+    in the last backward)."""
+    resident = STATE_BYTES_PER_PARAM - STATE_TIER_BYTES[state]
+    view = view_bytes_per_param(cfg.precision, shards)
+    return max(sum(resident * shard_size(n, shards) + (GRAD_BYTES_PER_PARAM + view) * n
                    for n in (block_params(cfg.model, block_role(b)) for b in names))
-               for names in plan.blocks)
+               for names in blocks)
+
+
+def base_plan(cfg: Config, layout: Layout, policy: str, cap, state: str, blocks=None):
+    """The plan of `layout` under `policy` with the optimizer state `state` in the tier and no
+    activation transfers yet, or None when `state` is not legal there or its resident bytes
+    alone go over `cap` (`blocks`: its stages' block names, when known)."""
+    pol = resolve_policy(cfg.schedule, policy)
+    blocks = blocks or stage_block_names(cfg.model, layout.pp)
+    if cap is not None and _resident_lower_bound(cfg, blocks, pol.shards(layout.dp), state) > cap:
+        return None
+    try:
+        return PipelinePlan.of_model(cfg.model, pol, layout.pp, layout.dp,
+                                     layout.num_micro_batches, cfg.precision, validate=False,
+                                     passes=(OffloadPass(state=state),))
+    except ValueError:  # masters where the view is the master
+        return None
+
+
+def recovery(cfg: Config, plan, layout: Layout, cost: CostModel, cap, act_mode: str,
+             steps: int = 2, walks: Walks | None = None):
+    """The recovery of `plan` (`base_plan`'s) with the tier: (per-stage choices, DDR peaks,
+    tier peaks), or None as soon as a stage does not fit. `walks`: the plan's compiled walks,
+    shared by the modes tried."""
+    c = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
+    rates, share = tier_rates(c), tier_cap(c)
+    walks = walks or Walks(plan, cfg.model, layout.micro_batch, steps)
+    choices, peaks, tiers = [], [], []
+    for s in range(len(plan.blocks)):
+        choice, peak, tier = stage_recovery(plan, s, cfg.model, layout.micro_batch, cap,
+                                            act_mode, rates, share, steps, walks)
+        if not stage_fits(peak, tier, cap, share):
+            return None
+        choices.append(choice)
+        peaks.append(peak)
+        tiers.append(tier)
+    return choices, peaks, tiers
 
 
 def fit_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, cap,
@@ -69,19 +119,11 @@ def fit_layout_tier(cfg: Config, layout: Layout, policy: str, cost: CostModel, c
     """The recovery of `layout` under `policy` with the tier (`act_mode`: offload.activations,
     `state`: offload.optimizer): (plan with its transfers, per-stage choices, DDR peaks, tier
     peaks), or None when it does not fit (or `state` is not legal there)."""
-    pol = resolve_policy(cfg.schedule, policy)
-    try:
-        plan = PipelinePlan.of_model(cfg.model, pol, layout.pp, layout.dp,
-                                     layout.num_micro_batches, cfg.precision, validate=False,
-                                     passes=(OffloadPass(state=state),))
-    except ValueError:  # masters where the view is the master
+    plan = base_plan(cfg, layout, policy, cap, state)
+    fit = None if plan is None else recovery(cfg, plan, layout, cost, cap, act_mode, steps)
+    if fit is None:
         return None
-    if cap is not None and _resident_lower_bound(cfg, plan) > cap:
-        return None
-    c = replace(cost, micro_batch=layout.micro_batch, precision=cfg.precision)
-    plan, choices, peaks, tiers, fits = fit_recovery(
-        plan, cfg.model, layout.micro_batch, cap, act_mode, tier_rates(c), tier_cap(c), steps)
-    return (plan, choices, peaks, tiers) if fits else None
+    return (offload.with_layers(plan, offloaded_layers(fit[0]), validate=False), *fit)
 
 
 def _counts(choices):
@@ -126,34 +168,95 @@ def shallowest_depths(layers: int) -> list[int]:
 def tier_search(cfg: Config, clusters: int, policies=POLICY_NAMES, cost: CostModel | None = None,
                 cap: int | None = -1, global_batch: int | None = None, micro_batches=(1, 2),
                 placements=None, steps: int = 2, send_mode: str = "eager",
-                act_modes=ACT_MODES, states=STATE_MODES) -> dict[str, list[Plan]]:
-    """Every fitting plan with the tier per policy, fastest first (`cap=-1`: the platform's)."""
+                act_modes=ACT_MODES, states=STATE_MODES, top: int | None = None
+                ) -> dict[str, list[Plan]]:
+    """Every fitting plan with the tier per policy, fastest first (`cap=-1`: the platform's).
+    The placements of a layout share its plans and recoveries (`fit_layout_tier`'s parts).
+    `top`: a plan is simulated only while it can be among the `top` fastest (`plan.prune`), so
+    the list holds those at least; None: every plan."""
     cost = cost or CostModel.from_config(cfg)
     cap = cap_bytes(cfg) if cap == -1 else cap
     pps = candidate_pps(cfg.model.layers, clusters, (cfg.parallel.pp,
                                                      *shallowest_depths(cfg.model.layers)))
     layouts = candidate_layouts(cfg, clusters, global_batch, micro_batches, pps, placements)
+    blocks = {pp: stage_block_names(cfg.model, pp) for pp in pps}
     out = {}
     for pol in policies:
-        plans = []
-        for lay in layouts:
-            # a recovery already simulated with less in the tier is not played again: more
-            # state in the tier only adds transfers
-            seen = set()
-            for state in states:
-                for mode in act_modes:
-                    fit = fit_layout_tier(cfg, lay, pol, cost, cap, mode, state, steps)
-                    if fit is None or _counts(fit[1]) in seen:
-                        continue
-                    seen.add(_counts(fit[1]))
-                    plans.append(simulate_tier(cfg, lay, pol, cost, cap, fit, mode, state,
-                                               steps, send_mode))
+        plans, kept = [], TopPlayed(None if top is None else {None: top})
+        for key, placed in groupby(layouts, key=unplaced):
+            unit = _Layout(cfg, key, pol, placed_cost(cost, cfg, key), cap, blocks[key.pp],
+                           steps)
+            first = next((s for s in states if unit.plan(s) is not None), None)
+            if first is None:
+                continue  # over the cap in every state
+            # slower in every state, even recomputing nothing? The chains alone (`weak`) bound
+            # every state's plans (their lists differ only in the tier's actions, which the
+            # bound skips), so one plan may answer for all
+            none = recompute_for(unit.plan(first).blocks, "none")
+            if kept.prunes((None,), unit.bounds(first), none, weak=True) or all(
+                    unit.plan(s) is None or kept.prunes((None,), unit.bounds(s), none)
+                    for s in states):
+                continue
+            fits, tiered = {}, {}  # the same for every placement of the layout
+            for lay in placed:
+                # a recovery already simulated with less in the tier is not played again: more
+                # state in the tier only adds transfers
+                seen = set()
+                for state in states:
+                    for mode in act_modes:
+                        if (state, mode) not in fits:
+                            fits[state, mode] = unit.plan(state) and recovery(
+                                cfg, unit.plan(state), lay, cost, cap, mode, steps,
+                                unit.walks(state))
+                        fit = fits[state, mode]
+                        counts = fit and _counts(fit[0])
+                        if not fit or counts in seen:
+                            continue
+                        seen.add(counts)
+                        if kept.prunes((None,), unit.bounds(state), fit[0]):
+                            continue  # its bound counts no transfer: the plan without them
+                        off = tuple(offloaded_layers(fit[0]))
+                        if (state, off) not in tiered:
+                            tiered[state, off] = offload.with_layers(unit.plan(state), off,
+                                                                     validate=False)
+                        plans.append(simulate_tier(cfg, lay, pol, cost, cap,
+                                                   (tiered[state, off], *fit), mode, state,
+                                                   steps, send_mode))
+                        kept.add((None,), plans[-1].tokens_per_s)
         out[pol] = sorted(plans, key=lambda p: -p.tokens_per_s)
     return out
 
 
-__all__ = ["ACT_MODES", "STATE_MODES", "fit_layout_tier", "plan_layout_tier", "report",
-           "shallowest_depths", "simulate_tier", "tier_cap", "tier_rates",
+class _Layout:
+    """One layout's plan, bounds and compiled walks per optimizer state, each made when first
+    asked: the same for every placement (`tier_search`)."""
+
+    def __init__(self, cfg, layout, policy, cost, cap, blocks, steps):
+        self.cfg, self.layout, self.policy, self.cost = cfg, layout, policy, cost
+        self.cap, self.blocks, self.steps = cap, blocks, steps
+        self.plans, self._bounds, self._walks = {}, {}, {}
+
+    def plan(self, state: str):
+        if state not in self.plans:
+            self.plans[state] = base_plan(self.cfg, self.layout, self.policy, self.cap, state,
+                                          self.blocks)
+        return self.plans[state]
+
+    def bounds(self, state: str) -> Bounds:
+        if state not in self._bounds:
+            tokens = self.layout.global_batch * self.cfg.model.seq_len
+            self._bounds[state] = Bounds(self.plan(state), self.cost, tokens, self.steps)
+        return self._bounds[state]
+
+    def walks(self, state: str) -> Walks:
+        if state not in self._walks:
+            self._walks[state] = Walks(self.plan(state), self.cfg.model,
+                                       self.layout.micro_batch, self.steps)
+        return self._walks[state]
+
+
+__all__ = ["ACT_MODES", "STATE_MODES", "base_plan", "fit_layout_tier", "plan_layout_tier",
+           "recovery", "report", "shallowest_depths", "simulate_tier", "tier_cap", "tier_rates",
            "tier_search"]
 
 

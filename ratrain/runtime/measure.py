@@ -14,7 +14,7 @@ import numpy as np
 from ratrain.exec import head, layers
 from ratrain.exec.params import GRAD_BYTES_PER_PARAM
 from ratrain.exec.spec import OFFLOAD, RECOMPUTE
-from ratrain.lifecycle.memory import StageSizes, choose_recompute, simulate_peak
+from ratrain.lifecycle.memory import StageSizes, choose_recompute, peaks, simulate_peak
 from ratrain.lifecycle.passes import offload
 from ratrain.lifecycle.recovery import choose_recovery
 
@@ -104,7 +104,7 @@ def _fit_with_tier(ex, sizes: StageSizes, choice: dict[str, str]):
         return offload.lists_with(base, ex.stage, offloaded, 2)
 
     def walk(lists, s):
-        return offload.peaks(lists, ex.blocks, s, base.passes)
+        return peaks(lists, ex.blocks, s, base.passes)
 
     mode, layers = ex.cfg.offload.activations, list(choice)
     if ex.cfg.schedule.recompute == "auto":

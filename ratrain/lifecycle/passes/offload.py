@@ -39,7 +39,6 @@ from typing import ClassVar
 
 from ratrain.exec.params import shard_size
 from ratrain.exec.spec import block_role
-from ratrain.lifecycle.memory import play
 from ratrain.lifecycle.passes.base import Pass, named
 from ratrain.lifecycle.schedule import Action, Forward, MaterializeView, Update, block_label
 from ratrain.lifecycle.validate import Extension
@@ -214,14 +213,6 @@ def lists_with(plan, stage: int, layers, n: int) -> list[tuple[Action, ...]]:
         raise ValueError(f"stage {stage} offloads {list(layers_of(plan)[stage])} already")
     blocks = plan.stages[stage].blocks
     return [place(lst, blocks, layers) for lst in plan.stage_steps(stage, n)]
-
-
-def peaks(lists, blocks, sizes, passes) -> tuple[int, int]:
-    """(peak DDR bytes, peak bytes in the tier) of a rank running `lists` in order with the
-    plan's `passes` (`lifecycle.memory.play`; no tier without this pass: 0)."""
-    walk = play(lists, blocks, sizes, passes)
-    part = walk.parts.get(NAME)
-    return int(walk.peak), int(part.peak) if part is not None else 0
 
 
 # -- placement -----------------------------------------------------------------------------------
@@ -478,10 +469,10 @@ class TierItems:
         return (self.flat.step, a.what, a.block, a.mb)
 
     def _bytes(self, a) -> float:
-        cost, role = self.flat.cost, block_role(a.block)
+        fig, role = self.flat.figure, block_role(a.block)
         if a.what == "act":
-            return cost.offload_bytes(role)
-        n = shard_size(cost.block_params(role), self.flat.shards)
+            return fig("offload_bytes", role)
+        n = shard_size(fig("block_params", role), self.flat.shards)
         return (STATE_TIER_BYTES[self.mode] if a.what == "state" else 4) * n
 
     def _move(self, a):
@@ -496,4 +487,4 @@ class TierItems:
 __all__ = ["Fetch", "MemoryTier", "NAME", "Offload", "OffloadPass", "STATE_MODES",
            "STATE_TIER_BYTES", "TIER_ACTIONS", "TIER_WHAT", "TierCheck", "TierItems", "WaitFetch",
            "WaitOffload", "held_params", "layers_of", "lists_with", "of_config", "of_plan",
-           "peaks", "place", "state_of", "with_layers"]
+           "place", "state_of", "with_layers"]

@@ -352,7 +352,7 @@ class AverageItems:
         flat = self.flat
         flat.add("await", a, blocks=a.blocks)
         for b in a.blocks:
-            flat.busy("update", flat.cost.average_time(block_role(b)), a.name())
+            flat.busy("update", flat.figure("average_time", block_role(b)), a)
 
 
 __all__ = ["AVERAGE_BYTES_PER_PARAM", "AverageCheck", "AverageItems", "AverageParams", "NAME",

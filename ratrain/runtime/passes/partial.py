@@ -44,7 +44,7 @@ class Averager(Runner):
         self.kernels, self.xp = ex.ctx.kernels, ex.ctx.xp
         return self
 
-    def start(self, a: AverageParams) -> None:
+    def average(self, a: AverageParams) -> None:
         if self.dp == 1:
             return
         for b in a.blocks:  # one collective per block, in place on the master
@@ -64,7 +64,7 @@ class Averager(Runner):
                 master /= self.dp  # the mean: the same bits on every replica
 
     def handlers(self) -> dict:
-        return {AverageParams: self.start, WaitAverage: self.wait}
+        return {AverageParams: self.average, WaitAverage: self.wait}
 
     def seed_count(self, n: int) -> int:
         return self.num_micro_batches  # the mean over this replica's micro-batches
