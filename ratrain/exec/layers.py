@@ -16,9 +16,13 @@ A decoder layer (pre-norm LLaMA):
     y = h + Wd . (silu(Wg . rms(h)) * Wu . rms(h))
 Wq/Wk/Wv and Wg/Wu are concatenated once per call (one GEMM each, forward and backward), and in
 fp16 and bf16 mode on the CPU every weight view is converted to fp32 once per call into scratch
-(`scratch.gemm`) so that each GEMM is an sgemm (on a device the GEMMs run in the 16-bit dtype).
-Activations crossing blocks and kept in caches are ctx.dtype; inside a call everything is fp32
-(GEMM accumulation, norms, softmax). In fp16 and bf16 mode q, k, v are rounded to 16 bits
+(`scratch.gemm`) so that each GEMM is an sgemm. On a device, and on a host whose BLAS takes the
+16-bit dtype (`ctx.gemm_half`: `run.blas: mkl`), the GEMMs run in the 16-bit dtype on the views
+themselves. Activations crossing blocks and kept in caches are ctx.dtype; inside a call the
+arithmetic is fp32 (GEMM accumulation, norms, softmax). The host's 16-bit layout
+(`ctx.half_layout`) keeps every GEMM operand in 16 bits, adds the residual and the weight
+gradients by the GEMMs themselves (`accumulate_gemms`), and gives the same bits whatever the
+threads and `recompute`. In fp16 and bf16 mode q, k, v are rounded to 16 bits
 before attention (they are kept so), so that a recomputation from the kept values reproduces
 the forward bit for bit. Every op runs through
 the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
