@@ -281,13 +281,14 @@ def memory(a) -> dict:
 
 
 def profile(a) -> dict:
-    """Per-kernel CPU seconds of one step (`exec.profile`), per precision, against the sgemm
-    bound: the model's flops at the measured sgemm rate of the same thread count."""
+    """Per-kernel CPU seconds of one step (`exec.profile`), per contender (precision and BLAS,
+    as `throughput` names them, less `ratrain_`), against the sgemm bound: the model's flops at
+    the measured sgemm rate of the same thread count."""
     rate = statistics.median(sgemm_step(a.threads)() for _ in range(3)) * 1e9  # flop/s
     out = {"threads": a.threads, "sgemm_gflops": round(rate / 1e9, 1)}
-    for precision in ("fp32",) + (() if a.no_fp16 else ("fp16",)):
-        cfg = bench_config(precision, a.threads, a.sets)
-        step, _ = runtime_step(cfg)
+    for name, precision, lib in contenders(a):
+        cfg = bench_config(precision, a.threads, [*a.sets, f"run.blas={lib}"])
+        step, ex = runtime_step(cfg)
         for _ in range(max(1, a.warmup)):
             step()
         walls, profs = [], []
@@ -302,7 +303,8 @@ def profile(a) -> dict:
         wall = statistics.median_low(walls)
         rows = best.rows(rate / a.threads)
         accounted = sum(r["seconds"] for r in rows)
-        out[precision] = {
+        out[name.removeprefix("ratrain_")] = {
+            "blas": ex.ctx.kernels.blas_label(),
             "step_s": round(wall, 4), "sgemm_bound_s": round(flops / rate, 4),
             "of_sgemm": round(flops / wall / rate, 3),
             "compute_thread_s": round(wall * a.threads, 4),

@@ -214,7 +214,8 @@ def layer_and_head(ctx, x, dy, t, P, recompute="none"):
 
 @pytest.mark.parametrize("precision,flags", [("fp32", None), ("bf16", None),
                                              ("fp16", {"amx_fp16"}), ("fp16", None)])
-def test_mkl_layers_are_bitwise_over_threads_and_recompute(mkl, precision, flags):
+def test_mkl_layers_are_bitwise_over_threads_and_recompute(mkl, precision, flags, monkeypatch):
+    monkeypatch.setattr(layers, "GRAD_BLOCK_ROWS", 4)  # weight gradients in several row blocks
     dt = kernels.DTYPES[precision]
     P = [{k: v.astype(dt) for k, v in b.items()} for b in make_params(M, np.float32, scale=0.1)]
     rng = np.random.default_rng(7)
@@ -282,3 +283,9 @@ def test_bench_says_which_blas_each_contender_ran(mkl, tmp_path):
     for k in ("fp32_mkl_time_over_openblas", "bf16_mkl_time_over_openblas",
               "bf16_time_over_fp32", "fp32_gflops_over_sgemm"):
         assert r[k] > 0
+    bench.main(["--profile", "--rounds", "1", "--warmup", "0", "--precisions", "bf16",
+                "--blas", "mkl", "--set", "model.layers=1", "--set", "model.seq_len=32",
+                "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["bf16"]["blas"] == f"mkl {mkl.version} (bf16 native)" and "fp32" in r
+    assert "gemm" in {k["category"] for k in r["bf16"]["kernels"]}

@@ -31,6 +31,8 @@ from a core-sized fp32 scratch (`OUT_PANEL_BYTES`, fixed by the shape alone).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ratrain.device import is_host
@@ -170,7 +172,7 @@ def mkl_entry(lib, native=(), cast=None, assign=None):
             raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align"
                              + (f" with out {out.shape}" if out is not None else ""))
         dt = F32 if h is None else h
-        M = int(np.prod(lead))
+        M = math.prod(lead)
         casts = (a.size if a.dtype != dt else 0) + (b.size if b.dtype != dt else 0)
         if out is None:
             out = np.empty((*lead, N), F32)

@@ -481,20 +481,25 @@ def accumulate(g, parts, pairs, ctx):
     ctx.map(add, range(n))
 
 
-GRAD_BLOCK_ROWS = 128  # rows of a weight gradient one call of `accumulate_gemms` adds into
+# `accumulate_gemms` cuts a weight gradient into at most GRAD_BLOCKS blocks of rows (enough for
+# the threads), each of at least GRAD_BLOCK_ROWS rows (GEMMs large enough to run at speed)
+GRAD_BLOCKS, GRAD_BLOCK_ROWS = 8, 128
 
 
 @timed("grad accumulate")
 def accumulate_gemms(g, parts, pairs, ctx):
     """The 16-bit layout's `accumulate`: g[name] += dy[:, r0 : r0 + len(g[name])].T @ x for
     every chunk's (dy, x) = part[key], each chunk's product added by the GEMM itself (beta = 1)
-    in chunk order, with no fp32 partial. The rows of each gradient go in blocks of
-    `GRAD_BLOCK_ROWS`, spread over the threads. So every call's shapes, and the order in which
-    each element is summed, are fixed by the batch and the model alone: any thread count gives
-    the same bits."""
+    in chunk order, with no fp32 partial. The rows of each gradient go in blocks
+    (`GRAD_BLOCKS`, `GRAD_BLOCK_ROWS`), spread over the threads. So every call's shapes, and
+    the order in which each element is summed, are fixed by the batch and the model alone: any
+    thread count gives the same bits."""
     ops, half = ctx.kernels, ctx.gemm_half
-    jobs = [(g[name], key, r0, a, min(a + GRAD_BLOCK_ROWS, g[name].shape[0]))
-            for name, key, r0 in pairs for a in range(0, g[name].shape[0], GRAD_BLOCK_ROWS)]
+    jobs = []
+    for name, key, r0 in pairs:
+        rows = g[name].shape[0]
+        step = max(GRAD_BLOCK_ROWS, -(-rows // GRAD_BLOCKS))
+        jobs += [(g[name], key, r0, a, min(a + step, rows)) for a in range(0, rows, step)]
 
     def run(job):
         dst, key, r0, a, b = job
@@ -507,6 +512,7 @@ def accumulate_gemms(g, parts, pairs, ctx):
 
 
 __all__ = [
+    "GRAD_BLOCKS",
     "GRAD_BLOCK_ROWS",
     "WORK_TAG",
     "BlockCache",
