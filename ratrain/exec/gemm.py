@@ -13,20 +13,20 @@
   only), its 16-bit result handed back as float32 (or written into `out`), as PyTorch's autocast
   does; never an fp32 GEMM that upcasts a 16-bit weight every call.
 
-The layers avoid needless casts: they convert each 16-bit weight view to fp32 once per layer
-call (`layers._gemm_weights`) and pass fp32 operands here, so the tiled path only runs for
-operands that are needed in 16 bits alone.
+The layers avoid needless casts: on numpy's BLAS they convert each 16-bit weight view to fp32
+once per layer call (`layers._gemm_weights`) and pass fp32 operands here, so the tiled path
+only runs for operands that are needed in 16 bits alone.
 
 `accumulate=True` adds the product into `out` (fp32) instead of writing it: here a product and
 an add, on oneMKL the GEMM's own beta = 1 (the layers' weight gradients in the 16-bit layout).
 
 oneMKL (`run.blas: mkl`, `exec.blas`) has an entry of the same signature, made for the rank by
-`mkl_entry`: sgemm for fp32 operands; for a 16-bit dtype it computes natively (bf16 always, fp16
-with AMX-FP16), both operands in that dtype (an fp32 one cast once, as on a device) and one
-GEMM with fp32 accumulation, never an fp32 copy of a 16-bit operand; the tiled conversion above
-on its sgemm for a 16-bit dtype it does not; the reference for anything else (float64, a
-batched right operand). Its result is fp32; a 16-bit `out` is filled a row panel at a time
-from a core-sized fp32 scratch (`OUT_PANEL_BYTES`, fixed by the shape alone).
+`mkl_entry`. It runs fp32 operands on oneMKL's sgemm. A 16-bit dtype it computes natively (bf16
+always, fp16 with AMX-FP16) runs as one GEMM with fp32 accumulation on both operands in that
+dtype (an fp32 one cast once, as on a device), never on an fp32 copy of a 16-bit operand. Other
+16-bit operands take the tiled conversion above on oneMKL's sgemm, and anything else (float64,
+a batched right operand) the reference. Its result is fp32; a 16-bit `out` is filled a row
+panel at a time from a core-sized fp32 scratch (`OUT_PANEL_BYTES`, fixed by the shape alone).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class _HeadRows:
         self.rms = (x32, kept["rstd"], p["norm"])
         xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
         xn *= as_compute(ctx, p["norm"])
-        self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
+        self.xg = xn if half16 is None else ctx.kernels.cast(xn, half16)  # GEMMs' operand
         self.lse, self.targets = kept["lse"], targets.reshape(N)  # (N,) each
         self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
         many = cols < V and not ctx.half_layout  # the layout's GEMMs add into dxn themselves
