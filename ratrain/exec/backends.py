@@ -25,7 +25,7 @@ own BLAS and the reference, or `mkl`, oneMKL from the `mkl` extra (`exec.blas`, 
 `gemm.mkl_entry`), whose GEMMs take bf16 operands natively, and fp16 ones where the CPU has
 AMX-FP16. `auto` takes mkl where the CPU has AMX (`amx_bf16` in /proc/cpuinfo), the one kind of
 host where it was measured faster, for 16-bit GEMMs (5-7x) and for sgemm (1.2x). Elsewhere it
-keeps openblas: on an AMD EPYC with AVX512-BF16 whole steps on oneMKL took 1.08x OpenBLAS's time
+keeps openblas: on an AMD EPYC with AVX512-BF16 whole steps on oneMKL took 1.10x OpenBLAS's time
 in fp32 and 1.23x in bf16 (docs/BENCHMARKS.md). The rule reads the CPU's flags and whether the extra loads, never a
 timing, so a rank's choice, and its bits, never depend on a race. The banner says what ran and
 why (`auto` without the extra on an AMX host says so there, once).
