@@ -15,6 +15,7 @@ import pytest
 
 from ratrain import bench
 from ratrain.config import ConfigError, load_config
+from ratrain.device.standin import standin
 from ratrain.exec import blas, head, kernels, layers
 from ratrain.exec.attention import TiledAttention
 from ratrain.exec.backends import BackendError, choose_blas, kernel_table
@@ -241,6 +242,36 @@ def test_mkl_layers_are_bitwise_over_threads_and_recompute(mkl, precision, flags
     for i, (a, b) in enumerate(zip(ref, other)):
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), i
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_layout_runs_on_a_device_with_its_bits(precision):
+    """A device keeps its own path (`half_layout` off) until its kernels take and give 16 bits;
+    the layout's code already runs on a device's array module (the stand-in), and there, with
+    one batch chunk and the reference GEMM entry, gives the device path's bits."""
+    dt = kernels.DTYPES[precision]
+    P = [{k: standin.asarray(v.astype(dt)) for k, v in b.items()}
+         for b in make_params(M, np.float32, scale=0.1)]
+    rng = np.random.default_rng(8)
+    x, dy = (standin.asarray(rng.standard_normal((3, M.seq_len, M.hidden)).astype(dt))
+             for _ in range(2))
+    t = standin.asarray(rng.integers(0, M.vocab_size, (3, M.seq_len)))
+    out = {}
+    for layout in (False, True):
+        table = kernel_table(standin, precision, attention=TiledAttention(4))
+        with ExecContext(M, precision, xp=standin, kernels=table, head_chunk_bytes=4 * 27 * 9) \
+                as ctx:
+            assert ctx.gemm_half == dt and not ctx.half_layout  # a device's path today
+            ctx.half_layout = layout
+            g = {k: standin.zeros(v.shape, np.float32) for k, v in P[1].items()}
+            y, cache = layers.layer_forward(x, P[1], ctx)
+            dx = layers.layer_backward(dy, cache, P[1], g, ctx)
+            loss, hc = head.head_forward(x, t, P[-1], ctx)
+            gh = {k: standin.zeros(v.shape, np.float32) for k, v in P[-1].items()}
+            dxh = head.head_backward(0.5, hc, P[-1], gh, ctx)
+            out[layout] = [a.get() for a in (y, dx, *g.values(), loss, dxh, *gh.values())]
+    for a, b in zip(*out.values()):
+        assert np.array_equal(a, b)
 
 
 def test_a_bf16_run_trains_on_mkl_and_every_policy_agrees(mkl):
