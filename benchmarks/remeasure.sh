@@ -7,7 +7,7 @@
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing
+# PARTS (default all): bench (bench-step, bench-blas) parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing
 # (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
 # 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
@@ -45,7 +45,13 @@ for part in $PARTS; do
   bench)  # ~2 min: fp32 and fp16 steps against PyTorch eager, interleaved (needs torch)
     "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0" ||
       { echo "error: could not install torch (torch==2.13.0); bench needs it" >&2; failed+=(bench-step); continue; }
-    rec bench-step -- "$PY" -m ratrain.bench --rounds "$(s 1 7)" --warmup "$(s 0 2)" ;;
+    rec bench-step -- "$PY" -m ratrain.bench --rounds "$(s 1 7)" --warmup "$(s 0 2)"
+    # ~3 min: OpenBLAS against oneMKL forced, fp32 and bf16 (needs the mkl extra)
+    "$PY" -c "from ratrain.exec.blas import load_mkl; load_mkl()" 2>/dev/null ||
+      "$PY" -m pip install -q --no-deps "mkl>=2024" ||
+      { echo "error: could not install mkl; bench-blas needs it" >&2; failed+=(bench-blas); continue; }
+    rec bench-blas -- "$PY" -m ratrain.bench --no-torch --rounds "$(s 1 7)" --warmup "$(s 0 2)" \
+      --precisions fp32,bf16 --blas openblas,mkl ;;
   parity)  # ~3 min: 100 steps against PyTorch + HF LlamaForCausalLM (needs torch, transformers)
     "$PY" -c "import transformers" 2>/dev/null || "$PY" -m pip install -q transformers ||
       { echo "error: could not install transformers; parity needs it" >&2; failed+=(hf-parity); continue; }

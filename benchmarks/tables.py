@@ -57,6 +57,16 @@ TABLES = {
          [("fp32_speed_over_torch", "speed over PyTorch", ".3f"),
           ("fp32_gflops_over_sgemm", "of the sgemm rate", ".3f"),
           ("fp16_time_over_fp32", "fp16 time / fp32 time", ".3f")]),
+        ("bench-blas", "the host's BLAS (issue 47): whole steps of the bench model with "
+         "run.blas openblas and mkl forced, fp32 and bf16, interleaved (1 rank, 2 threads); "
+         "run.blas auto keeps openblas on a CPU without AMX",
+         [("fp32_mkl_time_over_openblas", "fp32 time, mkl / openblas", ".3f"),
+          ("bf16_mkl_time_over_openblas", "bf16 time, mkl / openblas", ".3f"),
+          ("bf16_time_over_fp32", "bf16 / fp32 time on openblas", ".3f"),
+          ("ratrain_fp32_openblas_tokens_per_s", "tokens/s fp32 openblas", ".0f"),
+          ("ratrain_fp32_mkl_tokens_per_s", "fp32 mkl", ".0f"),
+          ("ratrain_bf16_openblas_tokens_per_s", "bf16 openblas", ".0f"),
+          ("ratrain_bf16_mkl_tokens_per_s", "bf16 mkl", ".0f")]),
         ("hf-parity", "loss against PyTorch + HF LlamaForCausalLM, fp32, same init and batches",
          [("loss_max_rel_dev", "loss max rel. dev.", ".2e"),
           ("grad_norm_max_rel_dev", "grad-norm max rel. dev.", ".2e"), ("steps", "steps", "d")]),

@@ -1,6 +1,7 @@
 """Single-rank training throughput and memory accounting (issue 2's benchmark).
 
     python -m ratrain.bench                       # fp32, fp16, PyTorch eager, sgemm; 2 threads
+    python -m ratrain.bench --precisions fp32,bf16 --blas openblas,mkl --no-torch  # BLAS A/B
     python -m ratrain.bench --memory              # ledger peak vs measured peak memory growth
     python -m ratrain.bench --profile             # where a step's time goes, kernel by kernel
     python -m ratrain.bench --rounds 7 --json out.json
@@ -13,6 +14,9 @@ transformers' LlamaForCausalLM, `clip_grad_norm_` and `torch.optim.AdamW` at the
 count. Model: vocab 256, hidden 512, 8 layers, 8 heads, 8 kv heads, ffn 1376, seq 256,
 micro-batch 8 (2048 tokens per step); flops per token from `ModelConfig.flops_per_token`.
 
+ratrain's contenders are its precisions (`--precisions`) on each BLAS of `--blas` (`run.blas`:
+auto by default, one contender a precision, named `ratrain_fp32`; with several, each named
+after its BLAS, `ratrain_fp32_mkl`); `blas` in the output says which library each ran and why.
 The contenders run in interleaved rounds (one sgemm, then one step of each) so that all see the
 same machine load; figures are medians over rounds and ratios are medians of per-round ratios.
 ratrain runs in this process with its host allocator settings (`ratrain.shim.allocator`, as
@@ -147,13 +151,24 @@ def sgemm_step(threads: int, n: int = 2048):
     return lambda: rate() / 1e9
 
 
+def contenders(a) -> list[tuple[str, str, str]]:
+    """(name, precision, run.blas) of ratrain's contenders, fp32 on the first BLAS first."""
+    precs = [p for p in a.precisions.split(",") if p and not (a.no_fp16 and p == "fp16")]
+    precs = ["fp32", *(p for p in precs if p != "fp32")]
+    blases = [b for b in a.blas.split(",") if b]
+    return [(f"ratrain_{p}" + (f"_{b}" if len(blases) > 1 else ""), p, b)
+            for p in precs for b in blases]
+
+
 def throughput(a) -> dict:
     cfg32 = bench_config("fp32", a.threads, a.sets)
     tokens = cfg32.parallel.global_batch * cfg32.model.seq_len
     flops = cfg32.model.flops_per_token() * tokens
-    steps = {"ratrain_fp32": runtime_step(cfg32)[0]}
-    if not a.no_fp16:
-        steps["ratrain_fp16"] = runtime_step(bench_config("fp16", a.threads, a.sets))[0]
+    steps, blas = {}, {}
+    for name, precision, lib in contenders(a):
+        step, ex = runtime_step(bench_config(precision, a.threads, [*a.sets, f"run.blas={lib}"]))
+        steps[name], blas[name] = step, ex.ctx.kernels.blas_label()
+    base = next(iter(steps))  # fp32 on the first BLAS: the ratios' reference
     remote = {}
     if not a.no_torch:
         try:
@@ -186,21 +201,26 @@ def throughput(a) -> dict:
         "threads": a.threads, "tokens_per_step": tokens, "flops_per_step": flops,
         "rounds": a.rounds, "sgemm_gflops": statistics.median(rates),
         "ratrain_malloc": "tuned" if allocator.tuned() else "default",
-        "torch_malloc": a.torch_malloc, "sets": list(a.sets),
+        "torch_malloc": a.torch_malloc, "sets": list(a.sets), "blas": blas,
     }
     for k, v in med.items():
         out[f"{k}_step_s"] = v
         out[f"{k}_tokens_per_s"] = tokens / v
         out[f"{k}_gflops"] = flops / v / 1e9
     n = len(rates)
+    ratio = lambda x, y: statistics.median(times[x][i] / times[y][i] for i in range(n))  # noqa: E731
     out["fp32_gflops_over_sgemm"] = statistics.median(
-        flops / times["ratrain_fp32"][i] / 1e9 / rates[i] for i in range(n))
+        flops / times[base][i] / 1e9 / rates[i] for i in range(n))
     if "torch_eager" in times:
-        out["fp32_speed_over_torch"] = statistics.median(
-            times["torch_eager"][i] / times["ratrain_fp32"][i] for i in range(n))
-    if "ratrain_fp16" in times:
-        out["fp16_time_over_fp32"] = statistics.median(
-            times["ratrain_fp16"][i] / times["ratrain_fp32"][i] for i in range(n))
+        out["fp32_speed_over_torch"] = ratio("torch_eager", base)
+    first = {}  # each precision's contender on the first BLAS
+    for name, precision, lib in contenders(a):
+        if precision in first:  # another BLAS: its time over the first one's
+            out[f"{precision}_{lib}_time_over_{a.blas.split(',')[0]}"] = ratio(name, first[precision])
+            continue
+        first[precision] = name
+        if precision != "fp32":
+            out[f"{precision}_time_over_fp32"] = ratio(name, base)
     return out
 
 
@@ -261,13 +281,14 @@ def memory(a) -> dict:
 
 
 def profile(a) -> dict:
-    """Per-kernel CPU seconds of one step (`exec.profile`), per precision, against the sgemm
-    bound: the model's flops at the measured sgemm rate of the same thread count."""
+    """Per-kernel CPU seconds of one step (`exec.profile`), per contender (precision and BLAS,
+    as `throughput` names them, less `ratrain_`), against the sgemm bound: the model's flops at
+    the measured sgemm rate of the same thread count."""
     rate = statistics.median(sgemm_step(a.threads)() for _ in range(3)) * 1e9  # flop/s
     out = {"threads": a.threads, "sgemm_gflops": round(rate / 1e9, 1)}
-    for precision in ("fp32",) + (() if a.no_fp16 else ("fp16",)):
-        cfg = bench_config(precision, a.threads, a.sets)
-        step, _ = runtime_step(cfg)
+    for name, precision, lib in contenders(a):
+        cfg = bench_config(precision, a.threads, [*a.sets, f"run.blas={lib}"])
+        step, ex = runtime_step(cfg)
         for _ in range(max(1, a.warmup)):
             step()
         walls, profs = [], []
@@ -282,7 +303,8 @@ def profile(a) -> dict:
         wall = statistics.median_low(walls)
         rows = best.rows(rate / a.threads)
         accounted = sum(r["seconds"] for r in rows)
-        out[precision] = {
+        out[name.removeprefix("ratrain_")] = {
+            "blas": ex.ctx.kernels.blas_label(),
             "step_s": round(wall, 4), "sgemm_bound_s": round(flops / rate, 4),
             "of_sgemm": round(flops / wall / rate, 3),
             "compute_thread_s": round(wall * a.threads, 4),
@@ -301,6 +323,11 @@ def main(argv=None) -> int:
                     help="leave PyTorch out (it is skipped anyway when not installed: "
                     "pip install 'ratrain[bench]')")
     ap.add_argument("--no-fp16", action="store_true", help="leave ratrain's fp16 step out")
+    ap.add_argument("--precisions", default="fp32,fp16", metavar="LIST",
+                    help="ratrain's precisions, comma-separated (default fp32,fp16; fp32 always)")
+    ap.add_argument("--blas", default="auto", metavar="LIST",
+                    help="run.blas of ratrain's contenders, comma-separated (auto, openblas, "
+                    "mkl; default auto): each precision on each, interleaved")
     ap.add_argument("--memory", action="store_true", help="the memory-accounting check only")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel time of a step against the sgemm bound (median of --rounds)")

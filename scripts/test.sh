@@ -6,7 +6,8 @@
 # RATRAIN_TEST_TORCH=1 also installs PyTorch, transformers and tokenizers for the reference
 # checks, and fails naming the package when that install fails. Under CI (CI=true, .ci/run) or
 # RATRAIN_TEST_TORCH=1 a missing prerequisite (torch, transformers, tokenizers, numba, cuDNN's
-# frontend, Slurm, namespaces as root) fails its tests; elsewhere they are skipped with the reason.
+# frontend, oneMKL, Slurm, namespaces as root) fails its tests; elsewhere they are skipped with
+# the reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,8 +17,12 @@ strict=0
 if [ "${RATRAIN_TEST_TORCH:-0}" = 1 ] || [[ "${CI:-}" =~ ^(1|true|yes)$ ]]; then strict=1; fi
 install() {  # install <import name> <pip requirement>...: once; an error naming it when strict
   local name=$1; shift
-  "$py" -c "import $name" 2>/dev/null && return 0
-  "$py" -m pip install -q "$@" && "$py" -c "import $name" && return 0
+  install_if "import $name" "$name" "$@"
+}
+install_if() {  # install_if <Python that fails without it> <name> <pip requirement>...
+  local check=$1 name=$2; shift 2
+  "$py" -c "$check" 2>/dev/null && return 0
+  "$py" -m pip install -q "$@" && "$py" -c "$check" && return 0
   if [ "$strict" = 1 ]; then
     echo "error: could not install $name ($*); the reference checks need it" >&2
     exit 1
@@ -32,6 +37,10 @@ install tokenizers "tokenizers>=0.15"  # the tokenizer tests (transformers bring
 # cuDNN's attention graphs, built and validated without a GPU; setup.cfg's pin, without the
 # frontend's declared dependencies (nvidia-cutlass-dsl: engines ratrain does not use, 600 MB)
 install cudnn --no-deps "$(sed -n 's/^ *\(nvidia-cudnn-frontend==[0-9.]*\) *$/\1/p' setup.cfg | head -1)"
+# oneMKL for run.blas: mkl's tests (tests/test_blas.py): setup.cfg's pin, its library alone (the
+# sequential layer needs neither intel-openmp nor tbb); the wheel has no module to import
+install_if "from ratrain.exec.blas import load_mkl; load_mkl()" mkl --no-deps \
+  "$(sed -n 's/^ *\(mkl>=[0-9.]*\) *$/\1/p' setup.cfg | head -1)"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_osc=^ucx

@@ -1,8 +1,8 @@
 """Prerequisites a test cannot run without: a failure under CI, a skip elsewhere.
 
 Under CI (`CI=true`) or `RATRAIN_TEST_TORCH=1` (the reference checks were asked for), a
-prerequisite that is missing (PyTorch, transformers, tokenizers, numba, Slurm's packages,
-namespaces as root) fails the test with one line naming it, so CI cannot go green with a group
+prerequisite that is missing (PyTorch, transformers, tokenizers, numba, oneMKL, Slurm's
+packages, namespaces as root) fails the test with one line naming it, so CI cannot go green with a group
 of checks gone. Elsewhere the test is skipped with the same line as its reason (scripts/test.sh
 lists every skip and its reason at the end).
 """
@@ -47,6 +47,17 @@ def need_fast():
 
     if not fused.available():
         missing(fused.why_off())
+
+
+def need_mkl():
+    """oneMKL's tests (`exec.blas`, `run.blas: mkl`): the library, or `missing(...)` when it
+    does not load (scripts/test.sh installs the `mkl` wheel)."""
+    from ratrain.exec import blas
+
+    why = blas.why_no_mkl()
+    if why:
+        missing(f"{why}; scripts/test.sh installs it")
+    return blas.load_mkl()
 
 
 @contextlib.contextmanager

@@ -114,15 +114,15 @@ def test_the_layer_workspace_is_its_own_plus_its_attention_backends(toy):
 
 
 def test_the_table_follows_the_switches_and_names_itself():
-    auto, off = kernel_table(), kernel_table(fused_mode="off")
-    assert off.names == {"gemm": "numpy", "rmsnorm": "numpy", "rope": "numpy",
+    auto, off = kernel_table(blas="openblas"), kernel_table(fused_mode="off", blas="openblas")
+    assert off.names == {"gemm": "openblas", "rmsnorm": "numpy", "rope": "numpy",
                          "swiglu": "numpy", "attention": "tiled-64", "cross_entropy": "numpy",
                          "adamw": "numpy", "grad_norm": "numpy", "cast": "numpy"}
-    assert off.describe() == "kernels: numpy, attention tiled-64"
+    assert off.describe() == "kernels: numpy, blas openblas, attention tiled-64"
     assert off.host and off.rmsnorm_forward is kernels.rmsnorm_forward
     if fused.available():
         assert auto.describe() == ("kernels: fused (numba; cross-entropy numpy, grad-norm "
-                                   "numpy), attention tiled-64")
+                                   "numpy), blas openblas, attention tiled-64")
     else:
         assert auto.names == off.names
     assert kernel_table(standin).names["attention"] == "tiled-1024"  # a device's tile
@@ -137,9 +137,9 @@ def test_reference_ops_put_ops_back_on_their_reference():
     assert t.rope_forward is kernels.rope_forward and t.adamw is None
     if fused.available():
         assert t.names["swiglu"] == "fused"
-        assert kernel_table(reference_ops=("rope",)).describe() == (
+        assert kernel_table(reference_ops=("rope",), blas="openblas").describe() == (
             "kernels: fused (numba; rope numpy, cross-entropy numpy, grad-norm numpy), "
-            "attention tiled-64")
+            "blas openblas, attention tiled-64")
     dev = kernel_table(standin, reference_ops=("rmsnorm",))
     assert dev.names["rmsnorm"] == "standin"
     with pytest.raises(BackendError, match=r"^run.reference_ops: 'gemm' is not an op with a "

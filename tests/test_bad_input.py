@@ -1,7 +1,7 @@
 """Every bad input of `python -m ratrain.train` is one line, exit 2, before any work, nothing
 written: a directory or a non-UTF-8 file as --config, YAML syntax (line, column and the fix), an
 empty config, bad keys, values and --set, missing data or checkpoints, an unwritable run.dir, an
-attention backend nobody registered;
+attention backend nobody registered, a BLAS that cannot run;
 the config cases also under --dry-run and --print-config."""
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ CASES = {
                              ["run.reference_ops: 'softmax' is not an op", "rmsnorm"], False),
     "negative head chunk": (JOB, ["run.head_chunk_mib=-16"],
                             ["run.head_chunk_mib=-16 must be >= 0", "gpu 256"], True),
+    "unknown blas": (JOB, ["run.blas=acml"], ["run.blas='acml' is not one of", "openblas"], True),
+    "blas on a device": (JOB, ["run.device=standin", "run.blas=mkl"],
+                         ["run.blas=mkl is a host's BLAS", "set run.blas=auto"], False),
 }
 
 

@@ -145,7 +145,7 @@ def test_device_layers_copy_no_weights(device, precision):
             ex.materialize_now(layer)
         assert layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx) == 0
         half = {"fp16": np.dtype(np.float16), "bf16": kernels.BF16}.get(precision)
-        assert rank.ctx.device_half == half  # the layers' GEMMs in 16 bits on a device
+        assert rank.ctx.gemm_half == half  # the layers' GEMMs in 16 bits on a device
     finally:
         rank.close()
 

@@ -1,5 +1,5 @@
-"""The executor under MPI: pp x dp layouts match one rank, policies are bitwise equal, replicas
-hold identical weights.
+"""The executor under MPI: pp x dp layouts match one rank, policies are bitwise equal (also on
+oneMKL in bf16), replicas hold identical weights.
 
     mpirun --oversubscribe -n 4 python -m pytest --with-mpi tests/test_executor_mpi.py
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests._executor_util import params_digest, same_global_batch, tiny_config, train
+from tests._prereq import need_mkl
 
 
 
@@ -38,8 +39,11 @@ def test_layout_matches_single_rank(pp, dp, mpi_group):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "bf16-mkl"])
 def test_policies_bitwise_equal_2x2(precision, mpi_group):
+    precision, _, blas = precision.partition("-")  # bf16-mkl: run.blas=mkl, the 16-bit layout
+    if blas:
+        need_mkl()
     comm = mpi_group(4)
     out = {}
     # the presets, and presets with components switched through the schedule section
@@ -50,7 +54,8 @@ def test_policies_bitwise_equal_2x2(precision, mpi_group):
     for name, switches in variants.items():
         cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=name.split("+")[0]
                           .removesuffix("-prefetch"), steps=3)
-        cfg = replace(cfg, schedule=replace(cfg.schedule, **switches))
+        cfg = replace(cfg, schedule=replace(cfg.schedule, **switches),
+                      run=replace(cfg.run, blas=blas or "auto"))
         res, state, ex = train(cfg, comm)
         out[name] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
                      params_digest(ex.final_params))

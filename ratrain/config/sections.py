@@ -409,6 +409,11 @@ class RunConfig:
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
         cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way
         round one that misbehaves)
+    blas: the BLAS of a CPU rank's GEMMs: auto | openblas | mkl. openblas is numpy's own, the
+        reference. mkl is oneMKL (the mkl extra), whose GEMMs take bf16 operands natively (fp16
+        where the CPU has AMX-FP16), with 16-bit activations between them; refused where it
+        does not load. auto takes mkl where the CPU has AMX (amx_bf16), else openblas; the
+        banner says which ran and why (docs/INTERNALS.md, "How a choice is made")
     head_chunk_mib: the bound, in MiB, on the fp32 logits the head's loss makes at once (its
         forward by rows, its backward by vocabulary columns; the ledger counts the chunk's
         workspace); 0 = the device's (cpu 16, a core's cache; gpu and standin 256)
@@ -436,6 +441,7 @@ class RunConfig:
     devkernels: str | bool = "auto"  # auto | on | off | sim (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
     reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
+    blas: str = "auto"  # auto | openblas | mkl: a CPU rank's GEMMs
     head_chunk_mib: int = 0  # the head's logits chunk, MiB; 0 = the device's (cpu 16, gpu 256)
     malloc: str = "tuned"  # tuned | default (RATRAIN_MALLOC)
 
@@ -468,6 +474,7 @@ class RunConfig:
         _choice(self, "run", "fused", ("auto", "on", "off"))
         _choice(self, "run", "devkernels", ("auto", "on", "off", "sim"))
         _choice(self, "run", "malloc", ("tuned", "default"))
+        _choice(self, "run", "blas", ("auto", "openblas", "mkl"))
         if not self.attention:
             raise ConfigError("run.attention is empty: use auto or a backend's name")
         bad = [s for s in self.stop_signals if s.upper().removeprefix("SIG") not in self.SIGNALS]

@@ -9,7 +9,8 @@ environment. The choice follows the config's switches (`run.fused`, `run.devkern
 `run.reference_ops`, the ops put back on their reference whatever the others give):
 
     op             host (cpu)                     gpu                    reference
-    gemm           numpy (16-bit by fp32 tiles)   cupy (16-bit cuBLAS)   -
+    gemm           openblas (16-bit by fp32       cupy (16-bit cuBLAS)   gemm.matmul
+                   tiles), or mkl (bf16 native)
     rmsnorm        fused (fp32 runs)              devkernels             kernels.rmsnorm_*
     rope, swiglu   fused                          devkernels             kernels.rope_*, swiglu_*
     attention      tiled-64                       cudnn (fp16, bf16),    kernels.attention_*
@@ -19,13 +20,24 @@ environment. The choice follows the config's switches (`run.fused`, `run.devkern
     grad_norm      numpy                          devkernels             kernels.block_sq_norm
     cast           fused                          cupy                   kernels.as_dtype
 
+The host's GEMMs run on a BLAS library chosen by `run.blas` (`choose_blas`): `openblas`, numpy's
+own BLAS and the reference, or `mkl`, oneMKL from the `mkl` extra (`exec.blas`, entry
+`gemm.mkl_entry`), whose GEMMs take bf16 operands natively, and fp16 ones where the CPU has
+AMX-FP16. `auto` takes mkl where the CPU has AMX (`amx_bf16` in /proc/cpuinfo), the one kind of
+host where it was measured faster, for 16-bit GEMMs (5-7x) and for sgemm (1.2x). Elsewhere it
+keeps openblas: on an AMD EPYC with AVX512-BF16 whole steps on oneMKL took 1.10x OpenBLAS's time
+in fp32 and 1.23x in bf16 (docs/BENCHMARKS.md). The rule reads the CPU's flags and whether the extra loads, never a
+timing, so a rank's choice, and its bits, never depend on a race. The banner says what ran and
+why (`auto` without the extra on an AMX host says so there, once).
+
 `fused` (numba, the fast extra) needs `run.fused` auto or on and numba importable; `devkernels`
 (numba-cuda) needs `run.devkernels` auto or on and numba-cuda importable outside its simulator,
 or, on `run.device: standin`, `run.devkernels: sim` and the simulator. Otherwise, and always at
 fp64 (tests), the reference runs, named after its array module (numpy, cupy or standin). A fast
 entry hands what it does not take (float64, float16 weights, odd layouts) to the reference.
-`on` for a package that does not import, and an attention name nobody registered, are a
-`BackendError` (one line naming the key), which start-up turns into exit 2.
+`on` for a package that does not import, `run.blas: mkl` where oneMKL does not load or on a
+device, and an attention name nobody registered, are a `BackendError` (one line naming the
+key), which start-up turns into exit 2.
 
 Attention backends are registered by name (`register_attention`): the tiled kernels at tile 64
 (`tiled-64`, the host's `auto`) and 1024 (`tiled-1024`, the stand-in's), and cuDNN's fused SDPA
@@ -48,6 +60,7 @@ import numpy as np
 
 from ratrain.config import is_half
 from ratrain.device import kind_of
+from ratrain.exec import blas as blaslib
 from ratrain.exec import cudnn_sdpa, devkernels, devlaunch, devloss, fused, kernels
 from ratrain.exec.attention import (
     DEVICE_GROUP_BYTES,
@@ -56,8 +69,8 @@ from ratrain.exec.attention import (
     CudnnAttention,
     TiledAttention,
 )
-from ratrain.exec.gemm import matmul
-from ratrain.exec.kernels import block_sq_norm
+from ratrain.exec.gemm import matmul, mkl_entry
+from ratrain.exec.kernels import BF16, block_sq_norm
 from ratrain.exec.profile import timed
 
 # each op (but attention, an object of its own) and the table's fields that implement it
@@ -182,6 +195,49 @@ def choose_attention(name: str, device: str, precision: str, model=None):
 
 
 # --------------------------------------------------------------------------------------------
+# The host's BLAS
+# --------------------------------------------------------------------------------------------
+
+BLAS = ("auto", "openblas", "mkl")  # run.blas
+
+
+@dataclass(frozen=True)
+class BlasChoice:
+    """The BLAS a host rank's GEMMs run on (`choose_blas`): `name` openblas or mkl, `native`
+    the 16-bit dtypes its GEMMs take natively, `why` what the banner adds (auto's reason)."""
+
+    name: str
+    native: frozenset = frozenset()
+    why: str = ""
+    lib: object = None  # exec.blas.Mkl for mkl
+
+
+def choose_blas(mode: str, device: str, flags=None) -> BlasChoice | None:
+    """The BLAS `run.blas: mode` gives a rank on `device` (None on a device: its GEMMs are its
+    array module's); `flags`: the CPU's (None: this one's, `exec.blas.cpu_flags`)."""
+    if mode not in BLAS:
+        raise BackendError(f"run.blas={mode!r} is not a BLAS: use one of {', '.join(BLAS)}")
+    if device != "cpu":
+        if mode == "mkl":
+            raise BackendError(f"run.blas=mkl is a host's BLAS, but run.device={device} "
+                               "computes its GEMMs on the device: set run.blas=auto")
+        return None
+    flags = blaslib.cpu_flags() if flags is None else frozenset(flags)
+    native = frozenset({BF16} | ({np.dtype(np.float16)} if "amx_fp16" in flags else set()))
+    if mode == "openblas":
+        return BlasChoice("openblas")
+    if mode == "auto" and "amx_bf16" not in flags:
+        return BlasChoice("openblas", why="auto: no AMX (amx_bf16) on this CPU")
+    try:
+        lib = blaslib.load_mkl()
+    except blaslib.BlasUnavailable as e:
+        if mode == "auto":
+            return BlasChoice("openblas", why=f"auto: {e}")
+        raise BackendError(f"run.blas=mkl but {e}: install it, or set run.blas=auto") from None
+    return BlasChoice("mkl", native, "auto: AMX" if mode == "auto" else "", lib)
+
+
+# --------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------
 
@@ -207,6 +263,12 @@ class Kernels:
     assign: Callable  # (dst, src): dst[...] = src, cast
     attention: AttentionBackend
     passed_over: Mapping[str, str] = field(default_factory=dict)  # auto's attention: name -> why
+    blas: BlasChoice | None = None  # the host's BLAS (None on a device)
+
+    def native(self, dtype) -> bool:
+        """Whether the GEMMs take operands of the 16-bit `dtype` natively: a device's always,
+        a host's where its BLAS does (`BlasChoice.native`)."""
+        return not self.host or (self.blas is not None and np.dtype(dtype) in self.blas.native)
 
     @property
     def host(self) -> bool:
@@ -221,24 +283,39 @@ class Kernels:
                          if impl != main)
         inner = "; ".join(x for x in (ENGINES.get(main, ""), rest) if x)
         passed = "; ".join(f"{k}: {v}" for k, v in self.passed_over.items())
-        return (f"kernels: {main}{f' ({inner})' if inner else ''}, attention "
-                f"{self.names['attention']}{f' (passed over {passed})' if passed else ''}")
+        blas = f"blas {self.blas_label()}, " if self.blas is not None else ""
+        return (f"kernels: {main}{f' ({inner})' if inner else ''}, {blas}"
+                f"attention {self.names['attention']}"
+                f"{f' (passed over {passed})' if passed else ''}")
+
+    def blas_label(self) -> str:
+        """The host's BLAS for the banner and `ratrain bench`: "mkl 2026.2 (bf16 native;
+        auto: AMX)", "openblas (auto: no AMX (amx_bf16) on this CPU)"; "" on a device."""
+        b = self.blas
+        if b is None:
+            return ""
+        names = {v: k for k, v in kernels.DTYPES.items()}
+        what = [] if b.lib is None else ["/".join(sorted(names[d] for d in b.native)) + " native"]
+        inner = "; ".join([*what, *([b.why] if b.why else [])])
+        version = f" {b.lib.version}" if b.lib is not None else ""
+        return f"{b.name}{version}{f' ({inner})' if inner else ''}"
 
 
 def kernels_for(cfg, xp=np) -> Kernels:
     """The table of a rank of `cfg` computing with `xp` (its `run.*` switches)."""
     r = cfg.run
     return kernel_table(xp, cfg.precision, r.fused, r.devkernels, r.attention, cfg.model,
-                        r.reference_ops)
+                        r.reference_ops, r.blas)
 
 
 def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
                  devkernels_mode: str = "auto", attention="auto", model=None,
-                 reference_ops=()) -> Kernels:
+                 reference_ops=(), blas: str = "auto", cpu_flags=None) -> Kernels:
     """The table for a rank computing with `xp` at `precision` (see the module); `attention`:
     a registered name, auto, or a backend object (tests: a tile of their own); `model`: the
     model's section, whose shapes an attention backend may refuse (None: not asked);
-    `reference_ops`: ops (ENTRIES' names) that keep their reference whatever else is chosen."""
+    `reference_ops`: ops (ENTRIES' names) that keep their reference whatever else is chosen;
+    `blas`: run.blas; `cpu_flags`: the CPU's flags `choose_blas` reads (None: this CPU's)."""
     compiled = [op for op in ENTRIES if op != "gemm"]  # gemm has its reference alone
     bad = [op for op in reference_ops if op not in compiled]
     if bad:
@@ -258,8 +335,13 @@ def kernel_table(xp=np, precision: str = "fp32", fused_mode: str = "auto",
     names.update(dict.fromkeys(reference_ops, reference))
     table = {f: _COMPILED.get(impl, _REFERENCE)[f] for op, impl in names.items()
              for f in ENTRIES[op]}
+    chosen = choose_blas(str(blas), device, cpu_flags)
+    if chosen is not None:
+        names["gemm"] = chosen.name
+        if chosen.lib is not None:
+            table["gemm"] = mkl_entry(chosen.lib, chosen.native, table["cast"], table["assign"])
     return Kernels(device, {**names, "attention": attn.name}, attention=attn, passed_over=passed,
-                   **table)
+                   blas=chosen, **table)
 
 
 @functools.cache
@@ -422,6 +504,7 @@ _DEVICE = dict(
 _COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compiler provides
 
 
-__all__ = ["ATTENTION", "AUTO", "ENTRIES", "OPS", "AttentionEntry", "BackendError", "Kernels",
-           "attention_backend", "choose_attention", "default_kernels", "kernel_table",
+__all__ = ["ATTENTION", "AUTO", "BLAS", "ENTRIES", "OPS", "AttentionEntry", "BackendError",
+           "BlasChoice", "Kernels", "attention_backend", "choose_attention", "choose_blas",
+           "default_kernels", "kernel_table",
            "kernels_for", "register_attention", "unregister_attention"]

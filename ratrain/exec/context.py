@@ -133,10 +133,14 @@ class ExecContext:
         self.compute = np.dtype(np.float64 if precision == "fp64" else np.float32)
         self.ledger = ledger
         self.threads = threads if threads > 0 else auto_threads()
-        # the dtype of the layers' GEMMs on a device in fp16 and bf16 (tensor cores, fp32
-        # accumulation), else None: the host keeps fp32 GEMMs (16-bit operands converted by
-        # tiles, `exec.gemm`)
-        self.device_half = self.dtype if self.half and not self.host else None
+        # the 16-bit dtype of the layers' GEMMs in fp16 and bf16 (both operands in it, fp32
+        # accumulation), else None: a device's always (tensor cores), a host's where its BLAS
+        # takes the dtype natively (`run.blas`, `Kernels.native`); otherwise the host keeps
+        # fp32 GEMMs (16-bit operands converted by tiles, `exec.gemm`)
+        self.gemm_half = self.dtype if self.half and self.kernels.native(self.dtype) else None
+        # the 16-bit layout between GEMMs (`exec.layers`): on a host whose GEMMs are 16-bit.
+        # A device keeps its path until its kernels take and give 16 bits (issue 44).
+        self.half_layout = self.gemm_half is not None and self.host
         # bound on the fp32 logits of one head chunk: the device's unless given
         self.head_chunk_bytes = head_chunk_bytes or HEAD_CHUNK_BYTES[self.kernels.device]
         self._rope: dict[int, tuple] = {}

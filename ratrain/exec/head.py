@@ -12,12 +12,22 @@ The logits never exist whole. The forward walks them by rows, at most `head_chun
 fp32 at a time, and keeps each row's log-sum-exp. The backward walks them by columns of the
 vocabulary, every batch chunk at each, and recomputes each chunk's logits from the kept
 statistics (docs/INTERNALS.md, "Decisions, and why": the head's backward walks the vocabulary).
+In the 16-bit layout (`ctx.half_layout`) each chunk's logits' gradient stays in 16 bits until
+its weight GEMMs, which add into the gradient themselves (`layers.accumulate_gemms`), and the
+chunks' terms of dxn are added by their GEMMs too: no fp32 piece or part.
 """
 
 from __future__ import annotations
 
 from ratrain.exec.gemm import SCRATCH_TAG
-from ratrain.exec.layers import WORK_TAG, BlockCache, accumulate, as_compute
+from ratrain.exec.layers import (
+    WORK_TAG,
+    BlockCache,
+    accumulate,
+    accumulate_gemms,
+    as_compute,
+    gemm_dtype,
+)
 from ratrain.exec.profile import timed
 
 
@@ -39,9 +49,9 @@ def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False)
     input, the norm's temporaries, statistics) and one logits chunk (`head_chunk_bytes` of
     fp32; the log-sum-exp takes a copy). Backward, every batch chunk at once (they meet at each
     vocabulary chunk): its rows (also dxn and a GEMM's result) and its weight-gradient piece
-    (columns x C fp32), and a logits chunk per chunk running. On a device the logits chunk also
-    has its 16-bit GEMM result and operand copy. The weights' fp32 copy on the host is
-    `scratch.gemm`'s."""
+    (columns x C fp32; in the 16-bit layout its 16-bit logits' gradient, rows x columns), and
+    a logits chunk per chunk running. On a device the logits chunk also has its 16-bit GEMM
+    result and operand copy. The weights' fp32 copy on the host is `scratch.gemm`'s."""
     C, V = ctx.model.hidden, ctx.model.vocab_size
     chunks = ctx.split(batch)
     running = min(len(chunks), ctx.parts())
@@ -50,7 +60,8 @@ def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False)
     logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
     if not backward:
         return running * (4 * n * (4 * C + 4) + logits)
-    piece = 4 * min(_head_cols(ctx, n), V) * C
+    cols = min(_head_cols(ctx, n), V)
+    piece = 2 * n * cols if ctx.half_layout else 4 * cols * C
     return len(chunks) * (4 * n * (6 * C + 4) + piece) + running * logits
 
 
@@ -65,7 +76,7 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
     rows = _head_rows(ctx, w.shape[0])
     for r0 in range(0, N, rows):  # bounded logits: (rows, V) at a time
         r1 = min(r0 + rows, N)
-        z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.device_half)  # (rows, V)
+        z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.gemm_half)  # (rows, V)
         ops.cross_entropy_rows(z, t[r0:r1], xp, out=(lse[r0:r1], losses[r0:r1]))
     return {"rstd": rstd, "lse": lse}, losses
 
@@ -74,18 +85,20 @@ class _HeadRows:
     """One batch chunk's state through the head's backward (see `head_backward`)."""
 
     def __init__(self, x, targets, kept, p, ctx, cols, V):
-        xp, half16 = ctx.xp, ctx.device_half
+        xp, half16 = ctx.xp, ctx.gemm_half
         b, T, C = x.shape
         self.shape, N = x.shape, b * T
         x32 = as_compute(ctx, x)
         self.rms = (x32, kept["rstd"], p["norm"])
         xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
         xn *= as_compute(ctx, p["norm"])
-        self.xg = xn if half16 is None else xn.astype(half16)  # the GEMMs' operand, cast once
+        self.xg = xn if half16 is None else ctx.kernels.cast(xn, half16)  # GEMMs' operand
         self.lse, self.targets = kept["lse"], targets.reshape(N)  # (N,) each
         self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
-        self.part = xp.empty((N, C), ctx.compute) if cols < V else None  # a chunk's term of it
-        self.piece = xp.empty((cols, C), ctx.compute)  # one chunk's weight-gradient rows
+        many = cols < V and not ctx.half_layout  # the layout's GEMMs add into dxn themselves
+        self.part = xp.empty((N, C), ctx.compute) if many else None  # a chunk's term of it
+        # one chunk's weight-gradient rows (the layout keeps the 16-bit dlogits instead)
+        self.piece = None if ctx.half_layout else xp.empty((cols, C), ctx.compute)
 
 
 @timed("head")
@@ -96,8 +109,9 @@ def _head_bwd_rows(*args) -> _HeadRows:
 @timed("head")
 def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
     """Vocabulary columns [v0, v1) (chunk k) of one batch chunk's head backward: its term of
-    dxn, and its weight-gradient rows (the chunk's `piece`, returned)."""
-    xp, ops, half16 = ctx.xp, ctx.kernels, ctx.device_half
+    dxn, and its weight-gradient rows (the chunk's `piece`, returned), or in the 16-bit layout
+    the chunk's 16-bit dlogits (N, v1 - v0), the weight GEMM's operand."""
+    xp, ops, half16 = ctx.xp, ctx.kernels, ctx.gemm_half
     wk = w[v0:v1]  # (cols, C)
     d = ops.gemm(s.xg, wk.T, xp=xp, half=half16)  # logits (N, cols)
     # (softmax - the one-hot of the targets in this chunk) * coef, over d or rounded once into
@@ -105,6 +119,9 @@ def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
     dg = d if half16 is None else xp.empty(d.shape, half16)
     ops.cross_entropy_grad(d, s.targets, s.lse, coef, xp, v0=v0,
                            out=None if half16 is None else dg)
+    if ctx.half_layout:
+        ops.gemm(dg, wk, out=s.dxn, xp=xp, half=half16, accumulate=k > 0)
+        return dg
     piece = s.piece[: v1 - v0]
     ops.gemm(dg.T, s.xg, out=piece, xp=xp, half=half16)  # (cols, C)
     if k == 0:
@@ -136,14 +153,13 @@ def head_logits(x, p, ctx):
     w = _head_weight(p, ctx)
     with ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
         xn, _ = _head_norm(x, p, ctx)  # (B*T, C)
-        return ctx.kernels.gemm(xn, w.T, xp=ctx.xp, half=ctx.device_half).reshape(B, T, -1)
+        return ctx.kernels.gemm(xn, w.T, xp=ctx.xp, half=ctx.gemm_half).reshape(B, T, -1)
 
 
 def _head_weight(p, ctx):
     w = p["weight"]
-    if ctx.host and w.dtype != ctx.compute:
-        return ctx.kernels.cast(w, ctx.compute)
-    return w
+    wdt = gemm_dtype(ctx)
+    return w if w.dtype == wdt else ctx.kernels.cast(w, wdt)
 
 
 def head_forward(x, targets, p, ctx):
@@ -184,6 +200,10 @@ def head_backward(dscale, cache, p, g, ctx):
             v1 = min(v0 + cols, V)
             pieces = ctx.map(lambda s, k=k, v0=v0, v1=v1: _head_bwd_cols(s, w, k, v0, v1, coef,
                                                                        ctx), rows)
+            if ctx.half_layout:  # gw[v0:v1] += dlogits.T @ xn, chunk by chunk, by the GEMMs
+                accumulate_gemms({"w": gw[v0:v1]}, [{"w": (dg, s.xg)} for dg, s in
+                                                    zip(pieces, rows)], [("w", "w", 0)], ctx)
+                continue
 
             def add(i, v0=v0, v1=v1, pieces=pieces):  # rows split across the threads
                 a, b = (v1 - v0) * i // n, (v1 - v0) * (i + 1) // n

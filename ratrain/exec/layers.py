@@ -16,9 +16,13 @@ A decoder layer (pre-norm LLaMA):
     y = h + Wd . (silu(Wg . rms(h)) * Wu . rms(h))
 Wq/Wk/Wv and Wg/Wu are concatenated once per call (one GEMM each, forward and backward), and in
 fp16 and bf16 mode on the CPU every weight view is converted to fp32 once per call into scratch
-(`scratch.gemm`) so that each GEMM is an sgemm (on a device the GEMMs run in the 16-bit dtype).
-Activations crossing blocks and kept in caches are ctx.dtype; inside a call everything is fp32
-(GEMM accumulation, norms, softmax). In fp16 and bf16 mode q, k, v are rounded to 16 bits
+(`scratch.gemm`) so that each GEMM is an sgemm. On a device, and on a host whose BLAS takes the
+16-bit dtype (`ctx.gemm_half`: `run.blas: mkl`), the GEMMs run in the 16-bit dtype on the views
+themselves. Activations crossing blocks and kept in caches are ctx.dtype; inside a call the
+arithmetic is fp32 (GEMM accumulation, norms, softmax). The host's 16-bit layout
+(`ctx.half_layout`) keeps every GEMM operand in 16 bits, adds the residual and the weight
+gradients by the GEMMs themselves (`accumulate_gemms`), and gives the same bits whatever the
+threads and `recompute`. In fp16 and bf16 mode q, k, v are rounded to 16 bits
 before attention (they are kept so), so that a recomputation from the kept values reproduces
 the forward bit for bit. Every op runs through
 the rank's kernel table (`ctx.kernels`, `exec.backends`): attention is its backend's
@@ -104,7 +108,7 @@ def as_compute(ctx, a):
 def _g(ctx, a):
     """`a` as an operand of two GEMMs: in the device's 16-bit GEMM dtype, cast once (the same
     bits each GEMM's own cast gives), or itself where the GEMMs are fp32."""
-    return a if ctx.device_half is None else _as(ctx, a, ctx.device_half)
+    return a if ctx.gemm_half is None else _as(ctx, a, ctx.gemm_half)
 
 
 def _add_into(a, b, out, ctx):
@@ -157,28 +161,31 @@ def _stacked(arrays, dtype):
     return stacked_rows(arrays)
 
 
-def _gemm_dtype(ctx):
-    return ctx.compute if ctx.host else ctx.dtype
+def gemm_dtype(ctx):
+    """The dtype of the layers' GEMM weights: the views' own where the GEMMs take them
+    (`ctx.gemm_half`, and fp32 views), else the compute type (fp32 copies, on the host)."""
+    return ctx.gemm_half or (ctx.compute if ctx.host else ctx.dtype)
 
 
 def _gemm_weight_nbytes(p, ctx) -> int:
     """Scratch bytes of `_gemm_weights`: the concatenated copies that are not views, and fp32
     copies of wo, wd."""
-    wdt = _gemm_dtype(ctx)
+    wdt = gemm_dtype(ctx)
     n = sum(sum(p[k].size for k in names) for names in _STACKS.values()
             if _stacked([p[k] for k in names], wdt) is None)
-    if ctx.host and p["attn.wo"].dtype != ctx.compute:
+    if p["attn.wo"].dtype != wdt:
         n += p["attn.wo"].size + p["mlp.w_down"].size
     return n * wdt.itemsize
 
 
 @timed("weight copies")
 def _gemm_weights(p, ctx):
-    """fp32 (numpy) or ctx.dtype (cupy) GEMM weights: wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
+    """GEMM weights in `gemm_dtype` (fp32 copies of 16-bit views on a host whose GEMMs are
+    fp32, else the views' dtype): wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
     wd (account `_gemm_weight_nbytes` under scratch.gemm around their use). Views of the
     parameters where their dtype and layout allow (`_stacked`), else copies (converted)."""
     xp = ctx.xp
-    wdt = _gemm_dtype(ctx)
+    wdt = gemm_dtype(ctx)
     out, copies = {}, []
     for key, names in _STACKS.items():
         srcs = [p[k] for k in names]
@@ -218,7 +225,10 @@ def _own_nbytes(ctx, batch: int, seq_len: int, backward: bool) -> int:
     per_token = 4 * C + 2 * qkv + H * D + 3 * F  # x32, xn, h, mlp; qkv + roped; o; gate|up, act
     if backward:
         per_token += 2 * C + qkv + 3 * F + H * D  # dy, dh; dqkv; dgu, dact; do
-    return 4 * batch * seq_len * per_token
+    # the 16-bit layout keeps every chunk's weight-GEMM operands until they add into the
+    # gradients: act, dgu; xn2, dh, xn1; dqkv; o (recomputed under selective)
+    kept16 = 3 * F + 3 * C + qkv + H * D if backward and ctx.half_layout else 0
+    return batch * seq_len * (4 * per_token + 2 * kept16)
 
 
 def _reserved_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> int:
@@ -234,7 +244,7 @@ def _reserved_nbytes(ctx, batch: int, seq_len: int, backward: bool = False) -> i
 @timed("layer (rest)")
 def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     """Forward of one batch chunk; returns the kept arrays. y_out None: skip the output."""
-    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half
     C, H, KV, D, F = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
@@ -264,20 +274,32 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
             q, k, v = q16, k16, v16
     o = xp.empty((b, T, HD), adt)  # attention output, token-major for Wo
     lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
-    h = ops.gemm(o.reshape(N, HD), w["wo"].T, xp=xp, half=half16).reshape(b, T, C)  # (b, T, C)
-    h += x32
+    if ctx.half_layout:  # o rounded once: Wo's operand and what the cache keeps
+        o = ops.cast(o, ctx.dtype)
+        h = x32  # (b, T, C): the residual, which Wo's GEMM adds into (beta = 1)
+        ops.gemm(o.reshape(N, HD), w["wo"].T, out=h.reshape(N, C), xp=xp, half=half16,
+                 accumulate=True)
+    else:
+        h = ops.gemm(o.reshape(N, HD), w["wo"].T, xp=xp, half=half16).reshape(b, T, C)
+        h += x32  # (b, T, C)
     del x32
     xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
     gu = ops.gemm(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=half16)  # (N, 2F)
+    hk = ops.cast(h, ctx.dtype) if half else h  # what the cache keeps of h
     if y_out is not None:
         act, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
-        mlp = ops.gemm(act, w["wd"].T, xp=xp, half=half16)  # (N, C)
+        if ctx.half_layout:  # y = h + Wd . act: the GEMM adds into h, rounded once into y
+            ops.gemm(_g(ctx, act), w["wd"].T, out=h.reshape(N, C), xp=xp, half=half16,
+                     accumulate=True)
+            ops.assign(y_out, h)
+        else:
+            mlp = ops.gemm(act, w["wd"].T, xp=xp, half=half16)  # (N, C)
+            _add_into(h, mlp.reshape(b, T, C), y_out, ctx)
+            del mlp
         del act
-        _add_into(h, mlp.reshape(b, T, C), y_out, ctx)
-        del mlp
     kept = {"rstd1": rstd1, "rstd2": rstd2}
     if half:
-        kept.update(q=q16, k=k16, v=v16, h=ops.cast(h, ctx.dtype), gu=ops.cast(gu, ctx.dtype))
+        kept.update(q=q16, k=k16, v=v16, h=hk, gu=ops.cast(gu, ctx.dtype))
         if recompute == "none":
             kept.update(o=ops.cast(o, ctx.dtype), lse=lse)
     else:
@@ -293,6 +315,16 @@ def _heads(a, H):
     return a.reshape(b, T, H, HD // H).transpose(0, 2, 1, 3)
 
 
+def _weight_grad(ctx, parts, key, dy, x) -> None:
+    """One chunk's weight gradient dy.T @ x (dy (N, out), x (N, in)) into `parts[key]`: the
+    GEMM's fp32 partial, or in the 16-bit layout its two 16-bit operands, which
+    `accumulate_gemms` later adds into the gradient by the GEMM itself."""
+    if ctx.half_layout:
+        parts[key] = (_g(ctx, dy), _g(ctx, x))
+    else:
+        parts[key] = ctx.kernels.gemm(dy.T, x, xp=ctx.xp, half=ctx.gemm_half)
+
+
 def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     """Backward of one batch chunk; writes dx_out and returns the weight-gradient partials."""
     parts = {}
@@ -305,7 +337,7 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
 def _mlp_backward(dy, kept, p, w, ctx, parts):
     """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
     type and puts the wd, wgu and mlp_norm partials into `parts`."""
-    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half
     C, _, _, _, F = _dims(ctx)
     b, T, _ = dy.shape
     N = b * T
@@ -319,13 +351,13 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
                                     out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
     del dact, gu
-    parts["wd"] = ops.gemm(dyg.T, act, xp=xp, half=half16)  # (C, F)
+    _weight_grad(ctx, parts, "wd", dyg, act)  # (C, F)
     del act, dyg
     rms2 = (h, kept["rstd2"], p["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
     xn2 *= as_compute(ctx, p["mlp_norm"])
     dgu = _g(ctx, dgu)  # both GEMMs' operand
-    parts["wgu"] = ops.gemm(dgu.T, xn2.reshape(N, C), xp=xp, half=half16)  # (2F, C)
+    _weight_grad(ctx, parts, "wgu", dgu, xn2.reshape(N, C))  # (2F, C)
     del xn2
     dxn2 = ops.gemm(dgu, w["wgu"], xp=xp, half=half16)  # (N, C)
     del dgu
@@ -339,7 +371,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     """h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x)): writes dx_out (the
     layer's input gradient, dh included) and puts the wo, wqkv and attn_norm partials into
     `parts`. Under `recompute: selective` the attention core is re-run here first."""
-    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.device_half
+    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half
     C, H, KV, D, _ = _dims(ctx)
     b, T, _ = x.shape
     N, HD, KVD = b * T, H * D, KV * D
@@ -349,20 +381,22 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     adt = attn.dtype(ctx)
     q, k, v = (_as(ctx, kept[n], adt) for n in ("q", "k", "v"))  # (b, H|KV, T, D)
     if "o" in kept:
-        o, lse = _as(ctx, kept["o"], adt), kept["lse"]  # (b, T, HD), (b, H, T)
+        o_kept, lse = kept["o"], kept["lse"]  # (b, T, HD), (b, H, T)
     else:  # selective: recompute the attention core, rounded as the forward kept it
-        o = xp.empty((b, T, HD), adt)
-        lse = attn.forward(q, k, v, ctx, out=_heads(o, H))[1].lse
+        o_kept = xp.empty((b, T, HD), adt)
+        lse = attn.forward(q, k, v, ctx, out=_heads(o_kept, H))[1].lse
         if ctx.half:
-            o = _as(ctx, ops.cast(o, ctx.dtype), adt)
+            o_kept = ops.cast(o_kept, ctx.dtype)
+    o = _as(ctx, o_kept, adt)
     dh2 = _g(ctx, dh.reshape(N, C))  # both GEMMs' operand
-    parts["wo"] = ops.gemm(dh2.T, o.reshape(N, HD), xp=xp, half=half16)  # (C, HD)
+    # (C, HD); the 16-bit layout takes the 16 bits kept, the others o (the same values)
+    _weight_grad(ctx, parts, "wo", dh2, (o_kept if ctx.half_layout else o).reshape(N, HD))
     do = xp.empty((N, HD), adt)  # (N, HD), in the dtype the attention backend takes
     ops.gemm(dh2, w["wo"], out=do, xp=xp, half=half16)
     del dh2
     dq, dk, dv = attn.backward(_heads(do.reshape(b, T, HD), H),
                                AttentionCache(q, k, v, _heads(o, H), lse), ctx)
-    del do, q, k, v, o
+    del do, q, k, v, o, o_kept
     dqkv = xp.empty((N, HD + 2 * KVD), ct)  # (N, HD + 2 KVD), token-major
     ops.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
                       out=dqkv[:, :HD].reshape(b, T, H, D))
@@ -375,7 +409,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
     xn1 *= as_compute(ctx, p["attn_norm"])
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
-    parts["wqkv"] = ops.gemm(dqkv.T, xn1.reshape(N, C), xp=xp, half=half16)  # (HD + 2 KVD, C)
+    _weight_grad(ctx, parts, "wqkv", dqkv, xn1.reshape(N, C))  # (HD + 2 KVD, C)
     del xn1
     dxn1 = ops.gemm(dqkv, w["wqkv"], xp=xp, half=half16)  # (N, C)
     del dqkv
@@ -414,15 +448,18 @@ def layer_backward(dy, cache, p, g, ctx):
             kept = cache.parts[i]
         return _layer_bwd_chunk(dy[sl], x[sl], kept, p, w, ctx, dx[sl])
 
-    with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, *x.shape[:2], backward=True)), \
-            ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
-        w = _gemm_weights(p, ctx)
-        parts = ctx.map(run, range(len(chunks)))
     pairs = [
         ("attn.wq", "wqkv", 0), ("attn.wk", "wqkv", HD), ("attn.wv", "wqkv", HD + KVD),
         ("attn.wo", "wo", 0), ("mlp.w_gate", "wgu", 0), ("mlp.w_up", "wgu", F),
         ("mlp.w_down", "wd", 0), ("attn_norm", "attn_norm", 0), ("mlp_norm", "mlp_norm", 0),
     ]
+    with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, *x.shape[:2], backward=True)), \
+            ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
+        w = _gemm_weights(p, ctx)
+        parts = ctx.map(run, range(len(chunks)))
+        if ctx.half_layout:  # the GEMMs' operands are in parts until they add into g
+            accumulate_gemms(g, parts, pairs[:-2], ctx)
+            pairs = pairs[-2:]  # the norms' partials
     accumulate(g, parts, pairs, ctx)
     return dx
 
@@ -444,15 +481,49 @@ def accumulate(g, parts, pairs, ctx):
     ctx.map(add, range(n))
 
 
+# `accumulate_gemms` cuts a weight gradient into at most GRAD_BLOCKS blocks of rows (enough for
+# the threads), each of at least GRAD_BLOCK_ROWS rows (GEMMs large enough to run at speed)
+GRAD_BLOCKS, GRAD_BLOCK_ROWS = 8, 128
+
+
+@timed("grad accumulate")
+def accumulate_gemms(g, parts, pairs, ctx):
+    """The 16-bit layout's `accumulate`: g[name] += dy[:, r0 : r0 + len(g[name])].T @ x for
+    every chunk's (dy, x) = part[key], each chunk's product added by the GEMM itself (beta = 1)
+    in chunk order, with no fp32 partial. The rows of each gradient go in blocks
+    (`GRAD_BLOCKS`, `GRAD_BLOCK_ROWS`), spread over the threads. So every call's shapes, and
+    the order in which each element is summed, are fixed by the batch and the model alone: any
+    thread count gives the same bits."""
+    ops, half = ctx.kernels, ctx.gemm_half
+    jobs = []
+    for name, key, r0 in pairs:
+        rows = g[name].shape[0]
+        step = max(GRAD_BLOCK_ROWS, -(-rows // GRAD_BLOCKS))
+        jobs += [(g[name], key, r0, a, min(a + step, rows)) for a in range(0, rows, step)]
+
+    def run(job):
+        dst, key, r0, a, b = job
+        for part in parts:  # in chunk order
+            dy, x = part[key]
+            ops.gemm(dy[:, r0 + a : r0 + b].T, x, out=dst[a:b], xp=ctx.xp, half=half,
+                     accumulate=True)
+
+    ctx.map(run, jobs)
+
+
 __all__ = [
+    "GRAD_BLOCKS",
+    "GRAD_BLOCK_ROWS",
     "WORK_TAG",
     "BlockCache",
     "accumulate",
+    "accumulate_gemms",
     "as_compute",
     "cache_arrays",
     "cache_nbytes",
     "embed_backward",
     "embed_forward",
+    "gemm_dtype",
     "layer_backward",
     "layer_cache_nbytes",
     "layer_forward",
