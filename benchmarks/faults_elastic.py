@@ -3,6 +3,7 @@ ulfm`, one rank killed (or stopped, or raising) at a random moment of a random s
 checked against a run resumed from the same step's checkpoint on the shrunk layout.
 
     python benchmarks/faults_elastic.py --cases 20 --kinds kill [--seed 1] [--tokens PATH]
+        [--respawn]
 
 The moments: a step's forward, backward, gradient sync (started, waited), global facts, update,
 a view's gather, a checkpoint write (the sharded state gathered block by block) and between
@@ -12,7 +13,9 @@ run resumed from the checkpoint of the step before the redone one on the layout 
 went on as (one such run per distinct step, cached). One JSON line per case: where the fault
 was, the exit status, the lost ranks, the step redone and how many steps ran twice, the seconds
 from the fault to the new job (its ready time, in metrics.jsonl's event) and whether the curves
-match; then a summary line.
+match; then a summary line. `--respawn`: a spare slot takes each lost rank's place
+(`elastic.respawn`), so the run goes on as pp 2 x dp 3 and is compared with a run resumed on
+that layout.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tokens", default="", help="a token file (default: prepare the corpus)")
     ap.add_argument("--timeout", type=float, default=4.0, help="comm.timeout for stop cases")
+    ap.add_argument("--respawn", action="store_true", help="elastic.respawn: the layout returns")
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="ratrain-elastic-")
     tokens = a.tokens
@@ -101,6 +105,7 @@ def main(argv=None) -> int:
         rank, step, where = rng.randrange(PP * DP), rng.randrange(2, STEPS - 2), rng.choice(WHERE)
         run = f"{work}/case{i}"
         sets = ["elastic.enabled=true", f"parallel.dp={DP}", "checkpoint.resume=never",
+                f"elastic.respawn={str(a.respawn).lower()}",
                 "checkpoint.interval=" + ("3" if where == "save" else "0")]
         if kind == "stop":
             sets.append(f"comm.timeout={a.timeout:g}")
@@ -118,10 +123,12 @@ def main(argv=None) -> int:
             key = redo - 1
             if key not in resumed:
                 out = f"{work}/resumed{key}"
-                over = [x for s in ev["overrides"] for x in ("--set", s)]
-                launch(PP * (DP - 1), ["-m", "ratrain.train", *common(tokens, out), *over,
-                                       "--set", "checkpoint.interval=0", "--set",
-                                       f"checkpoint.resume={ref}/checkpoints/ckpt-{key:06d}"],
+                shrunk = [f"parallel.dp={DP}", *ev["overrides"]]  # the later one holds
+                dp = int([x for x in shrunk if x.startswith("parallel.dp=")][-1].split("=")[1])
+                over = [y for x in shrunk for y in ("--set", x)]
+                launch(PP * dp, ["-m", "ratrain.train", *common(tokens, out), *over,
+                                 "--set", "checkpoint.interval=0", "--set",
+                                 f"checkpoint.resume={ref}/checkpoints/ckpt-{key:06d}"],
                        f"{out}.log")
                 resumed[key] = losses(out)
             got = losses(run)
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
                       "max_redone_steps": max((r.get("redone_steps", 99) for r in rows), default=0),
                       "median_fault_to_ready_s": statistics.median(times) if times else None,
                       "max_fault_to_ready_s": max(times) if times else None,
-                      "kinds": a.kinds, "seed": a.seed}), flush=True)
+                      "kinds": a.kinds, "seed": a.seed, "respawn": a.respawn}), flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return 0 if len(ok) == len(rows) else 1
 
