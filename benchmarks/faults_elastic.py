@@ -1,6 +1,6 @@
 """Elastic mode against planted faults: pp 2 x dp 3 of jobs/tiny.yaml under `mpirun --with-ft
-ulfm`, one rank killed (or stopped, or raising) at a random moment of a random step, each run
-checked against a run resumed from the same step's checkpoint on the shrunk layout.
+ulfm`, one rank killed (or stopped, or raising) at each moment in turn, in a random step, each
+run checked against a run resumed from the same step's checkpoint on the shrunk layout.
 
     python benchmarks/faults_elastic.py --cases 20 --kinds kill [--seed 1] [--tokens PATH]
         [--respawn]
@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     full, resumed, rows = losses(ref), {}, []
     for i in range(a.cases):
         kind = a.kinds.split(",")[i % len(a.kinds.split(","))]
-        rank, step, where = rng.randrange(PP * DP), rng.randrange(2, STEPS - 2), rng.choice(WHERE)
+        # the moments in turn (each at least twice in 20 cases), the rank and step at random
+        where = WHERE[i % len(WHERE)]
+        rank, step = rng.randrange(PP * DP), rng.randrange(2, STEPS - 2)
         run = f"{work}/case{i}"
         sets = ["elastic.enabled=true", f"parallel.dp={DP}", "checkpoint.resume=never",
                 f"elastic.respawn={str(a.respawn).lower()}",
