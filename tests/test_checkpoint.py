@@ -233,6 +233,34 @@ def test_streamed_shard_equals_mapping_shard(tmp_path, writer):
                 assert np.array_equal(f[group][n][()], t[buf][n]), (buf, n)
 
 
+def test_a_stream_that_fails_itself_is_raised_not_reported(tmp_path):
+    """A write error is reported to rank 0 and raised on every rank; an error of the block
+    stream itself (its collectives broke on this rank) cannot be drained in step with the
+    others, so it is raised at once, as it is, and nothing is committed."""
+    cfg = make_cfg(dp=2)
+    t = stage_tensors(cfg, 0, 5)
+    blocks = stage_blocks(cfg.model, 1, 0)
+    shapes = {p.name: p.shape for b in blocks for p in b.params}
+
+    class Broken(RuntimeError):
+        pass
+
+    def stream():
+        for i, b in enumerate(blocks):
+            if i == 1:
+                raise Broken("a peer is gone")
+            yield b.name, {k: {p.name: t[k][p.name] for p in b.params} for k in t}
+
+    for replica in (0, 1):  # the writer and a replica that only drains
+        tensors = ck.StateStream(shapes, ("master", "m", "v"), stream())
+        with pytest.raises(Broken, match="a peer is gone"):
+            ck.save_checkpoint(str(tmp_path / "ck"), 5, cfg, tensors, scalars(5),
+                               replica=replica)
+        assert isinstance(tensors.failed, Broken)
+        assert not any(p.name.startswith("ckpt-") for p in (tmp_path / "ck").glob("*")
+                       if (p / ck.MANIFEST).exists())
+
+
 def test_fast_writer_copies_strided_and_rejects_non_fp32(tmp_path):
     cfg = make_cfg()
     t = stage_tensors(cfg, 0, 2)

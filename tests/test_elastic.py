@@ -194,6 +194,21 @@ def test_a_killed_rank_costs_no_restart_and_the_run_is_a_resumed_one(job):
 
 
 @needs_mpirun
+def test_with_respawn_a_spawned_rank_takes_the_lost_place_and_the_layout_returns(job):
+    """Rank 3 killed in step 3's forward with `elastic.respawn`: a spawned process takes its
+    place, receives its stage and state from its peers, and the job goes on as pp 2 x dp 3.
+    Every step is the uninterrupted run's."""
+    proc, run = _run(job, "respawned", 6, ["elastic.enabled=true", "elastic.respawn=true"],
+                     "kill:3:2:_forward")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ev = _event(run)
+    assert len(ev) == 1 and ev[0]["lost_ranks"] == [3] and ev[0]["overrides"] == []
+    assert ev[0]["layout"].startswith("pp 2 x dp 3") and "respawned" in ev[0]["layout"]
+    whole, whole_run = _run(job, "whole8", 6, [], ft=False)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert _curve(run) == _curve(whole_run)
+
+@needs_mpirun
 def test_a_stopped_rank_is_ended_by_the_watchdog_and_the_survivors_go_on(job):
     proc, run = _run(job, "stopped", 6, ["elastic.enabled=true", "comm.timeout=2"],
                      "stop:4:2:_forward")

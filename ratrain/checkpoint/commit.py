@@ -167,6 +167,8 @@ def _write_mine(path, step, cfg, tensors, state, rank, stage, replica, writer, o
             own_entry = write_shard(path, step, stage, cfg, own, state, writer=writer,
                                     replica=replica)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
+        if isinstance(tensors, StateStream) and tensors.failed is not None:
+            raise  # the stream's collectives broke on this rank: no report can pair with them
         text = " ".join(str(e).split())  # h5py's messages span lines
         error = f"rank {rank} (stage {stage}): {type(e).__name__}: {text}"
         space = is_space_error(e)

@@ -90,12 +90,28 @@ class StateStream:
     order (e.g. `Executor.iter_full_state()`), each block's arrays valid until the next is
     asked for. `shapes` gives every parameter's shape up front, in the order the blocks deliver
     them, so the file layout is fixed before any byte is written; at most one block is held.
+    `failed`: the error `blocks` itself raised, if any. The blocks come from collectives, so a
+    stream that failed on one rank cannot be drained in step with the others: its error is not
+    a write error to report but one to raise (`commit._write_mine`).
     """
 
     def __init__(self, shapes: Mapping[str, Any], buffers: Iterable[str], blocks):
         self.shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
         self.buffers = tuple(b for b in BUFFER_GROUPS if b in set(buffers))
-        self._blocks = blocks
+        self.failed: BaseException | None = None
+        self._blocks = self._watched(blocks)
+
+    def _watched(self, blocks):
+        it = iter(blocks)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            except BaseException as e:
+                self.failed = e
+                raise
+            yield item
 
     def drain(self) -> None:
         """Run the stream without writing (a replica that does not write still takes part in
