@@ -3,11 +3,11 @@
 # current code, writing one record per figure group (benchmarks/record.py) to docs/records/,
 # then regenerates the tables (benchmarks/tables.py). Run it from a clean checkout, as root (the
 # disk-full and Slurm trials), on a quiet host (the load is recorded with every figure):
-#   bash benchmarks/remeasure.sh              # about 35-40 minutes on 2 quiet cores
+#   bash benchmarks/remeasure.sh              # about 50-55 minutes on 2 quiet cores
 #   SMOKE=1 bash benchmarks/remeasure.sh      # tiny versions of every step (2-3 minutes): proves
 #                                             # each piece works; its records go to a temp dir
 #                                             # (RATRAIN_RECORDS) and never to docs/
-# PARTS (default all): bench (bench-step, bench-blas) parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing
+# PARTS (default all): bench (bench-step, bench-blas) parity comm lifecycle hetero tier plan psync checkpoint data faults elastic slurm timing
 # (the wall-clock tests, `pytest --timing -m timing`, which need the quiet host); `memory` (the
 # 20,000-step soaks and 64 ranks on one host, about 45 minutes and 7 GiB) only when named. A step that fails
 # is reported and the script goes on, then exits 1 naming it; its record (when it printed
@@ -20,7 +20,7 @@ MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
 export OMPI_MCA_mpi_yield_when_idle=1 PYTHONHASHSEED=0
 MPI=("$MPIRUN" --oversubscribe --mca mpi_yield_when_idle 1)
-PARTS=${*:-bench parity comm lifecycle hetero tier plan psync checkpoint data faults slurm timing}
+PARTS=${*:-bench parity comm lifecycle hetero tier plan psync checkpoint data faults elastic slurm timing}
 SMOKE=${SMOKE:-0}
 WORK=$(mktemp -d /tmp/ratrain-remeasure.XXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -139,6 +139,13 @@ for part in $PARTS; do
     # ~5 min: random damage to two checkpoints, resume judged (issue 33)
     rec ckpt-fuzz -- "$PY" benchmarks/ckpt_fuzz.py --cases "$(s 20 1200)" --every 25 \
       --work "$WORK/ckpt-fuzz" ;;
+  elastic)  # ~15 min: elastic mode under mpirun --with-ft ulfm (issue 45), pp 2 x dp 3 of tiny
+    E=("$PY" benchmarks/faults_elastic.py --tokens "$TOKENS")
+    rec elastic-kill -- "${E[@]}" --cases "$(s 2 20)" --kinds kill
+    rec elastic-stop-raise -- "${E[@]}" --cases "$(s 2 18)" --kinds stop,raise
+    rec elastic-respawn -- "${E[@]}" --cases "$(s 1 9)" --kinds kill --respawn
+    rec elastic-overhead -- "$PY" benchmarks/elastic_overhead.py --rounds "$(s 1 5)" \
+      --steps "$(s 6 40)" --tokens "$TOKENS" ;;
   memory)  # ~45 min, ~7 GiB: RSS over 20,000 steps, and 64 ranks of jobs/tiny.yaml on one host
     rec soak -- "$PY" benchmarks/soak.py --steps "$(s 1200 20000)" --base "$(s 200 1000)" \
       --cases 1x1,pp2xdp2,1x1-trace,pp2xdp2-trace --trace-bytes 1048576 --work "$WORK/soak"
@@ -149,7 +156,11 @@ for part in $PARTS; do
     venv=$(cd "$(dirname "$PY")/.." && pwd)  # absolute: the jobs run elsewhere
     rec slurm-quick -- env RATRAIN_VENV="$venv" TMPDIR="$WORK" \
       bash scripts/slurm-local.sh run "$WORK/slurm" "$venv/bin/python" benchmarks/slurm_trials.py quick \
-      --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work" ;;
+      --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work"
+    # elastic mode under Slurm: a rank killed, the job COMPLETED, never requeued (issue 45)
+    rec elastic-slurm -- env RATRAIN_VENV="$venv" TMPDIR="$WORK" \
+      bash scripts/slurm-local.sh run "$WORK/slurm" "$venv/bin/python" benchmarks/slurm_trials.py elastic \
+      --trials "$(s 1 3)" --tokens "$WORK/slurm.bin" --work "$WORK/slurm-work" ;;
   timing)  # ~2 min: the wall-clock upper bounds, which only a quiet host can check
     echo "== timing tests (load $(cut -d' ' -f1 /proc/loadavg))"
     if [ "$SMOKE" = 1 ]; then sel=(--collect-only); else sel=(); fi
@@ -157,7 +168,7 @@ for part in $PARTS; do
       failed+=(timing)
     "${MPI[@]}" -n 2 "$PY" -m pytest -q -rs --with-mpi --timing -m "mpi and timing" \
       -p no:cacheprovider "${sel[@]}" tests/ || failed+=(timing-mpi) ;;
-  *) echo "unknown part $part (bench parity comm lifecycle hetero tier psync checkpoint data faults slurm timing memory)" >&2; exit 2 ;;
+  *) echo "unknown part $part (bench parity comm lifecycle hetero tier plan psync checkpoint data faults elastic slurm timing memory)" >&2; exit 2 ;;
   esac
 done
 if [ "$SMOKE" = 1 ]; then

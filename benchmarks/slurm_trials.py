@@ -2,7 +2,7 @@
 `scripts/slurm-local.sh` brings up (two slurmd as two nodes on this host):
 
     scripts/slurm-local.sh run /tmp/ratrain-slurm python benchmarks/slurm_trials.py all --trials 10
-    ... slurm_trials.py signals --trials 10 | timelimit | chain | array | nodes | quick
+    ... slurm_trials.py signals --trials 10 | timelimit | chain | array | nodes | quick | elastic
 
 Every job is `slurm/train.sbatch` (or `correctness.sbatch`) on `jobs/tiny.yaml` at 4 ranks
 (pp 2 x dp 2), submitted from a directory outside the repository; the reference is the same run
@@ -19,7 +19,10 @@ done. chain: the same without requeue, chained three times with --dependency=aft
 that start after it finished exit 0 within 10 s. nodes: a 2-node job with srun+pmix, one with
 mpirun, and correctness.sbatch. quick: one USR1 trial per launcher against one reference run (srun's:
 a run is bitwise the same however its ranks are packed into nodes) and a finished-run job (the test
-suite's version).
+suite's version). elastic: a job with elastic.enabled on 2 nodes x 3 tasks (pp 2 x dp 3; the
+script launches it with mpirun --with-ft ulfm), one rank SIGKILLed once the run has recorded a
+random number of steps; passes when the job ends COMPLETED and never requeued, with one
+rank_lost event and every step trained (the survivors went on as pp 2 x dp 2).
 
 A job requeued by Slurm waits (BeginTime) as long as a job credential lives before it may start
 again: two minutes by default, 10 s on the cluster scripts/slurm-local.sh brings up.
@@ -255,13 +258,62 @@ def trial_finished(tokens, ref_steps):
             "ok": info["JobState"] == "COMPLETED" and said and secs < 10}
 
 
+def _rank_pids(run):
+    """The PIDs of the training ranks of run directory `run` (not mpirun, not a shell)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"ratrain.train" in argv and f"run.dir={run}".encode() in argv
+                and Path(argv[0].decode()).name.startswith("python")):
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def trial_elastic(rnd, tokens, steps=40):
+    """Elastic mode under Slurm: a pp 2 x dp 3 job on 2 nodes x 3 tasks (mpirun --with-ft ulfm,
+    as train.sbatch launches it), one rank SIGKILLed once the run has recorded a random number of
+    steps; passes when the job ends COMPLETED, never requeued, the survivors' event recorded
+    and every step trained."""
+    name = "elastic-mpirun"
+    run = run_dir(name)
+    shutil.rmtree(run, ignore_errors=True)
+    layout = ["-N", "2", "--ntasks-per-node=3"]
+    jid = sbatch((["-J", name, *layout],
+                  ["jobs/tiny.yaml", *sets_args(tokens, steps, ["parallel.dp=3",
+                                                                "elastic.enabled=true"])]),
+                 env("mpirun", name))
+    at = rnd.randint(3, steps - 15)
+    t0 = time.monotonic()
+    while len([r for r in records(run) if "loss" in r]) < at:
+        if finished(job(jid)) or time.monotonic() - t0 > 600:
+            return {"kind": "elastic", "ok": False, "why": f"job {jid} ended or stalled before "
+                    f"step {at}", "log": logs(name, jid)[-1500:]}
+        time.sleep(0.2)
+    pids = _rank_pids(run)
+    victim = rnd.choice(pids)
+    os.kill(victim, 9)
+    info = wait_job(jid, finished)
+    ev = [r for r in records(run) if r.get("event") == "rank_lost"]
+    steps_done = sorted({r["step"] for r in records(run) if "loss" in r})
+    ok = (info["JobState"] == "COMPLETED" and info.get("Restarts") == "0" and len(ev) == 1
+          and steps_done == list(range(1, steps + 1)))
+    return {"kind": "elastic", "killed_at_step": at, "ranks": len(pids), "state":
+            info["JobState"], "restarts": info.get("Restarts"), "event": ev[0] if ev else None,
+            "steps": len(steps_done), "ok": ok}
+
+
 # --------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["all", "signals", "timelimit", "chain", "array", "nodes",
-                                     "quick"])
+                                     "quick", "elastic"])
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--tokens", default=str(ROOT / "data" / "stdlib" / "train.bin"))
@@ -302,6 +354,9 @@ def main(argv=None) -> int:
     if a.what in ("all", "nodes"):
         for row in trial_nodes(a.tokens):
             out(row)
+    if a.what in ("all", "elastic"):
+        for _ in range(1 if a.what == "all" else a.trials):
+            out(trial_elastic(rnd, a.tokens))
     summary = {"trials": len(rows), "passed": sum(r["ok"] for r in rows),
                "load_after": os.getloadavg()}
     print(json.dumps(summary), flush=True)

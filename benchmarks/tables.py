@@ -302,6 +302,37 @@ TABLES = {
           ("pp2xdp2-trace/4.growth_pct_max", "pp2 x dp2, trace", ".2f"),
           ("pp2xdp2-trace/4.timeline_bytes_kept_max", "timeline kept (bytes)", "d"),
           ("pp2xdp2-trace/4.trace_bytes_bound", "bound (bytes)", "d")]),
+        ("elastic-kill", "elastic mode, pp 2 x dp 3 (tiny, 12 steps): one rank SIGKILLed at "
+         "each moment in turn (forward, backward, gradient sync started and waited, global "
+         "facts, update, a view's gather, a checkpoint write, between steps), a random rank "
+         "and step; steps after the recovery against a run resumed on the shrunk layout",
+         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
+          ("max_redone_steps", "steps redone at most", "d"),
+          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
+          ("max_fault_to_ready_s", "at most", ".2f")]),
+        ("elastic-stop-raise", "the same with a rank stopped (SIGSTOP; comm.timeout 4 s, the "
+         "watchdog ends it) or raising, in turn",
+         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
+          ("max_redone_steps", "steps redone at most", "d"),
+          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
+          ("max_fault_to_ready_s", "at most", ".2f")]),
+        ("elastic-respawn", "the same killed ranks with elastic.respawn: a spawned process "
+         "takes the lost place, pp 2 x dp 3 again; steps after it against a run resumed on "
+         "pp 2 x dp 3",
+         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
+          ("max_redone_steps", "steps redone at most", "d"),
+          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
+          ("max_fault_to_ready_s", "at most", ".2f")]),
+        ("elastic-overhead", "elastic on against off with nothing failing, pp 2 x dp 3 (tiny, "
+         "40 steps, the optimizer state sharded: the peer copies run), interleaved rounds "
+         "(target at most 1.03)",
+         [("median_ratio", "on / off step time, median", ".3f"),
+          ("peak_ddr_off", "ledger peak off (bytes)", "d"),
+          ("peak_ddr_on", "on (bytes)", "d"), ("losses_equal", "losses equal", "")]),
+        ("elastic-slurm", "elastic mode under Slurm (scripts/slurm-local.sh, slurm/train.sbatch on "
+         "2 nodes x 3 tasks, mpirun --with-ft ulfm): one rank SIGKILLed at a random step; the job "
+         "COMPLETED, never requeued, one rank_lost event, every step trained",
+         [("passed", "passed", "d"), ("trials", "trials", "d")]),
     ],
 }
 

@@ -208,6 +208,7 @@ def test_with_respawn_a_spawned_rank_takes_the_lost_place_and_the_layout_returns
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert _curve(run) == _curve(whole_run)
 
+
 @needs_mpirun
 def test_a_stopped_rank_is_ended_by_the_watchdog_and_the_survivors_go_on(job):
     proc, run = _run(job, "stopped", 6, ["elastic.enabled=true", "comm.timeout=2"],
