@@ -274,12 +274,12 @@ def _rank_pids(run):
     return sorted(out)
 
 
-def trial_elastic(rnd, tokens, steps=40):
+def trial_elastic(i, rnd, tokens, steps=40):
     """Elastic mode under Slurm: a pp 2 x dp 3 job on 2 nodes x 3 tasks (mpirun --with-ft ulfm,
     as train.sbatch launches it), one rank SIGKILLed once the run has recorded a random number of
     steps; passes when the job ends COMPLETED, never requeued, the survivors' event recorded
     and every step trained."""
-    name = "elastic-mpirun"
+    name = f"elastic-mpirun-{i}"
     run = run_dir(name)
     shutil.rmtree(run, ignore_errors=True)
     layout = ["-N", "2", "--ntasks-per-node=3"]
@@ -291,7 +291,7 @@ def trial_elastic(rnd, tokens, steps=40):
     t0 = time.monotonic()
     while len([r for r in records(run) if "loss" in r]) < at:
         if finished(job(jid)) or time.monotonic() - t0 > 600:
-            return {"kind": "elastic", "ok": False, "why": f"job {jid} ended or stalled before "
+            return {"case": i, "kind": "elastic", "ok": False, "why": f"job {jid} ended or stalled before "
                     f"step {at}", "log": logs(name, jid)[-1500:]}
         time.sleep(0.2)
     pids = _rank_pids(run)
@@ -302,7 +302,7 @@ def trial_elastic(rnd, tokens, steps=40):
     steps_done = sorted({r["step"] for r in records(run) if "loss" in r})
     ok = (info["JobState"] == "COMPLETED" and info.get("Restarts") == "0" and len(ev) == 1
           and steps_done == list(range(1, steps + 1)))
-    return {"kind": "elastic", "killed_at_step": at, "ranks": len(pids), "state":
+    return {"case": i, "kind": "elastic", "killed_at_step": at, "ranks": len(pids), "state":
             info["JobState"], "restarts": info.get("Restarts"), "event": ev[0] if ev else None,
             "steps": len(steps_done), "ok": ok}
 
@@ -355,8 +355,8 @@ def main(argv=None) -> int:
         for row in trial_nodes(a.tokens):
             out(row)
     if a.what in ("all", "elastic"):
-        for _ in range(1 if a.what == "all" else a.trials):
-            out(trial_elastic(rnd, a.tokens))
+        for i in range(1 if a.what == "all" else a.trials):
+            out(trial_elastic(i, rnd, a.tokens))
     summary = {"trials": len(rows), "passed": sum(r["ok"] for r in rows),
                "load_after": os.getloadavg()}
     print(json.dumps(summary), flush=True)
