@@ -51,6 +51,12 @@ def _psync_seeds(name: str, what: str) -> tuple:
 BEFORE_LR = " as it was before d7c5f14 (optim.lr 3e-3)"
 
 # page -> [(record name, what it measures, [(figure key, label, format)])]
+# the elastic-mode fault trials' figures (benchmarks/faults_elastic.py)
+ELASTIC_FIGS = [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
+                ("max_redone_steps", "steps redone at most", "d"),
+                ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
+                ("max_fault_to_ready_s", "at most", ".2f")]
+
 TABLES = {
     "docs/BENCHMARKS.md": [
         ("bench-step", "fp32 training step against PyTorch eager (1 rank, 2 threads)",
@@ -306,23 +312,14 @@ TABLES = {
          "each moment in turn (forward, backward, gradient sync started and waited, global "
          "facts, update, a view's gather, a checkpoint write, between steps), a random rank "
          "and step; steps after the recovery against a run resumed on the shrunk layout",
-         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
-          ("max_redone_steps", "steps redone at most", "d"),
-          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
-          ("max_fault_to_ready_s", "at most", ".2f")]),
+         ELASTIC_FIGS),
         ("elastic-stop-raise", "the same with a rank stopped (SIGSTOP; comm.timeout 4 s, the "
          "watchdog ends it) or raising, in turn",
-         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
-          ("max_redone_steps", "steps redone at most", "d"),
-          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
-          ("max_fault_to_ready_s", "at most", ".2f")]),
+         ELASTIC_FIGS),
         ("elastic-respawn", "the same killed ranks with elastic.respawn: a spawned process "
          "takes the lost place, pp 2 x dp 3 again; steps after it against a run resumed on "
          "pp 2 x dp 3",
-         [("cases", "cases", "d"), ("finished_equal", "finished, bitwise", "d"),
-          ("max_redone_steps", "steps redone at most", "d"),
-          ("median_fault_to_ready_s", "fault to new job s, median", ".2f"),
-          ("max_fault_to_ready_s", "at most", ".2f")]),
+         ELASTIC_FIGS),
         ("elastic-overhead", "elastic on against off with nothing failing, pp 2 x dp 3 (tiny, "
          "40 steps, the optimizer state sharded: the peer copies run), interleaved rounds "
          "(target at most 1.03)",
