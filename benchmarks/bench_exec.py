@@ -28,14 +28,14 @@ from ratrain.config import ModelConfig
 from ratrain.bench import sgemm_step
 from ratrain.exec import head, layers
 from ratrain.exec.context import ExecContext
-from ratrain.exec.spec import init_param, model_blocks
+from ratrain.exec.spec import RECOMPUTE, init_param, model_blocks
 
 BENCH_MODEL = ModelConfig(
     vocab_size=256, hidden=512, layers=8, heads=8, kv_heads=8, ffn_hidden=1376, seq_len=256
 )
 
 
-def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):
+def ratrain_step(precision: str, threads: int, batch: int, recompute: str = "none"):
     """A step function: forward + backward of the whole benchmark model on one micro-batch."""
     m = BENCH_MODEL
     ctx = ExecContext(m, precision, threads=threads)
@@ -50,7 +50,7 @@ def ratrain_step(precision: str, threads: int, batch: int, keep: str = "all"):
         x, ce = layers.embed_forward(ids, P[0], ctx)
         caches = []
         for i in range(m.layers):
-            x, c = layers.layer_forward(x, P[1 + i], ctx, keep)
+            x, c = layers.layer_forward(x, P[1 + i], ctx, recompute)
             caches.append(c)
         loss, ch = head.head_forward(x, targets, P[-1], ctx)
         dx = head.head_backward(1.0, ch, P[-1], G[-1], ctx)
@@ -96,7 +96,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--keep", default="all", choices=layers.KEEP)
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                    help="what each layer's backward recomputes (schedule.recompute)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-fp16", action="store_true")
     ap.add_argument("--json", default="")
@@ -105,10 +106,10 @@ def main(argv=None) -> dict:
     tokens = a.batch * m.seq_len
     flops = m.flops_per_token() * tokens
     res: dict = {"threads": a.threads, "batch": a.batch, "seq_len": m.seq_len,
-                 "flops_per_step": flops, "repeats": a.repeats, "keep": a.keep}
-    steps = {"ratrain_fp32": ratrain_step("fp32", a.threads, a.batch, a.keep)}
+                 "flops_per_step": flops, "repeats": a.repeats, "recompute": a.recompute}
+    steps = {"ratrain_fp32": ratrain_step("fp32", a.threads, a.batch, a.recompute)}
     if not a.no_fp16:
-        steps["ratrain_fp16"] = ratrain_step("fp16", a.threads, a.batch, a.keep)
+        steps["ratrain_fp16"] = ratrain_step("fp16", a.threads, a.batch, a.recompute)
     if not a.no_torch:
         try:
             steps["torch_eager"] = torch_step(a.threads, a.batch)

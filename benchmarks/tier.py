@@ -42,7 +42,7 @@ import numpy as np
 
 from ratrain.config import load_config
 from ratrain.exec import layers as layer_kernels
-from ratrain.lifecycle.passes.offload import OFFLOAD
+from ratrain.exec.spec import OFFLOAD
 from ratrain.plan.search import search
 from ratrain.plan.simulate import simulate_config
 from ratrain.plan.tierplan import tier_search
