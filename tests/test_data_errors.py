@@ -51,6 +51,13 @@ def jsonl(path: Path, *records) -> Path:
     return path
 
 
+def _prepared(d: Path, name: str) -> Path:
+    """A corpus prepared in d/tok; returns d/tok/NAME (its train.bin, train.idx, ... or tok)."""
+    D.prepare([str(jsonl(d / "src.jsonl", *({"text": f"doc {i} " * 9} for i in range(9))))],
+              out=d / "tok", val_fraction=0.0)
+    return d / "tok" / name
+
+
 CASES = {
     "malformed line": (lambda d: jsonl(d / "a.jsonl", {"text": "x"}, {"text": "y"}, b'{"text": "z"',
                                        {"text": "w"}), ["a.jsonl:3: not JSON"]),
@@ -68,6 +75,11 @@ CASES = {
     "only empty texts": (lambda d: jsonl(d / "a.jsonl", {"text": ""}, {"text": ""}),
                          ["gave no documents with text"]),
     "missing input": (lambda d: d / "nope.jsonl", ["'", "nope.jsonl' does not exist"]),
+    "a prepared token file": (lambda d: _prepared(d, "train.bin"),
+                              ["train.bin' is a prepared token file", "data.tokens"]),
+    "its index": (lambda d: _prepared(d, "train.idx"), ["train.idx' is a prepared token file"]),
+    "a folder holding one": (lambda d: _prepared(d, ""), ["is a prepared token file",
+                                                          "leave it out of the inputs"]),
 }
 
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ratrain.data.tokens import DataError
+from ratrain.data.tokens import DataError, sidecar_path
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson")
 STREAM_BYTES = 8 << 20  # text files above this are streamed in blocks
@@ -161,6 +161,19 @@ def plan_inputs(inputs: list[str], field: str) -> list[Input]:
     return plan
 
 
+def _prepared(path: Path) -> Path | None:
+    """What marks `path` as a prepared token file (its sidecar or index, or the token file an
+    index or sidecar belongs to), else None: such a file is tokens, not text."""
+    name = path.name
+    if name.endswith(".bin"):
+        return next((q for q in (sidecar_path(path), path.with_suffix(".idx")) if q.exists()), None)
+    if name.endswith(".idx") and path.with_suffix(".bin").exists():
+        return path.with_suffix(".bin")
+    if name.endswith(".bin.json") and Path(str(path)[: -len(".json")]).exists():
+        return Path(str(path)[: -len(".json")])
+    return None
+
+
 def _need(module: str, kind: str):
     """An optional package a kind of input needs, or a DataError naming the extra."""
     try:
@@ -183,6 +196,10 @@ def _check_column(schema, field: str, where: str) -> None:
 
 
 def _check_input(inp: Input, field: str) -> None:
+    if inp.kind == "text" and (marker := _prepared(inp.path)) is not None:
+        raise DataError(f"input {str(inp.path)!r} is a prepared token file ({marker} is beside "
+                        "it), not text: train on it with data.tokens, or leave it out of the "
+                        "inputs")
     if inp.kind == "jsonl" and inp.path.name.lower().endswith(".zst"):
         _need("zstandard", "a .zst file")
     elif inp.kind == "parquet":
