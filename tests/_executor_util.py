@@ -82,3 +82,15 @@ def params_digest(params):
         h.update(np.ascontiguousarray(params[name]).tobytes())
     return h.hexdigest()
 
+
+
+def layer_weight_copy_nbytes(rank) -> int:
+    """The bytes a rank's first decoder layer copies of its weights for its GEMMs each call
+    (0: the GEMMs take the views as they lie in the flat buffer)."""
+    from ratrain.exec import layers
+
+    ex = rank.executor
+    layer = next(b for b in ex.blocks if ex.compute.role[b] == "layer")
+    if not rank.state.has_view(layer):
+        ex.materialize_now(layer)
+    return layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx)

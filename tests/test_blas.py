@@ -23,7 +23,7 @@ from ratrain.exec.context import ExecContext
 from ratrain.exec.gemm import matmul, mkl_entry
 from ratrain.exec.kernels import BF16
 from ratrain.runtime.rank import build_rank
-from tests._executor_util import tiny_config, train
+from tests._executor_util import layer_weight_copy_nbytes, tiny_config, train
 from tests._prereq import need_mkl
 from tests.test_layers import M, make_params, run_layer, zeros_like
 
@@ -292,11 +292,7 @@ def test_a_bf16_run_trains_on_mkl_and_every_policy_agrees(mkl):
     # a rank's GEMMs take its bf16 views as they lie in the flat buffer: no copy at all
     rank = build_rank(replace(cfg, run=replace(cfg.run, blas="mkl")))
     try:
-        ex = rank.executor
-        layer = next(b for b in ex.blocks if ex.compute.role[b] == "layer")
-        if not rank.state.has_view(layer):
-            ex.materialize_now(layer)
-        assert layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx) == 0
+        assert layer_weight_copy_nbytes(rank) == 0
     finally:
         rank.close()
 

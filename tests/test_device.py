@@ -28,7 +28,7 @@ from ratrain.exec.context import ExecContext
 from ratrain.runtime.rank import build_rank
 from ratrain.plan.check import run_plan
 from tests._devices import DEVICES, GPU, MODULES, host
-from tests._executor_util import global_batch, tiny_config
+from tests._executor_util import global_batch, layer_weight_copy_nbytes, tiny_config
 from tests._prereq import need
 from tests.test_layers import M, make_params, zeros_like
 from tests.test_train import job, train  # noqa: F401  (job: a pytest fixture)
@@ -139,11 +139,7 @@ def test_device_layers_copy_no_weights(device, precision):
     rank = build_rank(tiny_config(precision=precision), None, cap=None,
                       device=open_device(device))
     try:
-        ex = rank.executor
-        layer = next(b for b in ex.blocks if ex.compute.role[b] == "layer")
-        if not rank.state.has_view(layer):
-            ex.materialize_now(layer)
-        assert layers._gemm_weight_nbytes(ex.compute.view(layer), rank.ctx) == 0
+        assert layer_weight_copy_nbytes(rank) == 0
         half = {"fp16": np.dtype(np.float16), "bf16": kernels.BF16}.get(precision)
         assert rank.ctx.gemm_half == half  # the layers' GEMMs in 16 bits on a device
     finally:

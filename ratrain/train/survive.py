@@ -130,7 +130,7 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
                                        rec.dests_of(dec, infos, sizes, s))
     except ValueError:  # a lost segment without its copy: the last checkpoint instead
         how, moves = "checkpoint", []
-    held = {False: ex.state, True: mirror.state if mirror is not None else None}
+    held = _held(trainer, mirror)
     sends = reshard.post_sends(shrunk, me, moves, held)
     new_rank = dec.new_rank.get(me)
     new = shrunk.Split(0 if new_rank is not None else MPI.UNDEFINED,
@@ -141,9 +141,7 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
               "(the others go on)", flush=True)
         return EXIT_OK
     new = faults.returning(new)
-    ctl2 = Control.for_job(new, timeout)
-    faults.unwatch_all()
-    faults.watch([ctl2.comm, new])
+    ctl2 = _control(new, timeout)
     step = dec.committed + 1
     resume = None
     if how == "checkpoint":
@@ -158,16 +156,35 @@ def _recover(trainer, setup, old, old_rank, last, origin, detected, mirror, time
     event = rec.Event(origins, step + 1, detected, layout=_layout(dec.cfg),
                       how="the last checkpoint" if how == "checkpoint" else "peers",
                       overrides=rec.overrides_of(dec.cfg.parallel))
-    peers = Peers(step, {"executor": ex.state_dict(),
-                         "data": trainer.train_ds.state_dict(step)},
+    peers = Peers(step, _state_of(trainer, step),
                   lambda state: reshard.receive(shrunk, me, moves, state, held), event,
                   save=trainer.saving if how == "peers" else None)
-    new_setup = replace(setup, cfg=dec.cfg, resume=resume)
+    return _start(setup, dec.cfg, resume, new, ctl2, peers, sends)
+
+
+def _held(trainer, mirror) -> dict:
+    """What this survivor can send (`reshard.post_sends`): its own state's parts (False) and
+    the peer copies it keeps (True; None without the mirror pass)."""
+    return {False: trainer.executor.state, True: mirror.state if mirror is not None else None}
+
+
+def _control(new, timeout: float):
+    """The new job's control plane on `new`; its communicators watched for the next loss."""
+    ctl = Control.for_job(new, timeout)
+    faults.unwatch_all()
+    faults.watch([ctl.comm, new])
+    return ctl
+
+
+def _start(setup, cfg, resume, new, ctl, peers, sends):
+    """The new job's (setup, control, trainer) on `new`, starting from `peers`; this rank's
+    parts for the others (`sends`) are waited for whatever happens."""
+    new_setup = replace(setup, cfg=cfg, resume=resume)
     try:
-        trainer2 = Trainer(new_setup, new, ctl2, peers=peers)
+        trainer = Trainer(new_setup, new, ctl, peers=peers)
     finally:
         reshard.wait(sends)
-    return new_setup, ctl2, trainer2
+    return new_setup, ctl, trainer
 
 
 def _state_of(trainer, step: int) -> dict:
@@ -214,7 +231,7 @@ def _respawn(trainer, setup, shrunk, infos, dec, origins, detected, mirror, time
             "moves": moves, "new_rank": new_rank, "step": step, "event": event,
             "state": _state_of(trainer, step), "resume": resume, "timeout": timeout}
     merged.bcast(pack if me == 0 else None, root=0)
-    held = {False: trainer.executor.state, True: mirror.state if mirror is not None else None}
+    held = _held(trainer, mirror)
     sends = reshard.post_sends(merged, me, moves, held)
     return _join_new(merged, me, pack, setup, held, sends)
 
@@ -223,18 +240,11 @@ def _join_new(merged, me, pack, setup, held, sends):
     """Build this rank of the respawned job (a survivor or a new process): its communicator,
     control plane and trainer, its state received from `pack`'s moves over `merged`."""
     new = faults.returning(merged.Split(0, pack["new_rank"][me]))
-    ctl = Control.for_job(new, pack["timeout"])
-    faults.unwatch_all()
-    faults.watch([ctl.comm, new])
+    ctl = _control(new, pack["timeout"])
     moves = pack["moves"]
     peers = Peers(pack["step"], pack["state"],
                   lambda state: reshard.receive(merged, me, moves, state, held), pack["event"])
-    new_setup = replace(setup, cfg=pack["cfg"], resume=pack["resume"])
-    try:
-        trainer = Trainer(new_setup, new, ctl, peers=peers)
-    finally:
-        reshard.wait(sends)
-    return new_setup, ctl, trainer
+    return _start(setup, pack["cfg"], pack["resume"], new, ctl, peers, sends)
 
 
 def join(parent, timeout: float) -> int:
