@@ -16,13 +16,16 @@ kernels do run in the simulator there, each launch counted: what the kernel tabl
 cupy's compositions rather than to a kernel shows there (slow: about 3 minutes a step in the
 simulator, on an AMD EPYC core).
 
-What it counts is what the device path would queue with `run.devkernels: off`: the numba-cuda
-kernels would run in numba-cuda's simulator here, one Python thread per CUDA thread, far too
-slow at these shapes, so RMSNorm, RoPE, SwiGLU, the head's cross-entropy, AdamW and the
-gradient norm count as cupy's compositions (on a card with the kernels, one or two launches a
-call: their categories' `calls`). The attention is the stand-in's `tiled-1024`; a card's cuDNN
-runs a call as one graph. The counts do not depend on the host, its load or its threads (the
-stand-in computes in one thread, as a device rank does).
+What it counts is what the device path queues on a card with its kernels: the kernel table's
+device entries (`exec.deventries`) send the same calls to the device kernels as on a card, and
+`run.devkernels: count` (`exec.devcount`) computes each on the host and counts the device
+operations its kernel queues (one launch; two for RMSNorm's backward; the gradient norm's two
+and its zeroed result), as numba-cuda's simulator counts them (tested). `--against
+run.devkernels=off` counts the same step on cupy's compositions (every op of RMSNorm, RoPE,
+SwiGLU, the head's cross-entropy, AdamW and the gradient norm a launch of its own). The
+attention is the stand-in's `tiled-1024`; a card's cuDNN runs a call as one graph. The counts
+do not depend on the host, its load or its threads (the stand-in computes in one thread, as a
+device rank does).
 Prints a table and, last, one JSON line (for `benchmarks/record.py`).
 """
 
@@ -38,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BASE = ("run.devkernels=off", "run.attention=tiled-1024")
+BASE = ("run.devkernels=count", "run.attention=tiled-1024")
 SMOKE = ("run.devkernels=sim", "run.attention=tiled-1024")  # numba-cuda's simulator
 
 

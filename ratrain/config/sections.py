@@ -398,7 +398,9 @@ class RunConfig:
         only); RATRAIN_FUSED overrides it
     devkernels: the fused device kernels (numba-cuda) on a GPU rank: auto (on when numba-cuda
         imports) | on (refused when it does not) | off (cupy only) | sim (on the stand-in, in
-        numba-cuda's simulator: tests only); RATRAIN_DEVKERNELS overrides it
+        numba-cuda's simulator: tests only) | count (on the stand-in, each kernel computed on
+        the host and counted as its launches: benchmarks/launches.py); RATRAIN_DEVKERNELS
+        overrides it
     attention: the attention backend, auto (this device's best) or a registered backend's name.
         The built-in ones: tiled-64 (the tiled online softmax at tile 64: the host's auto),
         tiled-1024 (tile 1024: the stand-in's auto, and a GPU's at fp32 or where cudnn cannot
@@ -438,7 +440,7 @@ class RunConfig:
     stop_grace: float = 300.0  # seconds a graceful stop may take before exiting at once; 0 = no limit
     # YAML reads a bare on / off as a bool: true / false stand for on / off (__post_init__)
     fused: str | bool = "auto"  # auto | on | off (RATRAIN_FUSED)
-    devkernels: str | bool = "auto"  # auto | on | off | sim (RATRAIN_DEVKERNELS)
+    devkernels: str | bool = "auto"  # auto | on | off | sim | count (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
     reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
     blas: str = "auto"  # auto | openblas | mkl: a CPU rank's GEMMs
@@ -472,7 +474,7 @@ class RunConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"run.{key}={getattr(self, key)} must be >= 0 (0 = no limit)")
         _choice(self, "run", "fused", ("auto", "on", "off"))
-        _choice(self, "run", "devkernels", ("auto", "on", "off", "sim"))
+        _choice(self, "run", "devkernels", ("auto", "on", "off", "sim", "count"))
         _choice(self, "run", "malloc", ("tuned", "default"))
         _choice(self, "run", "blas", ("auto", "openblas", "mkl"))
         if not self.attention:

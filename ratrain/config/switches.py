@@ -46,7 +46,7 @@ _BOOL = {"0": "false", "off": "false", "false": "false", "no": "false",
 
 SWITCHES = (
     Switch("run.fused", "RATRAIN_FUSED", _ON_OFF),
-    Switch("run.devkernels", "RATRAIN_DEVKERNELS", {**_ON_OFF, "sim": "sim"}),
+    Switch("run.devkernels", "RATRAIN_DEVKERNELS", {**_ON_OFF, "sim": "sim", "count": "count"}),
     Switch("run.malloc", "RATRAIN_MALLOC", {"tuned": "tuned", "default": "default"}),
     Switch("comm.log_messages", "RATRAIN_LOG_MESSAGES", _BOOL, debug=True),
 )

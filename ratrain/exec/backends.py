@@ -32,7 +32,10 @@ why (`auto` without the extra on an AMX host says so there, once).
 
 `fused` (numba, the fast extra) needs `run.fused` auto or on and numba importable; `devkernels`
 (numba-cuda) needs `run.devkernels` auto or on and numba-cuda importable outside its simulator,
-or, on `run.device: standin`, `run.devkernels: sim` and the simulator. Otherwise, and always at
+or, on `run.device: standin`, `run.devkernels: sim` and the simulator. The stand-in's
+`run.devkernels: count` takes `devcount` (`exec.devcount`): the same calls go to the device
+kernels (`exec.deventries` decides which, for both), each computed on the host and counted as
+the launches a card's kernel makes, what `benchmarks/launches.py` counts. Otherwise, and always at
 fp64 (tests), the reference runs, named after its array module (numpy, cupy or standin). A fast
 entry hands what it does not take (float64, float16 weights, odd layouts) to the reference.
 `on` for a package that does not import, `run.blas: mkl` where oneMKL does not load or on a
@@ -61,7 +64,7 @@ import numpy as np
 from ratrain.config import is_half
 from ratrain.device import kind_of
 from ratrain.exec import blas as blaslib
-from ratrain.exec import cudnn_sdpa, devkernels, devlaunch, devloss, fused, kernels
+from ratrain.exec import cudnn_sdpa, devcount, deventries, devlaunch, fused, kernels
 from ratrain.exec.attention import (
     DEVICE_GROUP_BYTES,
     TILE_BYTES,
@@ -71,7 +74,6 @@ from ratrain.exec.attention import (
 )
 from ratrain.exec.gemm import matmul, mkl_entry
 from ratrain.exec.kernels import BF16, block_sq_norm
-from ratrain.exec.profile import timed
 
 # each op (but attention, an object of its own) and the table's fields that implement it
 ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
@@ -79,7 +81,9 @@ ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward")
            "cross_entropy": ("cross_entropy_rows", "cross_entropy_grad"), "adamw": ("adamw",),
            "grad_norm": ("grad_norm",), "cast": ("cast", "assign")}
 OPS = (*ENTRIES, "attention")
-ENGINES = {"fused": "numba", "devkernels": "numba-cuda"}  # the compilers, for the banner
+# the compilers, for the banner
+ENGINES = {"fused": "numba", "devkernels": "numba-cuda",
+           "devcount": "the device kernels' launches counted, computed on the host"}
 
 
 class BackendError(ValueError):
@@ -352,7 +356,8 @@ def default_kernels(xp=np, precision: str = "fp32", model=None) -> Kernels:
 
 
 def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -> str | None:
-    """Which compiled kernels the rank runs: "fused", "devkernels" or None (the reference)."""
+    """Which compiled kernels the rank runs: "fused", "devkernels", "devcount" (the stand-in's
+    count of the device kernels) or None (the reference)."""
     if fused_mode == "on" and not fused.available():
         raise BackendError(f"run.fused=on but {fused.why_off()}: install it (pip install "
                            "'ratrain[fast]') or set run.fused=auto")
@@ -362,6 +367,9 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
     if dev_mode == "sim" and device == "gpu":
         raise BackendError("run.devkernels=sim runs the device kernels on run.device=standin, "
                            "in numba-cuda's simulator: on a GPU set run.devkernels=auto")
+    if dev_mode == "count" and device == "gpu":
+        raise BackendError("run.devkernels=count counts the device kernels' launches on "
+                           "run.device=standin: on a GPU set run.devkernels=auto")
     if dev_mode == "sim" and device == "standin" and not devlaunch.simulated():
         raise BackendError("run.devkernels=sim but numba-cuda is not its simulator here: set "
                            "NUMBA_ENABLE_CUDASIM=1 before numba loads, or run.devkernels=auto")
@@ -373,7 +381,7 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
     if device == "cpu":
         return "fused" if fused_mode != "off" and fused.available() else None
     if device == "standin":
-        return "devkernels" if dev_mode == "sim" else None
+        return {"sim": "devkernels", "count": "devcount"}.get(dev_mode)
     if dev_mode in ("auto", "on") and not devlaunch.why_off() and not devlaunch.simulated():
         return "devkernels"
     return None
@@ -398,110 +406,9 @@ _FUSED = dict(
     swiglu_forward=fused.swiglu_forward, swiglu_backward=fused.swiglu_backward,
     adamw=fused.adamw, cast=fused.cast, assign=fused.assign)
 
-_DK = (np.dtype(np.float32), np.dtype(np.float16))  # what the device kernels take
-
-
-def _dk(*arrays) -> bool:
-    return all(a is None or a.dtype in _DK for a in arrays)
-
-
-def _dk_in(a):
-    """An input as the device kernels take it: a bfloat16 one (a bf16 run's norm weights, the
-    fused attention's dq and dk) as its fp32 copy, converted exactly, as the reference computes
-    with it; anything else itself. Without it those calls of a bf16 run went to cupy's
-    compositions, about ten launches a call instead of two."""
-    return a.astype(np.float32) if a is not None and a.dtype == kernels.BF16 else a
-
-
-@timed("rmsnorm")
-def _dev_rmsnorm_forward(x, w, eps, xp, out=None):
-    x = kernels.as_dtype(x, kernels.compute_dtype(x, w))
-    w = _dk_in(w)
-    if _dk(x, w, out) and x.flags.c_contiguous:
-        return devkernels.rmsnorm_forward(x, w, eps, xp, out=out)
-    return kernels.rmsnorm_forward(x, w, eps, xp, out)
-
-
-@timed("rmsnorm")
-def _dev_rmsnorm_backward(dy, cache, xp):
-    x, rstd, w = cache
-    dy = kernels.as_dtype(dy, x.dtype)
-    cache = (x, rstd, _dk_in(w))
-    if _dk(x, dy, cache[2]) and x.flags.c_contiguous and dy.flags.c_contiguous:
-        return devkernels.rmsnorm_backward(dy, cache, xp)
-    return kernels.rmsnorm_backward(dy, cache, xp)
-
-
-@timed("rope")
-def _dev_rope_forward(x, cos, sin, xp, out=None):
-    x = _dk_in(x)
-    if _dk(x, cos, sin, out):
-        return devkernels.rope_forward(x, cos, sin, xp, out=out)
-    return kernels.rope_forward(x, cos, sin, xp, out)
-
-
-@timed("rope")
-def _dev_rope_backward(dy, cache, xp, out=None):
-    dy = _dk_in(dy)
-    if _dk(dy, *cache, out):
-        return devkernels.rope_backward(dy, cache, xp, out=out)
-    return kernels.rope_backward(dy, cache, xp, out)
-
-
-@timed("swiglu")
-def _dev_swiglu_forward(gate, up, xp, out=None):
-    gate, up = _dk_in(gate), _dk_in(up)
-    if gate.ndim == 2 and _dk(gate, up, out):
-        return devkernels.swiglu_forward(gate, up, xp, out=out)
-    return kernels.swiglu_forward(gate, up, xp, out)
-
-
-@timed("swiglu")
-def _dev_swiglu_backward(dact, cache, xp, out=None, with_act=False):
-    dact, cache = _dk_in(dact), tuple(_dk_in(a) for a in cache)
-    if cache[0].ndim == 2 and _dk(dact, *cache, *(out or ())):
-        return devkernels.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
-    return kernels.swiglu_backward(dact, cache, xp, out, with_act)
-
-
-def _ids(a) -> bool:
-    return a.dtype.kind in "iu"
-
-
-@timed("head")
-def _dev_cross_entropy_rows(z, targets, xp, out=None):
-    if _dk(z) and z.flags.c_contiguous and _ids(targets) and \
-            all(o.dtype == np.float32 and o.flags.c_contiguous for o in out or ()):
-        return devloss.cross_entropy_rows(z, targets, xp, out=out)  # one launch
-    return kernels.cross_entropy_rows(z, targets, xp, out)
-
-
-@timed("head")
-def _dev_cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None):
-    if not (_dk(z, lse) and z.flags.c_contiguous and _ids(targets)):
-        return kernels.cross_entropy_grad(z, targets, lse, scale, xp, v0, out)
-    if out is None or (_dk(out) and out.flags.c_contiguous):  # fp16: the cast fused
-        return devloss.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0, out=out)
-    d = devloss.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0)  # bf16: then a cast
-    kernels.assign(out, d)
-    return out
-
-
-@timed("grad norm")
-def _dev_grad_norm(grad_flat, xp):
-    if _dk(grad_flat):
-        return devkernels.sum_squares(grad_flat, xp)  # one fused reduction, fp64
-    return block_sq_norm(grad_flat, xp)
-
-
-_DEVICE = dict(
-    rmsnorm_forward=_dev_rmsnorm_forward, rmsnorm_backward=_dev_rmsnorm_backward,
-    rope_forward=_dev_rope_forward, rope_backward=_dev_rope_backward,
-    swiglu_forward=_dev_swiglu_forward, swiglu_backward=_dev_swiglu_backward,
-    cross_entropy_rows=_dev_cross_entropy_rows, cross_entropy_grad=_dev_cross_entropy_grad,
-    adamw=devkernels.adamw, grad_norm=_dev_grad_norm)
-
-_COMPILED = {"fused": _FUSED, "devkernels": _DEVICE}  # the entries each compiler provides
+# the entries each compiler provides (the stand-in's `devcount`: the device kernels counted)
+_COMPILED = {"fused": _FUSED, "devkernels": deventries.entries(deventries.KERNELS),
+             "devcount": deventries.entries(devcount)}
 
 
 __all__ = ["ATTENTION", "AUTO", "BLAS", "ENTRIES", "OPS", "AttentionEntry", "BackendError",

@@ -48,6 +48,11 @@ from ratrain.exec.devlaunch import F32
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
 cuda = float32 = float64 = None
 
+# device operations one call on non-empty arrays queues: its launches (and sum_squares's zeroed
+# result); what `exec.devcount` counts for a call on the stand-in (tested in the simulator)
+LAUNCHES = {"rmsnorm_forward": 1, "rmsnorm_backward": 2, "swiglu_forward": 1,
+            "swiglu_backward": 1, "rope_forward": 1, "rope_backward": 1, "adamw": 1,
+            "sum_squares": 3}
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
 
 
@@ -352,6 +357,7 @@ def sum_squares(a, xp, threads=None):
 
 
 __all__ = [
+    "LAUNCHES",
     "adamw",
     "rmsnorm_backward",
     "rmsnorm_forward",

@@ -36,6 +36,8 @@ from ratrain.exec.devlaunch import F32
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
 cuda = float32 = None
 
+# device operations one call on non-empty arrays queues (`exec.devcount`'s count on the stand-in)
+LAUNCHES = {"cross_entropy_rows": 1, "cross_entropy_grad": 1}
 LONG_ROW_THREADS = 1024  # rows of V logits on a GPU: fewer rows in flight, so a row's second
 # read hits L2 (8192 x 32000 fp32 logits: ~260 rows of 128 KiB in flight)
 
@@ -133,4 +135,4 @@ def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None, threads=None)
     return d
 
 
-__all__ = ["LONG_ROW_THREADS", "cross_entropy_grad", "cross_entropy_rows"]
+__all__ = ["LAUNCHES", "LONG_ROW_THREADS", "cross_entropy_grad", "cross_entropy_rows"]

@@ -1,0 +1,160 @@
+"""The device kernels as the stand-in counts them (`run.devkernels: count`): each call computed
+on the host and counted as the device operations the kernel queues on a card.
+
+Each public function has the signature of its kernel in `exec.devkernels` or `exec.devloss`
+(the kernel table's device entries, `exec.deventries`, call these in their place). It takes the
+stand-in's arrays, computes on their storage with the kernel's host twin (the reference in
+`exec.kernels`; AdamW's is `fused.adamw`, which numba compiles where it is installed), writes
+outputs where the kernel writes them (its `out`, z for the head's gradient) and adds the
+kernel's `LAUNCHES` to `device.standin.COUNTS["ops"]`. The twin's own numpy work is not
+counted: it stands for one launch. So a whole step of the 124M model runs in about a minute
+on the stand-in, counted as a card with the kernels would queue it
+(`benchmarks/launches.py`), where numba-cuda's simulator (`run.devkernels: sim`, one Python
+thread per CUDA thread) runs only gpu.py's tiny model in that time. That the counts are the
+kernels' is tested in the simulator; the values are the references', so a run is checked
+against the kernels only by the tests of `exec.devkernels`, not here.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from ratrain.device import storage_of
+from ratrain.device.standin import COUNTS, StandinArray
+from ratrain.exec import devkernels, devloss, fused, kernels
+
+LAUNCHES = {**devkernels.LAUNCHES, **devloss.LAUNCHES}
+_TAKES = (np.dtype(np.float32), np.dtype(np.float16))
+# the references untimed (the table's entry, `exec.deventries`, times the call once)
+_REF = types.SimpleNamespace(**{name: getattr(getattr(kernels, name), "__wrapped__",
+                                               getattr(kernels, name))
+                                for name in ("rmsnorm_forward", "rmsnorm_backward",
+                                             "swiglu_forward", "swiglu_backward", "rope_forward",
+                                             "rope_backward", "block_sq_norm",
+                                             "cross_entropy_rows", "cross_entropy_grad")})
+
+
+def _host(*arrays):
+    """The numpy storage of stand-in arrays (refused: anything else, and a dtype the kernels do
+    not take, as `devlaunch.check` refuses them)."""
+    out = []
+    for a in arrays:
+        if type(a) is not StandinArray:
+            raise TypeError(f"devcount computes the stand-in's arrays, not {type(a).__name__}: "
+                            "run it on run.device=standin")
+        out.append(storage_of(a))
+    return out
+
+
+def _checked(*arrays):
+    host = _host(*arrays)
+    for a in host:
+        if a.dtype not in _TAKES:
+            raise TypeError(f"devkernels compute float32 and float16 arrays, not {a.dtype}")
+    return host
+
+
+def _f32(a):
+    """A host array as float32 (itself when it is)."""
+    return np.asarray(a, np.float32)
+
+
+def _count(name: str, *arrays) -> None:
+    if all(a.size for a in arrays):
+        COUNTS["ops"] += LAUNCHES[name]
+
+
+def _put(out, value, shape):
+    """`value` (a host array) as the kernel's output: written into the stand-in array `out`
+    (cast to its dtype) or a new one."""
+    if out is None:
+        return StandinArray(np.ascontiguousarray(value, np.float32))
+    dst = _host(out)[0]
+    if tuple(dst.shape) != tuple(shape):
+        raise ValueError(f"out: shape {tuple(dst.shape)}, expected {tuple(shape)}")
+    dst[...] = value
+    return out
+
+
+def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
+    hx, hw = _checked(x, w)
+    y, (_, rstd, _) = _REF.rmsnorm_forward(_f32(hx), hw, eps, np)
+    _count("rmsnorm_forward", hx)
+    return _put(out, y, hx.shape), (x, StandinArray(rstd), w)
+
+
+def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
+    x, rstd, w = cache
+    hdy, hx, hr, hw = _checked(dy, x, rstd, w)
+    dx, dw = _REF.rmsnorm_backward(_f32(hdy), (_f32(hx), hr, hw), np)
+    _count("rmsnorm_backward", hx)
+    return _put(out, dx, hx.shape), StandinArray(np.asarray(dw, np.float32))
+
+
+def swiglu_forward(gate, up, xp, out=None, threads=None):
+    hg, hu = _checked(gate, up)
+    act, _ = _REF.swiglu_forward(_f32(hg), _f32(hu), np)
+    _count("swiglu_forward", hg)
+    return _put(out, act, hg.shape), (gate, up)
+
+
+def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
+    gate, up = cache
+    hda, hg, hu = _checked(dact, gate, up)
+    r = _REF.swiglu_backward(_f32(hda), (_f32(hg), _f32(hu)), np, None, with_act)
+    _count("swiglu_backward", hg)
+    outs = out or (None, None)
+    grads = tuple(_put(o, v, hg.shape) for o, v in zip(outs, r[:2]))
+    return (*grads, StandinArray(r[2])) if with_act else grads
+
+
+def rope_forward(x, cos, sin, xp, out=None, threads=None):
+    hx, hc, hs = _checked(x, cos, sin)
+    y, _ = _REF.rope_forward(_f32(hx), hc, hs, np)
+    _count("rope_forward", hx)
+    return _put(out, y, hx.shape), (cos, sin)
+
+
+def rope_backward(dy, cache, xp, out=None, threads=None):
+    hdy, hc, hs = _checked(dy, *cache)
+    dx = _REF.rope_backward(_f32(hdy), (hc, hs), np)
+    _count("rope_backward", hdy)
+    return _put(out, dx, hdy.shape)
+
+
+def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp, threads=None):
+    hp, hm, hv, hg = _checked(p, m, v, g)
+    fused.adamw(hp, hm, hv, hg, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, np)
+    _count("adamw", hp)
+
+
+def sum_squares(a, xp, threads=None):
+    (ha,) = _checked(a)
+    total = _REF.block_sq_norm(ha, np) if ha.size else 0.0
+    COUNTS["ops"] += LAUNCHES["sum_squares"] if ha.size else 1  # the zeroed result
+    return StandinArray(np.asarray(total, np.float64))
+
+
+def cross_entropy_rows(z, targets, xp, out=None, threads=None):
+    hz, = _checked(z)
+    lse, losses = _REF.cross_entropy_rows(_f32(hz), _host(targets)[0], np)
+    _count("cross_entropy_rows", hz)
+    outs = out or (None, None)
+    return tuple(_put(o, val, (hz.shape[0],)) for o, val in zip(outs, (lse, losses)))
+
+
+def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None, threads=None):
+    hz, hl = _checked(z, lse)
+    if out is None and hz.dtype != np.float32:
+        raise TypeError("cross_entropy_grad: z is written over, so float32 (or give out)")
+    work = hz if out is None else np.array(hz, np.float32)  # z left as it was
+    _REF.cross_entropy_grad(work, _host(targets)[0], hl, scale, np, v0)
+    _count("cross_entropy_grad", hz)
+    return z if out is None else _put(out, work, hz.shape)
+
+
+__all__ = ["LAUNCHES", "adamw", "cross_entropy_grad", "cross_entropy_rows", "rmsnorm_backward",
+           "rmsnorm_forward", "rope_backward", "rope_forward", "sum_squares", "swiglu_backward",
+           "swiglu_forward"]
