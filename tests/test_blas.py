@@ -15,7 +15,7 @@ import pytest
 
 from ratrain import bench
 from ratrain.config import ConfigError, load_config
-from ratrain.device.standin import standin
+from ratrain.device.standin import COUNTS, standin
 from ratrain.exec import blas, head, kernels, layers
 from ratrain.exec.attention import TiledAttention
 from ratrain.exec.backends import BackendError, choose_blas, kernel_table
@@ -244,11 +244,22 @@ def test_mkl_layers_are_bitwise_over_threads_and_recompute(mkl, precision, flags
         assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), i
 
 
+def _flat_grads(params):
+    """Zeroed fp32 gradients of `params`, views of one flat buffer in their order."""
+    flat = standin.zeros(sum(v.size for v in params.values()), np.float32)
+    g, o = {}, 0
+    for k, v in params.items():
+        g[k] = flat[o : o + v.size].reshape(v.shape)
+        o += v.size
+    return g
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_layout_runs_on_a_device_with_its_bits(precision):
-    """A device keeps its own path (`half_layout` off) until its kernels take and give 16 bits;
-    the layout's code already runs on a device's array module (the stand-in), and there, with
-    one batch chunk and the reference GEMM entry, gives the device path's bits."""
+    """A device runs the 16-bit layout (its GEMMs into fp32 by GemmEx, `exec.devgemm`, the
+    gradients of wq, wk, wv in one GEMM); there (the stand-in), with one batch chunk, it gives
+    the bits of the path without it (fp32 partials added after each GEMM), in fewer device
+    operations."""
     dt = kernels.DTYPES[precision]
     P = [{k: standin.asarray(v.astype(dt)) for k, v in b.items()}
          for b in make_params(M, np.float32, scale=0.1)]
@@ -256,22 +267,25 @@ def test_the_layout_runs_on_a_device_with_its_bits(precision):
     x, dy = (standin.asarray(rng.standard_normal((3, M.seq_len, M.hidden)).astype(dt))
              for _ in range(2))
     t = standin.asarray(rng.integers(0, M.vocab_size, (3, M.seq_len)))
-    out = {}
+    out, ops = {}, {}
     for layout in (False, True):
         table = kernel_table(standin, precision, attention=TiledAttention(4))
         with ExecContext(M, precision, xp=standin, kernels=table, head_chunk_bytes=4 * 27 * 9) \
                 as ctx:
-            assert ctx.gemm_half == dt and not ctx.half_layout  # a device's path today
+            assert ctx.gemm_half == dt and ctx.half_layout
             ctx.half_layout = layout
-            g = {k: standin.zeros(v.shape, np.float32) for k, v in P[1].items()}
+            COUNTS.clear()
+            g = _flat_grads(P[1])  # as a block's: wq, wk, wv back to back (one GEMM)
             y, cache = layers.layer_forward(x, P[1], ctx)
             dx = layers.layer_backward(dy, cache, P[1], g, ctx)
             loss, hc = head.head_forward(x, t, P[-1], ctx)
             gh = {k: standin.zeros(v.shape, np.float32) for k, v in P[-1].items()}
             dxh = head.head_backward(0.5, hc, P[-1], gh, ctx)
+            ops[layout] = COUNTS["ops"]
             out[layout] = [a.get() for a in (y, dx, *g.values(), loss, dxh, *gh.values())]
-    for a, b in zip(*out.values()):
-        assert np.array_equal(a, b)
+    for i, (a, b) in enumerate(zip(*out.values())):
+        assert np.array_equal(a, b), i
+    assert ops[True] < ops[False], ops
 
 
 def test_a_bf16_run_trains_on_mkl_and_every_policy_agrees(mkl):

@@ -97,10 +97,10 @@ def _address(a) -> int:
     return a.__array_interface__["data"][0]
 
 
-def stacked_rows(arrays):
-    """The rows of 2-D `arrays` (same dtype and width) as one read-only view (sum of their
-    rows, width) when they lie back to back in memory, each C-contiguous; else None. Host or
-    device arrays alike (the stand-in's and cupy's by their device addresses)."""
+def stacked_rows(arrays, writeable: bool = False):
+    """The rows of 2-D `arrays` (same dtype and width) as one view (sum of their rows, width),
+    read-only unless `writeable`, when they lie back to back in memory, each C-contiguous; else
+    None. Host or device arrays alike (the stand-in's and cupy's by their device addresses)."""
     a0 = arrays[0]
     if not all(a.flags.c_contiguous and a.ndim == 2 and a.shape[1] == a0.shape[1]
                and a.dtype == a0.dtype for a in arrays):
@@ -111,12 +111,12 @@ def stacked_rows(arrays):
     shape = (sum(a.shape[0] for a in arrays), a0.shape[1])
     if type(a0) is StandinArray:
         return StandinArray(np.lib.stride_tricks.as_strided(a0._a, shape, a0.strides,
-                                                            writeable=False))
+                                                            writeable=writeable))
     if _is_cupy(a0):  # pragma: no cover - needs cupy
         import cupy  # a cupy array is in hand: cupy is loaded already
 
         return cupy.lib.stride_tricks.as_strided(a0, shape, a0.strides)
-    return np.lib.stride_tricks.as_strided(a0, shape, a0.strides, writeable=False)
+    return np.lib.stride_tricks.as_strided(a0, shape, a0.strides, writeable=writeable)
 
 
 def synchronize(xp) -> None:

@@ -37,11 +37,13 @@ plain reference the tiled one is tested against, and the tiled one the fused one
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from ratrain.device import kind_of
 from ratrain.exec import cudnn_sdpa as cs
 from ratrain.exec.kernels import NEG_INF, as_dtype, compute_dtype, gqa_shape
 from ratrain.exec.profile import add_flops, timed
@@ -239,11 +241,21 @@ class CudnnAttention(AttentionBackend):
 
 
 def _causal_bias(i0, i1, j0, j1, ct, xp):
-    """(bq, bk) additive mask for query rows i0:i1 against keys j0:j1, or None if all visible."""
+    """(bq, bk) additive mask for query rows i0:i1 against keys j0:j1, or None if all visible.
+    Read only: it depends on the tile's shape and its offset from the diagonal alone, so one
+    array serves every call with them (`_bias`; four launches a tile on a device otherwise)."""
     if j1 - 1 <= i0:
         return None
-    rows = xp.arange(i0, i1)[:, None]
-    cols = xp.arange(j0, j1)[None, :]
+    card = xp.cuda.runtime.getDevice() if kind_of(xp) == "gpu" else None  # cupy's current
+    return _bias(i1 - i0, j1 - j0, i0 - j0, np.dtype(ct), xp, card)
+
+
+@functools.lru_cache(maxsize=16)
+def _bias(bq, bk, offset, ct, xp, card):
+    """The mask of a (bq, bk) tile whose first query is `offset` rows past its first key:
+    -inf where a key comes after the query (key column c > query row r + offset)."""
+    rows = xp.arange(offset, offset + bq)[:, None]
+    cols = xp.arange(bk)[None, :]
     return xp.where(cols > rows, NEG_INF, 0.0).astype(ct)  # (bq, bk)
 
 

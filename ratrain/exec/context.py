@@ -138,9 +138,10 @@ class ExecContext:
         # takes the dtype natively (`run.blas`, `Kernels.native`); otherwise the host keeps
         # fp32 GEMMs (16-bit operands converted by tiles, `exec.gemm`)
         self.gemm_half = self.dtype if self.half and self.kernels.native(self.dtype) else None
-        # the 16-bit layout between GEMMs (`exec.layers`): on a host whose GEMMs are 16-bit.
-        # A device keeps its path until its kernels take and give 16 bits (issue 44).
-        self.half_layout = self.gemm_half is not None and self.host
+        # the 16-bit layout between GEMMs (`exec.layers`): wherever the GEMMs are 16-bit (a
+        # device's, with its GEMMs into fp32 by cuBLAS's GemmEx, `exec.devgemm`; a host's on
+        # oneMKL)
+        self.half_layout = self.gemm_half is not None
         # bound on the fp32 logits of one head chunk: the device's unless given
         self.head_chunk_bytes = head_chunk_bytes or HEAD_CHUNK_BYTES[self.kernels.device]
         self._rope: dict[int, tuple] = {}

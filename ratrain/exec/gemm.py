@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from ratrain.device import is_host
+from ratrain.exec import devgemm
 from ratrain.exec.blas import writable_c
 from ratrain.exec.kernels import HALF_DTYPES
 from ratrain.exec.profile import add_flops, timed
@@ -56,23 +57,46 @@ def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_B
     be 2-D for `b` (the tiled path flattens the leading dimensions of `a`). `half` (float16 or
     bfloat16; None: off): on a device, a GEMM in that dtype even for fp32 operands (ignored on
     numpy). `accumulate`: out += a @ b (out given, fp32)."""
+    h = a.dtype if a.dtype in HALF_DTYPES else b.dtype if b.dtype in HALF_DTYPES else None
+    if not is_host(xp) and half is not None:
+        h = np.dtype(half)
+    if h is not None and not is_host(xp):
+        return _device_half(a, b, out, xp, h, accumulate)
     if accumulate:
         out += matmul(a, b, xp=xp, ledger=ledger, scratch_bytes=scratch_bytes, half=half)
         return out
     add_flops(2.0 * a.size * b.shape[-1])  # 2 M N K (a: (..., M, K), b: (K, N))
-    h = a.dtype if a.dtype in HALF_DTYPES else b.dtype if b.dtype in HALF_DTYPES else None
-    if not is_host(xp) and half is not None:
-        h = np.dtype(half)
     if h is None:
         return xp.matmul(a, b, out=out)
-    if not is_host(xp):
-        # cuBLAS 16-bit GEMM with fp32 accumulation (cupy's default compute type for halves)
-        r = xp.matmul(a if a.dtype == h else a.astype(h), b if b.dtype == h else b.astype(h))
-        if out is None:
-            return r.astype(xp.float32)
-        out[...] = r
-        return out
     return _matmul_fp16_tiled(a, b, out, ledger, scratch_bytes)
+
+
+def _device_half(a, b, out, xp, h, accumulate):
+    """A device's GEMM in the 16-bit dtype `h` (both operands cast to it where they are not),
+    fp32 accumulation (cuBLAS's compute type for halves): a 2-D product into an fp32 `out`, or
+    a new fp32 array, by cuBLAS's GemmEx, adding when `accumulate` (`exec.devgemm`: one
+    launch, the fp32 sum not rounded to 16 bits, as the host's oneMKL entry gives it); into a
+    16-bit `out` by `cupy.matmul`; a batched one as `cupy.matmul`'s 16-bit result, handed back
+    as float32."""
+    add_flops(2.0 * a.size * b.shape[-1])
+    a16 = a if a.dtype == h else a.astype(h)
+    b16 = b if b.dtype == h else b.astype(h)
+    if a16.ndim == 2 and b16.ndim == 2 and (out is None or out.dtype == F32):
+        if out is None:
+            out = xp.empty((a16.shape[0], b16.shape[1]), F32)
+        return devgemm.gemm_ex(a16, b16, out, xp, beta=1.0 if accumulate else 0.0)
+    if accumulate:
+        if out is None or out.dtype != F32:
+            raise ValueError("matmul: accumulate=True adds into an fp32 out")
+        out += xp.matmul(a16, b16)
+        return out
+    if out is not None and out.dtype == h and out.flags.c_contiguous:
+        return xp.matmul(a16, b16, out=out)
+    r = xp.matmul(a16, b16)
+    if out is None:
+        return r.astype(xp.float32)
+    out[...] = r
+    return out
 
 
 def _matmul_fp16_tiled(a, b, out, ledger, scratch_bytes, sgemm=None):

@@ -121,11 +121,12 @@ def _embedding_backward_device(rows, flat, dw, xp) -> None:
     order = xp.argsort(flat)  # cupy's sort is stable; any fixed order gives the same runs
     prefix = xp.zeros((rows.shape[0] + 1, C), xp.float64)
     xp.cumsum(rows[order].astype(xp.float64), axis=0, out=prefix[1:])
-    hi = xp.cumsum(xp.bincount(flat, minlength=V))  # (V,) end of each id's run
-    lo = hi - xp.bincount(flat, minlength=V)
+    ends = xp.zeros(V + 1, xp.int64)  # ends[v + 1]: the end of id v's run, ends[v] its start
+    xp.cumsum(xp.bincount(flat, minlength=V), out=ends[1:])
     for v0 in range(0, V, EMBED_ROWS):
         v1 = min(V, v0 + EMBED_ROWS)
-        dw[v0:v1] += (prefix[hi[v0:v1]] - prefix[lo[v0:v1]]).astype(dw.dtype)
+        at = prefix[ends[v0 : v1 + 1]]  # (v1 - v0 + 1, C): the prefix sums at the runs' ends
+        dw[v0:v1] += (at[1:] - at[:-1]).astype(dw.dtype)
 
 
 # --------------------------------------------------------------------------------------------

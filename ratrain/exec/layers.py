@@ -48,6 +48,7 @@ from ratrain.device import stacked_rows
 from ratrain.exec import kernels
 from ratrain.exec.attention import AttentionCache
 from ratrain.exec.gemm import SCRATCH_TAG
+from ratrain.exec.kernels import BF16
 from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
 
@@ -197,6 +198,11 @@ def _gemm_weights(p, ctx):
                 copies.append((out[key][r : r + a.shape[0]], a))
                 r += a.shape[0]
     out["wo"], out["wd"] = p["attn.wo"], p["mlp.w_down"]
+    # the norms' weights as the layer's arithmetic takes them: the views, but a device's bf16
+    # ones as fp32 copies, made once (its kernels take fp32 and fp16: a bf16 weight would be
+    # converted at each of its four uses), the same values
+    for key in ("attn_norm", "mlp_norm"):
+        out[key] = p[key] if ctx.host or p[key].dtype != BF16 else as_compute(ctx, p[key])
     if out["wo"].dtype != wdt:
         out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
         copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
@@ -254,7 +260,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     eps = ctx.model.norm_eps
 
     x32 = as_compute(ctx, x)  # (b, T, C)
-    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, p["attn_norm"], eps, xp)  # (b, T, C)
+    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, w["attn_norm"], eps, xp)  # (b, T, C)
     qkv = ops.gemm(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=half16)  # (N, HD + 2 KVD)
     q = xp.empty((b, H, T, D), ct)
     ops.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
@@ -283,7 +289,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
         h = ops.gemm(o.reshape(N, HD), w["wo"].T, xp=xp, half=half16).reshape(b, T, C)
         h += x32  # (b, T, C)
     del x32
-    xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, p["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
+    xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, w["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
     gu = ops.gemm(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=half16)  # (N, 2F)
     hk = ops.cast(h, ctx.dtype) if half else h  # what the cache keeps of h
     if y_out is not None:
@@ -353,9 +359,9 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     del dact, gu
     _weight_grad(ctx, parts, "wd", dyg, act)  # (C, F)
     del act, dyg
-    rms2 = (h, kept["rstd2"], p["mlp_norm"])
+    rms2 = (h, kept["rstd2"], w["mlp_norm"])
     xn2 = h * kept["rstd2"]  # (b, T, C)
-    xn2 *= as_compute(ctx, p["mlp_norm"])
+    xn2 *= as_compute(ctx, w["mlp_norm"])
     dgu = _g(ctx, dgu)  # both GEMMs' operand
     _weight_grad(ctx, parts, "wgu", dgu, xn2.reshape(N, C))  # (2F, C)
     del xn2
@@ -405,9 +411,9 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
     x32 = as_compute(ctx, x)
-    rms1 = (x32, kept["rstd1"], p["attn_norm"])
+    rms1 = (x32, kept["rstd1"], w["attn_norm"])
     xn1 = x32 * kept["rstd1"]  # (b, T, C)
-    xn1 *= as_compute(ctx, p["attn_norm"])
+    xn1 *= as_compute(ctx, w["attn_norm"])
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
     _weight_grad(ctx, parts, "wqkv", dqkv, xn1.reshape(N, C))  # (HD + 2 KVD, C)
     del xn1
@@ -458,10 +464,27 @@ def layer_backward(dy, cache, p, g, ctx):
         w = _gemm_weights(p, ctx)
         parts = ctx.map(run, range(len(chunks)))
         if ctx.half_layout:  # the GEMMs' operands are in parts until they add into g
-            accumulate_gemms(g, parts, pairs[:-2], ctx)
+            accumulate_gemms(*_stacked_grads(g, pairs[:-2], parts, ctx), ctx)
             pairs = pairs[-2:]  # the norms' partials
     accumulate(g, parts, pairs, ctx)
     return dx
+
+
+def _stacked_grads(g, pairs, parts, ctx):
+    """(g, parts, pairs) for `accumulate_gemms`: on a device, the gradients of wq, wk, wv (and of
+    w_gate, w_up) as one (rows, C) view where they lie back to back in memory (a block's flat
+    gradient keeps them so), one GEMM each instead of three (two); on the host as given (its
+    GEMMs go in row blocks for its threads, `GRAD_BLOCKS`)."""
+    if ctx.host:
+        return g, parts, pairs
+    g, out = dict(g), []
+    for key, names in _STACKS.items():
+        view = stacked_rows([g[n] for n in names], writeable=True)
+        if view is not None:
+            g[key] = view
+            out.append((key, key, 0))
+    done = {n for key, *_ in out for n in _STACKS[key]}
+    return g, parts, out + [pr for pr in pairs if pr[0] not in done]
 
 
 @timed("grad accumulate")
@@ -498,7 +521,8 @@ def accumulate_gemms(g, parts, pairs, ctx):
     jobs = []
     for name, key, r0 in pairs:
         rows = g[name].shape[0]
-        step = max(GRAD_BLOCK_ROWS, -(-rows // GRAD_BLOCKS))
+        # a device's gradient in one GEMM a chunk (its blocks are for the host's threads)
+        step = max(GRAD_BLOCK_ROWS, -(-rows // GRAD_BLOCKS)) if ctx.host else rows
         jobs += [(g[name], key, r0, a, min(a + step, rows)) for a in range(0, rows, step)]
 
     def run(job):
