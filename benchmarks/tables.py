@@ -107,10 +107,11 @@ TABLES = {
          [("loss_max_rel_dev", "loss max rel. dev.", ".2e"),
           ("grad_norm_max_rel_dev", "grad-norm max rel. dev.", ".2e"), ("steps", "steps", "d")]),
         ("launches-124m-bf16", "device operations (about a kernel launch each) of one bf16 "
-         "step of the 124M model, counted on the stand-in (every op on cupy's compositions): "
-         "the head in a device's 256 MiB chunks and in the host's 16 MiB; one layer's tiled "
-         "attention grouped as a device and as the host groups it",
-         [("ops.this", "ops, 256 MiB", "d"), ("ops.against", "ops, 16 MiB", "d"),
+         "step of the 124M model, counted on the stand-in in the device's 16-bit layout: each "
+         "device kernel counted as the launches it makes (run.devkernels: count), and every op "
+         "on cupy's compositions (off); one layer's tiled attention grouped as a device and as "
+         "the host groups it",
+         [("ops.this", "ops, kernels", "d"), ("ops.against", "ops, compositions", "d"),
           ("attention_layer_ops.device", "attention, device groups", "d"),
           ("attention_layer_ops.host", "attention, host groups", "d")]),
         ("launches-smoke-bf16", "the same on gpu.py's tiny model with the device kernels in "

@@ -17,6 +17,8 @@
 # the issue's figures first, so that a run short of time loses the least:
 #   1. the card, cupy, ratrain's device (`open_device("gpu")`)
 #   2. cuDNN: the frontend's and libcudnn's versions, and which libcudnn was loaded
+#   2b. cuBLAS's GemmEx into fp32 (exec.devgemm: the 16-bit layout's GEMMs, new since the
+#      last card) against cupy's fp32 GEMM of the same values (tests/test_devgemm.py)
 #   3. speed and memory of the 124M model, interleaved: ratrain bf16, fp16 (cuDNN's fused
 #      attention) and fp32 against PyTorch AMP bf16 and fp16 + SDPA and fp32 eager, tokens/s,
 #      MFU against the card's dense peaks, ledger against cupy's pool against PyTorch's, and
@@ -125,6 +127,7 @@ except cs.CudnnUnavailable as e:  # expected on a CPU rehearsal, a failure on th
     raise SystemExit(int('$dev' == 'gpu'))
 libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn' in l})
 print('cuDNN', version, 'from', libs[0] if libs else '?')"
+step gemm-ex 25 "$py" -m pytest -q -x --color=no -p no:cacheprovider tests/test_devgemm.py
 step speed 150 "$py" benchmarks/record.py gpu-speed -- "$py" benchmarks/gpu.py speed --rounds 5 --steps 2 "${smoke[@]}"
 step agree 90 "$py" benchmarks/record.py gpu-agree -- "$py" benchmarks/gpu.py agree "${smoke[@]}"
 step attention 60 "$py" benchmarks/record.py gpu-attention -- "$py" benchmarks/gpu.py attention "${smoke[@]}"
