@@ -76,3 +76,26 @@ def test_gemm_ex_refuses_in_one_line_before_any_work():
         devgemm.gemm_ex(np.ones((4, 6), BF16), np.ones((6, 3), BF16), np.zeros((4, 3),
                                                                                 np.float32), np)
     assert not host(c).any()
+
+
+def test_the_gemm_entry_takes_gemm_ex_where_it_can_and_cupys_matmul_elsewhere():
+    """`gemm.matmul` on a device: a 2-D product into fp32 (a new array, an `out`, an
+    accumulation) is one GemmEx; an operand without a unit stride goes to cupy's matmul (its
+    16-bit product, then fp32), the same values to 16-bit rounding."""
+    from ratrain.exec.gemm import matmul
+
+    xp = MODULES["standin"]
+    a = xp.asarray(RNG.standard_normal((12, 16)).astype(np.float32))
+    w = xp.asarray(RNG.standard_normal((10, 16)).astype(BF16))
+    ref = host(a).astype(BF16).astype(np.float32) @ host(w).astype(np.float32).T
+    COUNTS.clear()
+    r = matmul(a, w.T, xp=xp, half=BF16)
+    assert r.dtype == np.float32 and COUNTS["ops"] == 2  # the cast of a, the GEMM
+    np.testing.assert_allclose(host(r), ref, rtol=1e-6)
+    acc = xp.asarray(np.ones((12, 10), np.float32))
+    matmul(a, w.T, out=acc, xp=xp, half=BF16, accumulate=True)
+    np.testing.assert_allclose(host(acc), ref + 1, rtol=1e-6)
+    strided = xp.asarray(RNG.standard_normal((24, 32)).astype(BF16))[::2, ::2]
+    r = matmul(strided, w.T, xp=xp, half=BF16)
+    want = (host(strided).astype(np.float32) @ host(w).astype(np.float32).T).astype(BF16)
+    np.testing.assert_array_equal(host(r), want.astype(np.float32))

@@ -64,6 +64,15 @@ def check(a, b, c) -> None:
     _operand("b", b)
 
 
+def takes(a, b, c) -> bool:
+    """Whether `gemm_ex` takes these operands (else `check` says why in one line)."""
+    try:
+        check(a, b, c)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def gemm_ex(a, b, c, xp, beta: float = 0.0):
     """c = a @ b + beta * c (beta 0 or 1) in fp32 from 16-bit a and b (see the module);
     returns c."""
@@ -105,4 +114,4 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     return c
 
 
-__all__ = ["check", "gemm_ex"]
+__all__ = ["check", "gemm_ex", "takes"]

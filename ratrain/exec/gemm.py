@@ -82,9 +82,9 @@ def _device_half(a, b, out, xp, h, accumulate):
     a16 = a if a.dtype == h else a.astype(h)
     b16 = b if b.dtype == h else b.astype(h)
     if a16.ndim == 2 and b16.ndim == 2 and (out is None or out.dtype == F32):
-        if out is None:
-            out = xp.empty((a16.shape[0], b16.shape[1]), F32)
-        return devgemm.gemm_ex(a16, b16, out, xp, beta=1.0 if accumulate else 0.0)
+        dst = xp.empty((a16.shape[0], b16.shape[1]), F32) if out is None else out
+        if devgemm.takes(a16, b16, dst):  # else (an operand without a unit stride) cupy's
+            return devgemm.gemm_ex(a16, b16, dst, xp, beta=1.0 if accumulate else 0.0)
     if accumulate:
         if out is None or out.dtype != F32:
             raise ValueError("matmul: accumulate=True adds into an fp32 out")
