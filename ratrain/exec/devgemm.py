@@ -32,6 +32,7 @@ _CUDA_TYPE = {np.dtype(np.float16): 2, BF16: 14, F32: 0}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_POINTER_MODE_HOST = 0  # alpha and beta read from the host at the call
 
 
 def _operand(name, x):
@@ -106,7 +107,7 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     op_b, ld_b = _operand("b", b)  # cuBLAS's A: b.T (N x K)
     op_a, ld_a = _operand("a", a)  # cuBLAS's B: a.T (K x M)
     alpha, beta_h = np.ones((), F32), np.asarray(beta, F32)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
     cublas.gemmEx(handle, op_b, op_a, N, M, K, alpha.ctypes.data, b.data.ptr,
                   _CUDA_TYPE[b.dtype], ld_b, a.data.ptr, _CUDA_TYPE[a.dtype], ld_a,
                   beta_h.ctypes.data, c.data.ptr, _CUDA_TYPE[F32], c.strides[0] // c.itemsize,
