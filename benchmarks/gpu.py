@@ -620,10 +620,11 @@ GEMM_SMOKE = {"qkv": (64, 32, 96), "head chunk": (3, 32, 64)}
 
 def gemm(a, dev) -> dict:
     """The 124M model's GEMM shapes, interleaved, TFLOP/s: cupy's matmul on 16-bit (or fp32)
-    operands, ratrain's `gemm.matmul` as the layers call it (fp32 activations, 16-bit weights,
-    `half=`: a cast before, the GEMM, a cast of the result back to fp32), and torch.matmul on
-    the same 16-bit operands; per shape and precision. Says whether the GEMMs or the casts
-    around them hold ratrain's steps back."""
+    operands; ratrain's `gemm.matmul` on an fp32 activation and a 16-bit weight (`half=`: a
+    cast before, the GEMM into fp32 by cuBLAS's GemmEx, `exec.devgemm`), and on 16-bit
+    operands (`ratrain16`: GemmEx alone, the 16-bit layout's GEMM); torch.matmul on the same
+    16-bit operands; per shape and precision. Says whether the GEMMs or the casts around them
+    hold ratrain's steps back, and how near the card's peak the layout's GEMMs run."""
     from ratrain.exec import gemm as rgemm
     from ratrain.exec.kernels import DTYPES
 
@@ -645,6 +646,8 @@ def gemm(a, dev) -> dict:
             x = x32.astype(dt)
             steps = {"cupy": lambda x=x, w=w: cp.matmul(x, w),
                      "ratrain": lambda x32=x32, w=w, h=half: rgemm.matmul(x32, w, xp=cp, half=h)}
+            if half is not None:
+                steps["ratrain16"] = lambda x=x, w=w, h=half: rgemm.matmul(x, w, xp=cp, half=h)
             if torch is not None and on == "cuda":
                 tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prec]
                 tx = torch.randn(M, K, device=on, dtype=tdt)

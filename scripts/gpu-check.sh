@@ -43,7 +43,8 @@
 #  11. where ratrain's step of the 124M model goes (bf16, fp32): per category with the device
 #      synchronized around each call, the host's Python by own time, and the card's kernels by
 #      device time under PyTorch's profiler (benchmarks/gpu.py profile)
-#  12. the 124M model's GEMM shapes: cupy, ratrain's cast-around GEMM, PyTorch (gpu.py gemm)
+#  12. the 124M model's GEMM shapes: cupy, ratrain's cast-around GEMM, its layout's GemmEx on
+#      16-bit operands, PyTorch (gpu.py gemm)
 # RATRAIN_CHECK_ONLY="tests kernels" runs only the steps it names (a rerun after a fix).
 # Timings of the whole run on an H200 (2026-11-28, bc289d3 and 2b5c151): speed 54-77 s, agree
 # 64, attention 16-34, 4 ranks 22, cudnn-attention 16, hf-parity 39, tests 62, kernels 15,

@@ -70,8 +70,9 @@ def test_attention_plumbing_on_the_standin():
 
 
 def test_profile_and_gemm_plumbing_on_the_standin():
-    """`profile`: per category, synchronized, for each precision asked; `gemm`: cupy's GEMM and
-    ratrain's cast-around one at each shape and precision (PyTorch's only on a card)."""
+    """`profile`: per category, synchronized, for each precision asked; `gemm`: cupy's GEMM,
+    ratrain's cast-around one and (16-bit) its layout's GemmEx at each shape and precision
+    (PyTorch's only on a card)."""
     p = run("profile", "--device", "standin", "--smoke", "--precisions", "bf16")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])["by_precision"]
@@ -82,7 +83,9 @@ def test_profile_and_gemm_plumbing_on_the_standin():
     rows = json.loads(p.stdout.strip().splitlines()[-1])["by_shape"]
     assert {(r["precision"], r["case"]) for r in rows} == {
         (p, c) for p in ("bf16", "fp16", "fp32") for c in ("qkv", "head chunk")}
-    assert all(set(r["ms"]) == {"cupy", "ratrain"} and min(r["ms"].values()) > 0 for r in rows)
+    assert all(set(r["ms"]) == {"cupy", "ratrain", *(("ratrain16",) if r["precision"] != "fp32"
+                                                    else ())}
+               and min(r["ms"].values()) > 0 for r in rows)
 
 
 def test_window_rel_compares_the_curves_mean_over_windows():
