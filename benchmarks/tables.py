@@ -114,6 +114,9 @@ TABLES = {
          [("ops.this", "ops, kernels", "d"), ("ops.against", "ops, compositions", "d"),
           ("attention_layer_ops.device", "attention, device groups", "d"),
           ("attention_layer_ops.host", "attention, host groups", "d")]),
+        ("launches-124m-fp16", "the same step in fp16 (its kernels take fp16 views as they "
+         "are), counted with the kernels",
+         [("ops.this", "ops, kernels", "d")]),
         ("launches-smoke-bf16", "the same on gpu.py's tiny model with the device kernels in "
          "numba-cuda's simulator (each launch counted): RMSNorm on its kernel, as bf16 runs now "
          "take it, and on cupy's composition, as they took it before",
