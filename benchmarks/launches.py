@@ -23,9 +23,11 @@ operations its kernel queues (one launch; two for RMSNorm's backward; the gradie
 and its zeroed result), as numba-cuda's simulator counts them (tested). `--against
 run.devkernels=off` counts the same step on cupy's compositions (every op of RMSNorm, RoPE,
 SwiGLU, the head's cross-entropy, AdamW and the gradient norm a launch of its own). The
-attention is the stand-in's `tiled-1024`; a card's cuDNN runs a call as one graph. The counts
-do not depend on the host, its load or its threads (the stand-in computes in one thread, as a
-device rank does).
+attention is what a card's `auto` runs: at fp16 and bf16 cuDNN's, as the stand-in counts it
+(`run.attention: cudnn-count`, a graph's execute one operation), at fp32 the tiled path at tile
+1024 (`--against run.attention=tiled-1024` counts a 16-bit step with it). The counts do not
+depend on the host, its load or its threads (the stand-in computes in one thread, as a device
+rank does).
 Prints a table and, last, one JSON line (for `benchmarks/record.py`).
 """
 
@@ -41,7 +43,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BASE = ("run.devkernels=count", "run.attention=tiled-1024")
+BASE = ("run.devkernels=count",)
+# the attention a card's `auto` runs: cuDNN's (counted) at 16 bits, the tiled path at fp32
+ATTENTION = {"bf16": "cudnn-count", "fp16": "cudnn-count", "fp32": "tiled-1024"}
 SMOKE = ("run.devkernels=sim", "run.attention=tiled-1024")  # numba-cuda's simulator
 
 
@@ -59,8 +63,8 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
 
         devlaunch.MAX_BLOCKS, devkernels.ROW_GROUPS, devlaunch.SIM_THREADS = 1, 1, 8
     dev = open_device("standin")
-    step, _, cfg, kernels = ratrain_contender(precision, dev, smoke,
-                                              sets=(*(SMOKE if smoke else BASE), *sets))
+    base = SMOKE if smoke else (*BASE, f"run.attention={ATTENTION[precision]}")
+    step, _, cfg, kernels = ratrain_contender(precision, dev, smoke, sets=(*base, *sets))
     step()
     COUNTS.clear()
     with Profile(counter=lambda: COUNTS["ops"]) as prof:

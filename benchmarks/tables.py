@@ -107,15 +107,19 @@ TABLES = {
          [("loss_max_rel_dev", "loss max rel. dev.", ".2e"),
           ("grad_norm_max_rel_dev", "grad-norm max rel. dev.", ".2e"), ("steps", "steps", "d")]),
         ("launches-124m-bf16", "device operations (about a kernel launch each) of one bf16 "
-         "step of the 124M model, counted on the stand-in in the device's 16-bit layout: each "
-         "device kernel counted as the launches it makes (run.devkernels: count), and every op "
-         "on cupy's compositions (off); one layer's tiled attention grouped as a device and as "
-         "the host groups it",
+         "step of the 124M model, counted on the stand-in in the device's 16-bit layout with "
+         "cuDNN's attention (run.attention: cudnn-count, a call one operation): each device "
+         "kernel counted as the launches it makes (run.devkernels: count), and every op on "
+         "cupy's compositions (off); one layer's tiled attention grouped as a device and as the "
+         "host groups it",
          [("ops.this", "ops, kernels", "d"), ("ops.against", "ops, compositions", "d"),
           ("attention_layer_ops.device", "attention, device groups", "d"),
           ("attention_layer_ops.host", "attention, host groups", "d")]),
+        ("launches-124m-bf16-tiled", "the same bf16 step, counted with the kernels, with the "
+         "tiled attention (tile 1024) instead of cuDNN's",
+         [("ops.this", "ops, kernels", "d")]),
         ("launches-124m-fp16", "the same step in fp16 (its kernels take fp16 views as they "
-         "are), counted with the kernels",
+         "are), counted with the kernels and cuDNN's attention",
          [("ops.this", "ops, kernels", "d")]),
         ("launches-smoke-bf16", "the same on gpu.py's tiny model with the device kernels in "
          "numba-cuda's simulator (each launch counted): RMSNorm on its kernel, as bf16 runs now "

@@ -150,7 +150,7 @@ def test_reference_ops_put_ops_back_on_their_reference():
 
 def test_bad_choices_are_one_line_naming_the_key(toy):
     with pytest.raises(BackendError, match=r"^run.attention='nope' is not a registered attention "
-                       r"backend: use auto or one of cudnn, tiled-1024, tiled-64, toy$"):
+                       r"backend: use auto or one of cudnn, cudnn-count, tiled-1024, tiled-64, toy$"):
         kernel_table(attention="nope")
     gpu = types.ModuleType("cupy")  # any array module but numpy and the stand-in: a GPU's
     with pytest.raises(BackendError, match=r"^run.devkernels=sim runs the device kernels on "

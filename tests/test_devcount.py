@@ -141,9 +141,9 @@ def test_bad_input_is_one_line():
     assert _fast_kernels("standin", "fp64", "auto", "count") is None
 
 
-def _steps(precision, mode, steps=2):
+def _steps(precision, mode, steps=2, attention="auto"):
     cfg = tiny_config(precision=precision)
-    cfg = replace(cfg, run=replace(cfg.run, devkernels=mode))
+    cfg = replace(cfg, run=replace(cfg.run, devkernels=mode, attention=attention))
     rank = build_rank(cfg, None, cap=None, device=open_device("standin"))
     COUNTS.clear()
     try:
@@ -163,3 +163,25 @@ def test_a_counted_step_trains_as_the_compositions_step_in_fewer_operations(prec
     (off_ops, off_losses), (ops, losses) = res["off"], res["count"]
     np.testing.assert_allclose(losses, off_losses, rtol=1e-6)
     assert ops < off_ops, (ops, off_ops)
+
+
+def test_cudnn_counted_trains_a_step_in_one_operation_a_call():
+    """`run.attention: cudnn-count` on the stand-in: cuDNN's backend with each graph execute
+    counted as one operation (the tiled path on the host computing it): the tiny model's steps
+    track the tiled attention's within bf16's rounding, in fewer operations; refused in one
+    line elsewhere and at fp32."""
+    from ratrain.exec.backends import kernel_table
+
+    res = {}
+    for attn in ("tiled-1024", "cudnn-count"):
+        ops, losses = _steps("bf16", "count", attention=attn)
+        res[attn] = ops, losses
+    (t_ops, t_losses), (c_ops, c_losses) = res["tiled-1024"], res["cudnn-count"]
+    np.testing.assert_allclose(c_losses, t_losses, rtol=2e-2)
+    assert c_ops < t_ops, (c_ops, t_ops)
+    with pytest.raises(BackendError, match="run.attention=cudnn-count runs on the stand-in "
+                       r"\(run.device=standin\), not on run.device=cpu"):
+        kernel_table(np, "bf16", attention="cudnn-count")
+    with pytest.raises(BackendError, match="run.attention=cudnn-count computes in fp16 or bf16, "
+                       "not precision=fp32"):
+        kernel_table(standin, "fp32", attention="cudnn-count")

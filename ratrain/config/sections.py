@@ -405,7 +405,8 @@ class RunConfig:
         The built-in ones: tiled-64 (the tiled online softmax at tile 64: the host's auto),
         tiled-1024 (tile 1024: the stand-in's auto, and a GPU's at fp32 or where cudnn cannot
         run, the banner saying why) and cudnn (cuDNN's fused SDPA: a GPU's auto at fp16 and
-        bf16; refused elsewhere). A program may register its own (docs/INTERNALS.md, "An
+        bf16; refused elsewhere). cudnn-count is cuDNN's backend on the stand-in at fp16 and
+        bf16, its calls counted and computed by the tiled path (benchmarks/launches.py). A program may register its own (docs/INTERNALS.md, "An
         attention backend")
     reference_ops: ops that run their reference (the array module's composition: numpy,
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,

@@ -148,10 +148,13 @@ class CudnnAttention(AttentionBackend):
     owns_workspace = True
 
     def __init__(self, dp_workspace_limit: int | None = cs.DP_WORKSPACE_LIMIT,
-                 on_card: bool = False):
+                 on_card: bool = False, sdpa=None, name: str = "cudnn"):
         self.dp_workspace_limit = dp_workspace_limit
         self.on_card = on_card  # made for a GPU rank: `refuses` builds the graphs there too
-        self._sdpa = None
+        # `CudnnSdpa`'s interface: the card's, made on first use, unless given (the stand-in's
+        # count, `devcount.CountedSdpa`)
+        self._sdpa = sdpa
+        self.name = name
         self._workspace: dict[tuple, int] = {}  # (dtype, batch, seq_len, backward) -> bytes
 
     @property

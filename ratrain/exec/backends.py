@@ -146,14 +146,20 @@ register_attention("tiled-1024", _tiled(1024),
                    "124M model, seq 1024: tile 64 0.71 s, 256 0.067 s, 1024 0.022 s a layer)")
 
 
-def _cudnn(device: str, precision: str) -> CudnnAttention:
-    if device != "gpu":
-        raise BackendError(f"run.attention=cudnn runs on a GPU rank (run.device=gpu), not on "
+def _half_on(name: str, want: str, device: str, precision: str) -> None:
+    """One line unless the rank computes on `want` in fp16 or bf16 (cuDNN's attention)."""
+    if device != want:
+        where = {"gpu": "a GPU rank", "standin": "the stand-in"}[want]
+        raise BackendError(f"run.attention={name} runs on {where} (run.device={want}), not on "
                            f"run.device={device}: set run.attention=auto", f"not on {device}")
     if not is_half(precision):
-        raise BackendError(f"run.attention=cudnn computes in fp16 or bf16, not precision="
+        raise BackendError(f"run.attention={name} computes in fp16 or bf16, not precision="
                            f"{precision}: set precision=bf16 (or fp16), or run.attention=auto "
                            "(the tiled path)", f"fp16 and bf16 only, not {precision}")
+
+
+def _cudnn(device: str, precision: str) -> CudnnAttention:
+    _half_on("cudnn", "gpu", device, precision)
     try:
         cudnn_sdpa.load()
     except cudnn_sdpa.CudnnUnavailable as e:
@@ -161,8 +167,17 @@ def _cudnn(device: str, precision: str) -> CudnnAttention:
     return CudnnAttention(on_card=True)
 
 
+def _cudnn_count(device: str, precision: str) -> CudnnAttention:
+    _half_on("cudnn-count", "standin", device, precision)
+    return CudnnAttention(sdpa=devcount.CountedSdpa(cudnn_sdpa.DP_WORKSPACE_LIMIT),
+                          name="cudnn-count")
+
+
 register_attention("cudnn", _cudnn, "cuDNN's fused SDPA (nvidia-cudnn-frontend), fp16 and bf16 "
                    "on a GPU: the scores never reach memory", auto=("gpu",))
+register_attention("cudnn-count", _cudnn_count, "cuDNN's fused SDPA as the stand-in counts it "
+                   "(fp16, bf16): each call one operation, a graph's execute, computed by the "
+                   "tiled path on the host (benchmarks/launches.py)")
 
 
 def attention_backend(name: str, device: str, precision: str, model=None) -> AttentionBackend:

@@ -155,6 +155,65 @@ def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None, threads=None)
     return z if out is None else _put(out, work, hz.shape)
 
 
-__all__ = ["LAUNCHES", "adamw", "cross_entropy_grad", "cross_entropy_rows", "rmsnorm_backward",
-           "rmsnorm_forward", "rope_backward", "rope_forward", "sum_squares", "swiglu_backward",
-           "swiglu_forward"]
+
+class CountedSdpa:
+    """cuDNN's fused attention (`exec.cudnn_sdpa.CudnnSdpa`'s interface) as the stand-in counts
+    it: each call one operation (a graph's execute, which queues its kernels from one host
+    call), computed on the host by the tiled path in fp32 (`attention.flash_attention_*`,
+    one tile the sequence) and rounded into the 16-bit outputs. Each spec is validated by
+    nvidia-cudnn-frontend as a card would build it (`cudnn_sdpa.describe`, no card needed), and
+    its workspace is the bound cuDNN is known to ask for (`cudnn_sdpa.workspace_bound`)."""
+
+    def __init__(self, dp_workspace_limit=None):
+        from ratrain.exec import cudnn_sdpa as cs
+
+        self.cs, self.dp_workspace_limit = cs, dp_workspace_limit
+        self.valid: set = set()
+
+    def graph(self, spec):
+        if spec not in self.valid:
+            self.cs.describe(spec)
+            self.valid.add(spec)
+        return spec
+
+    def workspace_nbytes(self, spec) -> int:
+        self.graph(spec)
+        return self.cs.workspace_bound(spec)
+
+    def forward(self, q, k, v, out=None, lse=None, workspace=None):
+        from ratrain.exec.attention import flash_attention_forward
+
+        o = out if out is not None else StandinArray(np.empty(_host(q)[0].shape,
+                                                               _host(q)[0].dtype))
+        spec = self.cs.spec_of("forward", dict(q=q, k=k, v=v, o=o), True)
+        self.graph(spec)
+        hq, hk, hv = (_f32(a) for a in _host(q, k, v))
+        o32, cache = flash_attention_forward(hq, hk, hv, np, block=hq.shape[2])
+        _host(o)[0][...] = o32
+        lse = _put(lse, cache.lse, cache.lse.shape)
+        COUNTS["ops"] += 1
+        return o, lse
+
+    def backward(self, q, k, v, o, do, lse, out=None, workspace=None):
+        from ratrain.exec.attention import AttentionCache, flash_attention_backward
+
+        if out is None:
+            out = tuple(StandinArray(np.empty(_host(a)[0].shape, _host(q)[0].dtype))
+                        for a in (q, k, v))
+        arrays = dict(q=q, k=k, v=v, o=o, do=do, dq=out[0], dk=out[1], dv=out[2])
+        self.graph(self.cs.spec_of("backward", arrays, True, self.dp_workspace_limit))
+        hq, hk, hv, ho, hdo, hl = (_f32(a) for a in _host(q, k, v, o, do, lse))
+        grads = flash_attention_backward(hdo, AttentionCache(hq, hk, hv, ho, hl), np,
+                                         block=hq.shape[2])
+        for dst, g in zip(out, grads):
+            _host(dst)[0][...] = g
+        COUNTS["ops"] += 1
+        return out
+
+    def close(self):
+        self.valid.clear()
+
+
+__all__ = ["LAUNCHES", "CountedSdpa", "adamw", "cross_entropy_grad", "cross_entropy_rows",
+           "rmsnorm_backward", "rmsnorm_forward", "rope_backward", "rope_forward", "sum_squares",
+           "swiglu_backward", "swiglu_forward"]
