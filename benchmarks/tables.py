@@ -106,12 +106,10 @@ TABLES = {
         ("gpu-hf-parity", "loss against PyTorch + HF LlamaForCausalLM on one H200, fp32",
          [("loss_max_rel_dev", "loss max rel. dev.", ".2e"),
           ("grad_norm_max_rel_dev", "grad-norm max rel. dev.", ".2e"), ("steps", "steps", "d")]),
-        ("launches-124m-bf16", "device operations (about a kernel launch each) of one bf16 "
-         "step of the 124M model, counted on the stand-in in the device's 16-bit layout with "
-         "cuDNN's attention (run.attention: cudnn-count, a call one operation): each device "
-         "kernel counted as the launches it makes (run.devkernels: count), and every op on "
-         "cupy's compositions (off); one layer's tiled attention grouped as a device and as the "
-         "host groups it",
+        ("launches-124m-bf16", "device operations (a kernel launch each) of one bf16 step "
+         "of the 124M model on the stand-in, in the device's layout, cuDNN's attention counted "
+         "(cudnn-count): the device kernels counted (run.devkernels: count), and on cupy's "
+         "compositions (off); one layer's tiled attention in a device's and the host's groups",
          [("ops.this", "ops, kernels", "d"), ("ops.against", "ops, compositions", "d"),
           ("attention_layer_ops.device", "attention, device groups", "d"),
           ("attention_layer_ops.host", "attention, host groups", "d")]),
