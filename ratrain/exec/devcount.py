@@ -23,7 +23,9 @@ import numpy as np
 
 from ratrain.device import storage_of
 from ratrain.device.standin import COUNTS, StandinArray
-from ratrain.exec import devkernels, devloss, fused, kernels
+from ratrain.exec import cudnn_sdpa, devkernels, devloss, fused, kernels
+from ratrain.exec.attention import (AttentionCache, flash_attention_backward,
+                                    flash_attention_forward)
 
 LAUNCHES = {**devkernels.LAUNCHES, **devloss.LAUNCHES}
 _TAKES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -165,9 +167,7 @@ class CountedSdpa:
     its workspace is the bound cuDNN is known to ask for (`cudnn_sdpa.workspace_bound`)."""
 
     def __init__(self, dp_workspace_limit=None):
-        from ratrain.exec import cudnn_sdpa as cs
-
-        self.cs, self.dp_workspace_limit = cs, dp_workspace_limit
+        self.cs, self.dp_workspace_limit = cudnn_sdpa, dp_workspace_limit
         self.valid: set = set()
 
     def graph(self, spec):
@@ -181,8 +181,6 @@ class CountedSdpa:
         return self.cs.workspace_bound(spec)
 
     def forward(self, q, k, v, out=None, lse=None, workspace=None):
-        from ratrain.exec.attention import flash_attention_forward
-
         o = out if out is not None else StandinArray(np.empty(_host(q)[0].shape,
                                                                _host(q)[0].dtype))
         spec = self.cs.spec_of("forward", dict(q=q, k=k, v=v, o=o), True)
@@ -195,8 +193,6 @@ class CountedSdpa:
         return o, lse
 
     def backward(self, q, k, v, o, do, lse, out=None, workspace=None):
-        from ratrain.exec.attention import AttentionCache, flash_attention_backward
-
         if out is None:
             out = tuple(StandinArray(np.empty(_host(a)[0].shape, _host(q)[0].dtype))
                         for a in (q, k, v))
