@@ -25,7 +25,12 @@ run.devkernels=off` counts the same step on cupy's compositions (every op of RMS
 SwiGLU, the head's cross-entropy, AdamW and the gradient norm a launch of its own). The
 attention is what a card's `auto` runs: at fp16 and bf16 cuDNN's, as the stand-in counts it
 (`run.attention: cudnn-count`, a graph's execute one operation), at fp32 the tiled path at tile
-1024 (`--against run.attention=tiled-1024` counts a 16-bit step with it). The counts do not
+1024 (`--against run.attention=tiled-1024` counts a 16-bit step with it). With cuDNN's
+attention each decoder layer's forward and backward is a device graph (`run.graphs: auto`,
+`exec.graphs`): the step counted is the third (the first runs the layers eagerly, the second
+captures them), a graph's launch one host launch and its operations the device's; the host
+launches a step and a micro-batch are reported beside the device operations
+(`--against run.graphs=off` counts the eager step). The counts do not
 depend on the host, its load or its threads (the stand-in computes in one thread, as a device
 rank does).
 Prints a table and, last, one JSON line (for `benchmarks/record.py`).
@@ -47,6 +52,9 @@ BASE = ("run.devkernels=count",)
 # the attention a card's `auto` runs: cuDNN's (counted) at 16 bits, the tiled path at fp32
 ATTENTION = {"bf16": "cudnn-count", "fp16": "cudnn-count", "fp32": "tiled-1024"}
 SMOKE = ("run.devkernels=sim", "run.attention=tiled-1024")  # numba-cuda's simulator
+# steps before the one counted: the first runs each layer's calls eagerly, the second captures
+# them where run.graphs is on (`exec.graphs`), so the counted one replays
+WARM_STEPS = 2
 
 
 def count(precision: str, sets, smoke: bool = False) -> dict:
@@ -65,20 +73,29 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     dev = open_device("standin")
     base = SMOKE if smoke else (*BASE, f"run.attention={ATTENTION[precision]}")
     step, _, cfg, kernels = ratrain_contender(precision, dev, smoke, sets=(*base, *sets))
-    step()
+    for _ in range(WARM_STEPS):
+        step()
     COUNTS.clear()
-    with Profile(counter=lambda: COUNTS["ops"]) as prof:
+
+    def device_ops():  # a graph's launch is one host launch, its operations the device's
+        return COUNTS["ops"] - COUNTS["graphs"] + COUNTS["graph_ops"]
+
+    with Profile(counter=device_ops) as prof:
         t0 = time.perf_counter()
         step()
         seconds = time.perf_counter() - t0
     rows = [{"category": r["category"], "ops": r["count"], "calls": r["calls"]}
             for r in prof.rows()]
-    total = COUNTS["ops"]
-    rows.append({"category": "(outside the categories)", "calls": 0,
+    total = device_ops()
+    rows.append({"category": "(outside the categories)" if not COUNTS["graphs"] else
+                 "(outside the categories: the layers' graphs)", "calls": 0,
                  "ops": total - sum(r["ops"] for r in rows)})
     rows.sort(key=lambda r: -r["ops"])
-    return {"sets": list(sets), "kernels": kernels, "ops": total, "stand_in_seconds": seconds,
-            "by_category": rows}
+    m = cfg.parallel.num_micro_batches
+    return {"sets": list(sets), "kernels": kernels, "graphs": cfg.run.graphs, "ops": total,
+            "host_launches": COUNTS["ops"], "graph_launches": COUNTS["graphs"],
+            "host_launches_per_micro_batch": COUNTS["ops"] / m, "micro_batches": m,
+            "stand_in_seconds": seconds, "by_category": rows}
 
 
 def attention_groups(precision: str) -> dict:
@@ -131,7 +148,9 @@ def main(argv=None) -> int:
     for name, r in runs.items():
         print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
         print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
-              f"{r['stand_in_seconds']:.1f} s)")
+              f"{r['stand_in_seconds']:.1f} s); {r['host_launches']:,} host launches "
+              f"({r['graph_launches']} of them graphs), "
+              f"{r['host_launches_per_micro_batch']:.1f} a micro-batch of {r['micro_batches']}")
         for row in r["by_category"]:
             print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
     if groups:
@@ -141,6 +160,10 @@ def main(argv=None) -> int:
     out = {"case": "launches", "precision": a.precision, "model": "smoke" if a.smoke else "124M",
            "attention_layer_ops": groups,
            "ops": {k: r["ops"] for k, r in runs.items()},
+           "host_launches": {k: r["host_launches"] for k, r in runs.items()},
+           "host_launches_per_micro_batch": {k: r["host_launches_per_micro_batch"]
+                                             for k, r in runs.items()},
+           "graph_launches": {k: r["graph_launches"] for k, r in runs.items()},
            "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}
                            for k, r in runs.items()},
            "sets": {k: r["sets"] for k, r in runs.items()}}

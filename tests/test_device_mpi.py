@@ -42,3 +42,26 @@ def test_device_grid_matches_one_host_rank_and_policies_are_bitwise_equal(device
     # the fused attention's gradients come back in 16 bits (the tiled path's in fp32)
     tol = {"fp32": 1e-5, "fp16": 5e-3 if fused else 2e-3, "bf16": 2e-2}[precision]
     np.testing.assert_allclose([loss for loss, _, _ in first[0]], [r.loss for r in ref], rtol=tol)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_device_grid_with_graphs_is_bitwise_the_eager_grid(precision, mpi_group):
+    """pp 2 x dp 2 on the stand-in with the layers' calls replayed as graphs (run.graphs: on,
+    cuDNN's attention counted, the device kernels counted): each policy bitwise the eager run,
+    and the policies bitwise one another."""
+    comm = mpi_group(4)
+    out = {}
+    for graphs in ("off", "on"):
+        for policy in ("baseline-1f1b", "megatron-1f1b", "ratrain"):
+            cfg = tiny_config(pp=2, dp=2, m=3, precision=precision, policy=policy, steps=4)
+            cfg = replace(cfg, run=replace(cfg.run, device="standin", devkernels="count",
+                                           attention="cudnn-count", graphs=graphs))
+            res, _, ex = train(cfg, comm)
+            assert (ex.compute.graphs is not None) == (graphs == "on")
+            if graphs == "on":  # every layer's calls captured, then replayed
+                assert ex.compute.graphs.captures > 0
+            out[graphs, policy] = ([(r.loss, r.grad_norm, r.skipped) for r in res],
+                                   params_digest(ex.final_params))
+    first = out["off", "baseline-1f1b"]
+    assert all(got == first for got in out.values()), out

@@ -408,6 +408,11 @@ class RunConfig:
         bf16; refused elsewhere). cudnn-count is cuDNN's backend on the stand-in at fp16 and
         bf16, its calls counted and computed by the tiled path (benchmarks/launches.py). A program may register its own (docs/INTERNALS.md, "An
         attention backend")
+    graphs: auto | on | off: each decoder layer's forward and backward on a device as a CUDA
+        graph, captured once per micro-batch in flight and replayed by one host launch
+        (exec.graphs), eager the reference. auto: on where every op of a layer call can be
+        captured (the stand-in in fp16 and bf16 with cuDNN's attention; not yet on a card, see
+        docs/INTERNALS.md); on: refused in one line where they cannot be
     reference_ops: ops that run their reference (the array module's composition: numpy,
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
         cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way
@@ -443,6 +448,7 @@ class RunConfig:
     fused: str | bool = "auto"  # auto | on | off (RATRAIN_FUSED)
     devkernels: str | bool = "auto"  # auto | on | off | sim | count (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
+    graphs: str | bool = "auto"  # auto | on | off: the layers' calls as device graphs
     reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
     blas: str = "auto"  # auto | openblas | mkl: a CPU rank's GEMMs
     head_chunk_mib: int = 0  # the head's logits chunk, MiB; 0 = the device's (cpu 16, gpu 256)
@@ -451,7 +457,7 @@ class RunConfig:
     SIGNALS = ("TERM", "INT", "USR1", "USR2", "HUP", "XCPU")
 
     def __post_init__(self) -> None:
-        for key in ("fused", "devkernels"):  # YAML's on / off are bools: the words they were
+        for key in ("fused", "devkernels", "graphs"):  # YAML's on / off: bools, made words
             if isinstance(getattr(self, key), bool):
                 object.__setattr__(self, key, "on" if getattr(self, key) else "off")
         if not self.dir:  # resolved once, so that every reader sees the same path
@@ -476,6 +482,7 @@ class RunConfig:
                 raise ConfigError(f"run.{key}={getattr(self, key)} must be >= 0 (0 = no limit)")
         _choice(self, "run", "fused", ("auto", "on", "off"))
         _choice(self, "run", "devkernels", ("auto", "on", "off", "sim", "count"))
+        _choice(self, "run", "graphs", ("auto", "on", "off"))
         _choice(self, "run", "malloc", ("tuned", "default"))
         _choice(self, "run", "blas", ("auto", "openblas", "mkl"))
         if not self.attention:

@@ -20,6 +20,15 @@ kernel launch each (a cupy reduction may launch two), the host's cost of a step 
 `benchmarks/launches.py` counts. The
 arithmetic is numpy's, so a run on the stand-in is bitwise the numpy run: the CPU suite runs
 every device code path, and a missing transfer fails there as it would on a GPU.
+
+Capture (`capture(fn)`, what `device.graphs` runs a CUDA graph's capture as on the stand-in):
+while `fn` runs, each device operation is computed as usual and also recorded, with the arrays it
+read and wrote and its host scalars as they were; `StandinGraph.launch()` runs the recorded
+operations again on the same storage, in order, and counts one operation (a graph launch),
+its operations in `COUNTS["graph_ops"]`. What cupy refuses while a stream captures is refused
+here with `CaptureError`: a host sync (`float(a)`, `.get()`, `.item()`), an upload from host
+memory, and cuBLAS through cupy (`matmul`, `dot`, `einsum`, ... : cupy's cuBLAS wrappers refuse
+capture). Every array made under capture stays with the graph (a card's private pool).
 """
 
 from __future__ import annotations
@@ -30,7 +39,105 @@ import types
 import ml_dtypes
 import numpy as np
 
-COUNTS: collections.Counter = collections.Counter()  # syncs, downloads, uploads, ops
+COUNTS: collections.Counter = collections.Counter()  # syncs, downloads, uploads, ops; graphs
+
+# cupy's cuBLAS entries (refused under capture, as cupy's wrappers refuse them)
+_CUBLAS = frozenset({"matmul", "dot", "vdot", "inner", "tensordot", "einsum"})
+
+
+class CaptureError(RuntimeError):
+    """What a capturing stream refuses (a host sync, an upload, cupy's cuBLAS)."""
+
+
+class _Capture:
+    """The stand-in's capture state: the graph being recorded (None: not capturing) and
+    whether a graph is replaying (its operations then count as the graph's, not the host's)."""
+
+    graph = None
+    replaying = False
+
+
+def _refuse_captured(what: str) -> None:
+    if _Capture.graph is not None:
+        raise CaptureError(f"{what} while a stream captures a graph: cupy refuses it "
+                           "(cudaErrorStreamCaptureUnsupported); keep it outside the captured "
+                           "call")
+
+
+def did(rerun, result=None, ops: int = 1) -> None:
+    """Count `ops` device operations just queued (`ops` 0: none) and, while capturing, record
+    them: `rerun()` queues them again on the same arrays, returning what they made, which a
+    replay copies into `result` (the arrays they made at capture; None: they write in place).
+    Within a replay nothing is counted or recorded (the graph's launch counts itself)."""
+    if _Capture.replaying or not ops:
+        return
+    if _Capture.graph is not None:
+        _Capture.graph._record(rerun, result, ops)
+    else:
+        COUNTS["ops"] += ops
+
+
+def _copy_into(dst, src) -> None:
+    """A replay's results into the arrays the capture made (the graph's addresses)."""
+    if type(dst) is StandinArray:
+        dst = dst._a
+    if type(src) is StandinArray:
+        src = src._a
+    if isinstance(src, np.generic):  # a reduction's scalar, which the device made a 0-d array
+        src = np.asarray(src)
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        if not np.may_share_memory(dst, src) or dst.__array_interface__ != src.__array_interface__:
+            np.copyto(dst, src)
+    elif isinstance(dst, (list, tuple)) and isinstance(src, (list, tuple)):
+        for d, r in zip(dst, src):
+            _copy_into(d, r)
+
+
+class StandinGraph:
+    """A captured sequence of the stand-in's device operations (see the module)."""
+
+    def __init__(self):
+        self.steps: list = []
+        self.ops = 0
+
+    def _record(self, rerun, result, ops) -> None:
+        if rerun is None:
+            raise CaptureError("an operation the stand-in cannot replay while capturing")
+        self.steps.append((rerun, result))
+        self.ops += ops
+
+    def launch(self) -> None:
+        if _Capture.graph is not None:
+            raise CaptureError("a graph launched while another is captured")
+        _Capture.replaying = True
+        try:
+            for rerun, result in self.steps:
+                r = rerun()
+                if result is not None:
+                    _copy_into(result, r)
+        finally:
+            _Capture.replaying = False
+        COUNTS["ops"] += 1
+        COUNTS["graphs"] += 1
+        COUNTS["graph_ops"] += self.ops
+
+
+def capture(fn):
+    """(graph, fn()): `fn` run once while its device operations are recorded (see the module),
+    counted as the graph's first launch."""
+    if _Capture.graph is not None or _Capture.replaying:
+        raise CaptureError("a capture inside a capture or a replay")
+    graph = StandinGraph()
+    _Capture.graph = graph
+    try:
+        result = fn()
+    finally:
+        _Capture.graph = None
+    # what a card does next: the graph launched once (here its operations already ran)
+    COUNTS["ops"] += 1
+    COUNTS["graphs"] += 1
+    COUNTS["graph_ops"] += graph.ops
+    return graph, result
 
 _REFUSED = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
             "construct a NumPy array explicitly.")
@@ -45,8 +152,9 @@ _VIEWS = frozenset({"reshape", "transpose", "swapaxes", "squeeze", "ravel", "vie
                     "split", "array_split", "astype", "asarray", "ascontiguousarray"})
 
 
-def _op(name: str, result, inputs) -> None:
-    """Count one device operation, unless `name` queues no work or made a view of an input."""
+def _op(name: str, result, inputs, rerun=None, made=None) -> None:
+    """Count one device operation, unless `name` queues no work or made a view of an input
+    (`rerun` queues it again and `made` is the device array it made: `did`)."""
     if name in _NO_WORK:
         return
     if name in _VIEWS:
@@ -55,7 +163,7 @@ def _op(name: str, result, inputs) -> None:
         if all(isinstance(r, np.ndarray) and any(np.may_share_memory(r, b) for b in base)
                for r in res):
             return
-    COUNTS["ops"] += 1
+    did(rerun, made)
 
 
 def _unwrap(v, host_ok: bool = False):
@@ -67,6 +175,7 @@ def _unwrap(v, host_ok: bool = False):
         if not host_ok:
             raise TypeError(f"Unsupported type {type(v)}: a host (numpy) array passed to a "
                             "device operation; move it with xp.asarray first")
+        _refuse_captured("an upload from host memory")
         COUNTS["uploads"] += 1
         return v
     if isinstance(v, (list, tuple)):
@@ -109,14 +218,18 @@ def _matmul(a, b, *args, **kwargs):
 
 
 def _device_call(f, host_ok: bool = False, name: str | None = None, this=None):
+    name = name or getattr(f, "__name__", "call")
     if f is np.matmul:
         f = _matmul
-    name = name or getattr(f, "__name__", "call")
 
     def call(*args, **kwargs):
-        r = f(*_unwrap(args, host_ok), **_unwrap(kwargs, host_ok))
-        _op(name, r, (this, *args))
-        return _wrap(r)
+        if name in _CUBLAS:
+            _refuse_captured(f"cuBLAS through cupy ({name})")
+        ua, uk = _unwrap(args, host_ok), _unwrap(kwargs, host_ok)
+        r = f(*ua, **uk)
+        made = _wrap(r)
+        _op(name, r, (this, *args), lambda: f(*ua, **uk), made)
+        return made
     call.__name__ = getattr(f, "__name__", "call")
     call.__doc__ = getattr(f, "__doc__", None)
     return call
@@ -139,29 +252,40 @@ class _Ufunc:
 
 def _binary(uf, reflected: bool = False):
     def op(self, other):
-        o = _unwrap(other)
-        COUNTS["ops"] += 1
-        return _wrap(uf(o, self._a) if reflected else uf(self._a, o))
+        if uf is _matmul:
+            _refuse_captured("cuBLAS through cupy (matmul)")
+        a, o = self._a, _unwrap(other)
+        run = (lambda: uf(o, a)) if reflected else (lambda: uf(a, o))
+        made = _wrap(run())
+        did(run, made)
+        return made
     return op
 
 
 def _inplace(uf):
     def op(self, other):
-        uf(self._a, _unwrap(other), out=self._a)
-        COUNTS["ops"] += 1
+        a, o = self._a, _unwrap(other)
+
+        def run():
+            uf(a, o, out=a)
+        run()
+        did(run)
         return self
     return op
 
 
 def _unary(uf):
     def op(self):
-        COUNTS["ops"] += 1
-        return _wrap(uf(self._a))
+        a = self._a
+        made = _wrap(uf(a))
+        did(lambda: uf(a), made)
+        return made
     return op
 
 
 def _sync(conv):
     def op(self):
+        _refuse_captured("a host sync")
         COUNTS["syncs"] += 1
         return conv(self._a)
     return op
@@ -191,6 +315,7 @@ class StandinArray:
 
     # ---- explicit transfers ----
     def get(self, stream=None, order="C", out=None):
+        _refuse_captured("a download (a host sync)")
         COUNTS["syncs"] += 1
         COUNTS["downloads"] += 1
         if out is not None:
@@ -203,6 +328,7 @@ class StandinArray:
             raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
         if arr.shape != self._a.shape:
             raise ValueError(f"Shape mismatch. Old shape: {self._a.shape}, new shape: {arr.shape}")
+        _refuse_captured("an upload from host memory")
         COUNTS["uploads"] += 1
         self._a[...] = arr
 
@@ -214,10 +340,12 @@ class StandinArray:
     __index__ = _sync(lambda a: a.__index__())
 
     def item(self, *args):
+        _refuse_captured("a host sync")
         COUNTS["syncs"] += 1
         return self._a.item(*args)
 
     def tolist(self):
+        _refuse_captured("a host sync")
         COUNTS["syncs"] += 1
         return self._a.tolist()
 
@@ -229,15 +357,23 @@ class StandinArray:
     # ---- the protocols by which np.* reaches the device ----
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         f = _matmul if ufunc is np.matmul and method == "__call__" else getattr(ufunc, method)
-        COUNTS["ops"] += 1
-        return _wrap(f(*_unwrap(inputs), **_unwrap(kwargs)))
+        if ufunc is np.matmul:
+            _refuse_captured("cuBLAS through cupy (matmul)")
+        ui, uk = _unwrap(inputs), _unwrap(kwargs)
+        made = _wrap(f(*ui, **uk))
+        did(lambda: f(*ui, **uk), made)
+        return made
 
     def __array_function__(self, func, types, args, kwargs):
         if func.__name__ in _UPLOADERS:
             raise TypeError(_REFUSED)
-        r = func(*_unwrap(args), **_unwrap(kwargs))
-        _op(func.__name__, r, args)
-        return _wrap(r)
+        if func.__name__ in _CUBLAS:
+            _refuse_captured(f"cuBLAS through cupy ({func.__name__})")
+        ua, uk = _unwrap(args), _unwrap(kwargs)
+        r = func(*ua, **uk)
+        made = _wrap(r)
+        _op(func.__name__, r, args, lambda: func(*ua, **uk), made)
+        return made
 
     # ---- attributes ----
     shape = property(lambda self: self._a.shape)
@@ -270,10 +406,12 @@ class StandinArray:
         return (_wrap(x) for x in self._a)
 
     def __getitem__(self, key):
-        r = self._a[_unwrap(key)]
-        if isinstance(r, np.ndarray) and r.size and not np.may_share_memory(r, self._a):
-            COUNTS["ops"] += 1  # a gather (advanced indexing); a basic index is a view
-        return _wrap(r)
+        a, k = self._a, _unwrap(key)
+        r = a[k]
+        made = _wrap(r)
+        if isinstance(r, np.ndarray) and r.size and not np.may_share_memory(r, a):
+            did(lambda: a[k], made)  # a gather (advanced indexing); a basic index is a view
+        return made
 
     def __setitem__(self, key, value):
         k, v = _unwrap(key), _unwrap(value)
@@ -282,8 +420,12 @@ class StandinArray:
             if (t.__array_interface__["data"][0] == v.__array_interface__["data"][0]
                     and t.shape == v.shape and t.strides == v.strides):
                 return  # `a[i] += b` stores the view back into itself: cupy skips it
-        self._a[k] = v
-        COUNTS["ops"] += 1
+        a = self._a
+
+        def run():
+            a[k] = v
+        run()
+        did(run)
 
     # ---- operators (numpy's ufuncs on the storage; host arrays refused) ----
     __add__, __radd__ = _binary(np.add), _binary(np.add, True)
@@ -341,4 +483,5 @@ standin = _Module("standin", __doc__)
 standin.asnumpy = _asnumpy
 standin.get_array_module = _get_array_module
 
-__all__ = ["COUNTS", "StandinArray", "standin"]
+__all__ = ["COUNTS", "CaptureError", "StandinArray", "StandinGraph", "capture", "did",
+           "standin"]

@@ -78,6 +78,9 @@ class AttentionBackend:
 
     name = "attention"
     owns_workspace = False  # True: it allocates its workspace from ctx.ledger during its calls
+    # whether a device graph may capture its calls (`exec.graphs`): no device sync, no upload,
+    # no cuBLAS through cupy (which refuses a capturing stream)
+    captures = False
 
     def refuses(self, model, dtype) -> str:
         """Why this backend cannot run `model`'s attention with `dtype` operands ("": it can)."""
@@ -146,6 +149,7 @@ class CudnnAttention(AttentionBackend):
 
     name = "cudnn"
     owns_workspace = True
+    captures = True  # a built graph's execute on a workspace of the call's (cuDNN captures it)
 
     def __init__(self, dp_workspace_limit: int | None = cs.DP_WORKSPACE_LIMIT,
                  on_card: bool = False, sdpa=None, name: str = "cudnn"):

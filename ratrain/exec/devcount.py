@@ -17,12 +17,13 @@ against the kernels only by the tests of `exec.devkernels`, not here.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
 
 from ratrain.device import storage_of
-from ratrain.device.standin import COUNTS, StandinArray
+from ratrain.device.standin import StandinArray, did
 from ratrain.exec import cudnn_sdpa, devkernels, devloss, fused, kernels
 from ratrain.exec.attention import (AttentionCache, flash_attention_backward,
                                     flash_attention_forward)
@@ -63,9 +64,24 @@ def _f32(a):
     return np.asarray(a, np.float32)
 
 
+_PENDING = [0]  # the launches of the call in progress (`_kernel` hands them to `did`)
+
+
 def _count(name: str, *arrays) -> None:
     if all(a.size for a in arrays):
-        COUNTS["ops"] += LAUNCHES[name]
+        _PENDING[0] += LAUNCHES[name]
+
+
+def _kernel(fn):
+    """A twin as its kernel's call: its launches counted, and recorded while a graph is
+    captured (`device.standin.did`: a replay calls it again on the same arrays)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        _PENDING[0] = 0
+        r = fn(*args, **kwargs)
+        did(lambda: fn(*args, **kwargs), r, _PENDING[0])
+        return r
+    return call
 
 
 def _put(out, value, shape):
@@ -80,6 +96,7 @@ def _put(out, value, shape):
     return out
 
 
+@_kernel
 def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
     hx, hw = _checked(x, w)
     y, (_, rstd, _) = _REF.rmsnorm_forward(_f32(hx), hw, eps, np)
@@ -87,6 +104,7 @@ def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
     return _put(out, y, hx.shape), (x, StandinArray(rstd), w)
 
 
+@_kernel
 def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     x, rstd, w = cache
     hdy, hx, hr, hw = _checked(dy, x, rstd, w)
@@ -95,6 +113,7 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     return _put(out, dx, hx.shape), StandinArray(np.asarray(dw, np.float32))
 
 
+@_kernel
 def swiglu_forward(gate, up, xp, out=None, threads=None):
     hg, hu = _checked(gate, up)
     act, _ = _REF.swiglu_forward(_f32(hg), _f32(hu), np)
@@ -102,6 +121,7 @@ def swiglu_forward(gate, up, xp, out=None, threads=None):
     return _put(out, act, hg.shape), (gate, up)
 
 
+@_kernel
 def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     gate, up = cache
     hda, hg, hu = _checked(dact, gate, up)
@@ -112,6 +132,7 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     return (*grads, StandinArray(r[2])) if with_act else grads
 
 
+@_kernel
 def rope_forward(x, cos, sin, xp, out=None, threads=None):
     hx, hc, hs = _checked(x, cos, sin)
     y, _ = _REF.rope_forward(_f32(hx), hc, hs, np)
@@ -119,6 +140,7 @@ def rope_forward(x, cos, sin, xp, out=None, threads=None):
     return _put(out, y, hx.shape), (cos, sin)
 
 
+@_kernel
 def rope_backward(dy, cache, xp, out=None, threads=None):
     hdy, hc, hs = _checked(dy, *cache)
     dx = _REF.rope_backward(_f32(hdy), (hc, hs), np)
@@ -126,19 +148,22 @@ def rope_backward(dy, cache, xp, out=None, threads=None):
     return _put(out, dx, hdy.shape)
 
 
+@_kernel
 def adamw(p, m, v, g, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, xp, threads=None):
     hp, hm, hv, hg = _checked(p, m, v, g)
     fused.adamw(hp, hm, hv, hg, grad_scale, keep, b1, b2, step_size, bc2_sqrt, eps, np)
     _count("adamw", hp)
 
 
+@_kernel
 def sum_squares(a, xp, threads=None):
     (ha,) = _checked(a)
     total = _REF.block_sq_norm(ha, np) if ha.size else 0.0
-    COUNTS["ops"] += LAUNCHES["sum_squares"] if ha.size else 1  # the zeroed result
+    _PENDING[0] += LAUNCHES["sum_squares"] if ha.size else 1  # the zeroed result
     return StandinArray(np.asarray(total, np.float64))
 
 
+@_kernel
 def cross_entropy_rows(z, targets, xp, out=None, threads=None):
     hz, = _checked(z)
     lse, losses = _REF.cross_entropy_rows(_f32(hz), _host(targets)[0], np)
@@ -147,6 +172,7 @@ def cross_entropy_rows(z, targets, xp, out=None, threads=None):
     return tuple(_put(o, val, (hz.shape[0],)) for o, val in zip(outs, (lse, losses)))
 
 
+@_kernel
 def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None, threads=None):
     hz, hl = _checked(z, lse)
     if out is None and hz.dtype != np.float32:
@@ -180,6 +206,7 @@ class CountedSdpa:
         self.graph(spec)
         return self.cs.workspace_bound(spec)
 
+    @_kernel
     def forward(self, q, k, v, out=None, lse=None, workspace=None):
         o = out if out is not None else StandinArray(np.empty(_host(q)[0].shape,
                                                                _host(q)[0].dtype))
@@ -189,9 +216,10 @@ class CountedSdpa:
         o32, cache = flash_attention_forward(hq, hk, hv, np, block=hq.shape[2])
         _host(o)[0][...] = o32
         lse = _put(lse, cache.lse, cache.lse.shape)
-        COUNTS["ops"] += 1
+        _PENDING[0] += 1
         return o, lse
 
+    @_kernel
     def backward(self, q, k, v, o, do, lse, out=None, workspace=None):
         if out is None:
             out = tuple(StandinArray(np.empty(_host(a)[0].shape, _host(q)[0].dtype))
@@ -203,7 +231,7 @@ class CountedSdpa:
                                          block=hq.shape[2])
         for dst, g in zip(out, grads):
             _host(dst)[0][...] = g
-        COUNTS["ops"] += 1
+        _PENDING[0] += 1
         return out
 
     def close(self):

@@ -2,6 +2,9 @@
 
     gemm_ex(a, b, c, xp, beta=0.0)     c = a @ b + beta * c     (a (M, K), b (K, N), c (M, N))
 
+(c may also be in the operands' 16-bit dtype, beta 0: the fp32 sum rounded once, as
+`cupy.matmul` gives it, so that a captured graph's GEMMs all go through this entry.)
+
 `cupy.matmul` runs bf16 and fp16 GEMMs on the tensor cores but writes its result in the
 operands' dtype; an fp32 result (the head's dxn summed over vocabulary chunks, the weight
 gradients of the 16-bit layout, added by the GEMM itself) would take a 16-bit result, a cast
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ratrain.device import kind_of, storage_of
-from ratrain.device.standin import COUNTS
+from ratrain.device.standin import did
 from ratrain.exec.kernels import BF16
 
 F32 = np.dtype(np.float32)
@@ -51,9 +54,9 @@ def check(a, b, c) -> None:
     """One line on operands gemm_ex does not take, before any launch."""
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         raise ValueError(f"gemm_ex: 2-D operands, got {a.shape}, {b.shape} and {c.shape}")
-    if a.dtype not in _HALVES or b.dtype != a.dtype or c.dtype != F32:
-        raise TypeError(f"gemm_ex: 16-bit a and b of one dtype and a float32 c, got {a.dtype}, "
-                        f"{b.dtype} and {c.dtype}")
+    if a.dtype not in _HALVES or b.dtype != a.dtype or c.dtype not in (F32, a.dtype):
+        raise TypeError(f"gemm_ex: 16-bit a and b of one dtype and a float32 c (or c in their "
+                        f"dtype), got {a.dtype}, {b.dtype} and {c.dtype}")
     (M, K), (K2, N) = a.shape, b.shape
     if K2 != K or tuple(c.shape) != (M, N):
         raise ValueError(f"gemm_ex: shapes {tuple(a.shape)} @ {tuple(b.shape)} into "
@@ -80,16 +83,21 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     check(a, b, c)
     if beta not in (0.0, 1.0):
         raise ValueError(f"gemm_ex: beta={beta}: 0 (write) or 1 (add)")
+    if beta and c.dtype != F32:
+        raise ValueError(f"gemm_ex: beta=1 adds into a float32 c, not {c.dtype}")
     M, K = a.shape
     N = b.shape[1]
     if kind_of(xp) == "standin":
         ha, hb, hc = (storage_of(x) for x in (a, b, c))
-        prod = np.matmul(ha.astype(F32), hb.astype(F32))
-        if beta:
-            hc += prod
-        else:
-            hc[...] = prod
-        COUNTS["ops"] += 1
+
+        def run():
+            prod = np.matmul(ha.astype(F32), hb.astype(F32))
+            if beta:
+                np.add(hc, prod, out=hc)
+            else:
+                hc[...] = prod  # rounded once into a 16-bit c
+        run()
+        did(run)  # one launch, which a graph may capture (exec.graphs: its own cuBLAS handle)
         return c
     if kind_of(xp) != "gpu":
         raise TypeError("gemm_ex runs on a device (cupy, or the stand-in): the host's GEMMs "
@@ -110,7 +118,7 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
     cublas.gemmEx(handle, op_b, op_a, N, M, K, alpha.ctypes.data, b.data.ptr,
                   _CUDA_TYPE[b.dtype], ld_b, a.data.ptr, _CUDA_TYPE[a.dtype], ld_a,
-                  beta_h.ctypes.data, c.data.ptr, _CUDA_TYPE[F32], c.strides[0] // c.itemsize,
+                  beta_h.ctypes.data, c.data.ptr, _CUDA_TYPE[c.dtype], c.strides[0] // c.itemsize,
                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return c
 

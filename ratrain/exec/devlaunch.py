@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ratrain.device import kind_of, storage_of
-from ratrain.device.standin import COUNTS, StandinArray
+from ratrain.device.standin import StandinArray, did
 
 # numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
 # `cuda` global of a kernel's module for its per-thread stand-in
@@ -149,9 +149,13 @@ def launch(kernel, blocks: int, threads: int, xp, *args) -> None:
         # in and back, which loses writes through aliases and refuses strided views); a
         # stand-in array's values are a numpy array (`storage_of`)
         held = [storage_of(a) for a in args]
+        wrapped = [a if h is None else FakeCUDAArray(h) for a, h in zip(args, held)]
+
+        def run():
+            kernel[blocks, threads](*wrapped)
+        run()
         if any(type(a) is StandinArray for a in args):
-            COUNTS["ops"] += 1  # a launch of the stand-in's device (benchmarks/launches.py)
-        kernel[blocks, threads](*[a if h is None else FakeCUDAArray(h) for a, h in zip(args, held)])
+            did(run)  # a launch of the stand-in's device (benchmarks/launches.py; a graph's)
         return
     stream = _stream(xp.cuda.get_current_stream().ptr)
     # ordered on the same stream as the arrays' producers: no host sync (sync=False)

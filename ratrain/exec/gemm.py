@@ -76,12 +76,14 @@ def _device_half(a, b, out, xp, h, accumulate):
     fp32 accumulation (cuBLAS's compute type for halves): a 2-D product into an fp32 `out`, or
     a new fp32 array, by cuBLAS's GemmEx, adding when `accumulate` (`exec.devgemm`: one
     launch, the fp32 sum not rounded to 16 bits, as the host's oneMKL entry gives it); into a
-    16-bit `out` by `cupy.matmul`; a batched one as `cupy.matmul`'s 16-bit result, handed back
-    as float32."""
+    16-bit `out` by GemmEx too (the sum rounded once, as `cupy.matmul` rounds it); a batched
+    one, or an operand GemmEx does not take, as `cupy.matmul`'s 16-bit result, handed back as
+    float32."""
     add_flops(2.0 * a.size * b.shape[-1])
     a16 = a if a.dtype == h else a.astype(h)
     b16 = b if b.dtype == h else b.astype(h)
-    if a16.ndim == 2 and b16.ndim == 2 and (out is None or out.dtype == F32):
+    if a16.ndim == 2 and b16.ndim == 2 and (out is None or out.dtype == F32
+                                            or (out.dtype == h and not accumulate)):
         dst = xp.empty((a16.shape[0], b16.shape[1]), F32) if out is None else out
         if devgemm.takes(a16, b16, dst):  # else (an operand without a unit stride) cupy's
             return devgemm.gemm_ex(a16, b16, dst, xp, beta=1.0 if accumulate else 0.0)

@@ -165,6 +165,13 @@ class StageState:
         self._views: dict[str, object] = {}  # separate views (16-bit or sharded): block -> flat
         self._grads: dict[str, object] = {}  # block -> flat fp32 gradient
         self._shrunk: set[str] = set()  # blocks whose gradient holds only the own segment
+        # keep_buffers: a released view or whole gradient stays held (and counted) for the
+        # block's next one, at the same address: what a device graph that reads the view and
+        # adds into the gradient needs (`exec.graphs`; set by `runtime.compute` when run.graphs
+        # is on)
+        self.keep_buffers = False
+        self._spare: dict[str, object] = {}  # block -> its gradient, kept
+        self._spare_views: dict[str, object] = {}  # block -> its view, kept
 
         if initial is not None:
             self.load_named(initial)
@@ -211,6 +218,7 @@ class StageState:
                                "cannot be cut afterwards")
         if self._views or self._grads:
             raise RuntimeError("drop every view and free every gradient before sharding")
+        self._drop_spares()  # kept at the whole state's sizes
         if p == 1:
             return
         old = {k: self.buffer(k) for k in STATE_BUFFERS}
@@ -421,6 +429,8 @@ class StageState:
         if not self.separate_views:
             return master
         view = self._views.get(block)
+        if view is None and block in self._spare_views:
+            view = self._views[block] = self._spare_views.pop(block)
         if view is None:
             a, b = self._block_range[block]
             view = self.ledger.alloc(
@@ -435,7 +445,9 @@ class StageState:
         """Release the block's view (a no-op when the view is the master)."""
         self.block(block)
         view = self._views.pop(block, None)
-        if view is not None:
+        if view is not None and self.keep_buffers:
+            self._spare_views[block] = view
+        elif view is not None:
             self.ledger.free(view)
 
     def has_view(self, block: str) -> bool:
@@ -467,17 +479,31 @@ class StageState:
         a, b = self.block_range(block)
         if block in self._grads:
             raise RuntimeError(f"the gradient of block {block!r} is already allocated")
-        g = self.ledger.alloc(f"grads.{block}", (b - a,), np.float32, self.xp)
+        g = self._spare.pop(block, None)
+        if g is not None:
+            g.fill(0)
+        else:
+            g = self.ledger.alloc(f"grads.{block}", (b - a,), np.float32, self.xp)
         self._grads[block] = g
         return g
+
+    def _release(self, block: str, g) -> None:
+        """A whole gradient given up: kept for the next alloc_grad (`keep_buffers`), or freed."""
+        if self.keep_buffers and block not in self._spare:
+            self._spare[block] = g
+        else:
+            self.ledger.free(g)
 
     def free_grad(self, block: str) -> None:
         """Release the block's gradient buffer (a no-op when none is held)."""
         self.block(block)
         g = self._grads.pop(block, None)
+        shrunk = block in self._shrunk
         self._shrunk.discard(block)
-        if g is not None:
+        if g is not None and shrunk:
             self.ledger.free(g)
+        elif g is not None:
+            self._release(block, g)
 
     def has_grad(self, block: str) -> bool:
         self.block(block)
@@ -513,7 +539,7 @@ class StageState:
         lo, hi = self._seg[block]
         g = self.ledger.alloc(f"grads.{block}", (hi - lo,), np.float32, self.xp, zero=False)
         g[...] = full[lo:hi]
-        self.ledger.free(full)
+        self._release(block, full)
         self._grads[block] = g
         self._shrunk.add(block)
         return g
@@ -527,8 +553,15 @@ class StageState:
 
     def nbytes(self) -> int:
         """Bytes of every array this state holds now (masters, moments, views, gradients)."""
-        held = [self.master_buf, self.m_buf, self.v_buf, *self._views.values(), *self._grads.values()]
+        held = [self.master_buf, self.m_buf, self.v_buf, *self._views.values(),
+                *self._grads.values(), *self._spare.values(), *self._spare_views.values()]
         return sum(int(a.nbytes) for a in held)
+
+    def _drop_spares(self) -> None:
+        """Free the views and gradients kept for reuse (`keep_buffers`)."""
+        self.ledger.free(*self._spare.values(), *self._spare_views.values())
+        self._spare.clear()
+        self._spare_views.clear()
 
     def close(self) -> None:
         """Release every buffer from the ledger (the state is unusable afterwards)."""
@@ -536,6 +569,7 @@ class StageState:
             self.drop_view(block)
         for block in list(self._grads):
             self.free_grad(block)
+        self._drop_spares()
         self.ledger.free(self.master_buf, self.m_buf, self.v_buf)
 
 

@@ -7,13 +7,16 @@ runs each layer with its recompute choice, pads each block to the platform's tim
 when a pacer is given (`exec.spec.block_flops`; the embedding, a gather, is not paced), and runs
 the lifecycle hooks a compute action carries around each block (`hook(hooks, block)`, the
 executor's). Tied embeddings: the head uses the embedding's view and gradient as its weight.
+With `run.graphs` on, the layers' calls are device graphs (`exec.graphs`): each micro-batch
+holds a slot from its forward to its backward, and what leaves the stage is a copy of a graph's
+output.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from ratrain.exec import head, layers
+from ratrain.exec import graphs, head, layers
 from ratrain.exec.spec import block_flops
 
 
@@ -26,6 +29,11 @@ class StageCompute:
         self.tokens = cfg.parallel.micro_batch * cfg.model.seq_len
         self.recompute: dict[str, str] = {}  # layer -> recompute choice (set by the executor)
         self.caches: dict = {}  # (mb, block) -> the block's cache until its backward
+        # the layers' calls as device graphs (run.graphs), a slot per micro-batch in flight
+        self.graphs = graphs.BlockGraphs(ctx) if graphs.resolve(cfg.run.graphs, ctx) else None
+        self.slots: dict[int, int] = {}  # mb -> its slot, from its forward to its backward
+        if self.graphs is not None:  # a graph reads the views and adds into the gradients
+            state.keep_buffers = True  # where it was captured
 
     def view(self, block):
         """The block's working parameter view {local name: array}."""
@@ -54,6 +62,7 @@ class StageCompute:
         stage, which embeds `inputs[mb]`); returns (output, loss or None: a 0-d array).
         `keep_caches=False` (eval) keeps nothing and recomputes nothing."""
         loss = None
+        slot = self._slot(mb) if keep_caches and self.graphs is not None else None
         for b in self.blocks:
             if hook:
                 hook(pre, b)
@@ -63,7 +72,10 @@ class StageCompute:
                     x, cache = layers.embed_forward(inputs[mb], p, self.ctx)  # (B, T, C)
                 elif role == "layer":
                     recompute = self.recompute[b] if keep_caches else "full"
-                    x, cache = layers.layer_forward(x, p, self.ctx, recompute)
+                    if slot is None:
+                        x, cache = layers.layer_forward(x, p, self.ctx, recompute)
+                    else:
+                        x, cache = self.graphs.forward(b, slot, x, p, recompute)
                 else:
                     # a 0-d array, on the device where it ran: the executor downloads
                     # the step's losses together (one host sync per step)
@@ -73,7 +85,7 @@ class StageCompute:
                 self.caches[(mb, b)] = cache
             if hook:
                 hook(post, b)
-        return x, loss
+        return (x if "head" in self.role else self._handed(x)), loss
 
     def backward(self, mb, dy, dscale, pre=(), post=(), hook=None):
         """Run the blocks backward on micro-batch `mb` (`dy`: the output gradient, None on the
@@ -87,6 +99,8 @@ class StageCompute:
             with self.pace(role, "backward", cache.recompute):
                 if role == "head":
                     dx = head.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
+                elif role == "layer" and mb in self.slots:
+                    dx = self.graphs.backward(b, self.slots[mb], dy, cache, p, g)
                 elif role == "layer":
                     dx = layers.layer_backward(dy, cache, p, g, self.ctx)
                 else:
@@ -98,7 +112,21 @@ class StageCompute:
             dy = dx
             if hook:
                 hook(post, b)
-        return dy
+        self.slots.pop(mb, None)
+        return self._handed(dy)
+
+    def _slot(self, mb: int) -> int:
+        """Micro-batch `mb`'s slot: the lowest not held by another in flight."""
+        held = set(self.slots.values())
+        self.slots[mb] = next(s for s in range(len(held) + 1) if s not in held)
+        return self.slots[mb]
+
+    def _handed(self, a):
+        """What leaves the stage (to a link, or the executor): a copy of a graph's output, which
+        its next replay rewrites, else `a` itself."""
+        if a is not None and self.graphs is not None and self.graphs.owns(a):
+            return a.copy()
+        return a
 
 
 __all__ = ["StageCompute"]

@@ -2,7 +2,7 @@
 
 `startup(args, comm)` resolves the config and checks it against the world, the registered
 collective algorithms (`comm.allreduce`), the rank's device and the kernels it asks for
-(`run.fused`, `run.devkernels`, `run.attention`), finds every rank's
+(`run.fused`, `run.devkernels`, `run.attention`, `run.graphs`), finds every rank's
 class (`platform.classes`: measured where a class says `calibrate`) and resolves what the
 config leaves to the planner (`parallel.layers_per_stage` / `replica_shares`: auto), then checks the data, a Hugging
 Face import, the memory plan (`plan.check`: against the DDR cap, or the node's memory without
@@ -27,8 +27,9 @@ from ratrain.config.offload import tier_dir
 from ratrain.data import check_data, data_resume_problem, open_datasets, record_tokenizer
 from ratrain.device import Device, local_rank, open_device
 from ratrain.hf import check_hf, import_model_section
+from ratrain.exec import graphs
 from ratrain.exec.backends import kernels_for
-from ratrain.exec.context import sgemm_rate
+from ratrain.exec.context import ExecContext, sgemm_rate
 from ratrain.lifecycle.pipeline import check_passes
 from ratrain.plan.check import available_memory, run_plan
 from ratrain.plan.hetero import resolve, with_measured_rates
@@ -188,6 +189,11 @@ def rank_classes(cfg: Config, comm):
     return agree(comm, resolve, cfg, classes), classes
 
 
+def check_graphs(cfg: Config, xp, kernels) -> None:
+    """One line where `run.graphs: on` asks for graphs this rank's layer calls cannot be."""
+    graphs.resolve(cfg.run.graphs, ExecContext(cfg.model, cfg.precision, xp, kernels=kernels))
+
+
 def measured_rate(cfg: Config) -> float:
     """This rank's sgemm rate in flop/s (best of three), at `run.threads` or its share of the
     node's cores, measured while the node's other ranks measure theirs (as they will compute)."""
@@ -205,7 +211,8 @@ def startup(args, comm) -> Setup:
     agree(comm, check_passes, cfg)  # sync.mode: partial, offload.*: what they cannot run with
     agree(comm, check_choice, cfg.comm.allreduce)  # a registered algorithm (`comm.algos`)
     device = agree(comm, rank_device, cfg)  # cupy and a card that works, before any work
-    agree(comm, kernels_for, cfg, device.xp)  # run.fused / devkernels / attention can run here
+    kernels = agree(comm, kernels_for, cfg, device.xp)  # run.fused / devkernels / attention
+    agree(comm, check_graphs, cfg, device.xp, kernels)  # run.graphs: on where layers capture
     cfg, classes = rank_classes(cfg, comm)
     data_paths = agree(comm, check_data, cfg, comm)
     cfg = agree(comm, record_tokenizer, cfg, data_paths)
