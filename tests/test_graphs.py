@@ -59,8 +59,36 @@ def test_capture_refuses_what_a_capturing_stream_refuses(what, call):
     float(a.sum())  # not capturing any more
 
 
+def test_a_replay_that_would_differ_from_its_capture_is_refused():
+    """A card replays what it captured: the host scalars and the addresses then. The stand-in
+    runs the call again on a replay and refuses it where it differs: a changed scalar, an array
+    elsewhere, another sequence of operations."""
+    held = {"scale": 2.0, "x": xp.asarray(np.ones(4, np.float32)), "more": False}
+
+    def call():
+        y = held["x"] * held["scale"]
+        if held["more"]:
+            y += 1.0
+        return y
+
+    graph, y = capture(call)
+    held["scale"] = 3.0  # frozen into the capture
+    with pytest.raises(CaptureError, match=r"^a replay of a graph differs from its capture at "
+                       r"operation 0 \(multiply\): captured 2.0, now 3.0; a graph replays"):
+        graph.launch()
+    held["scale"], held["x"] = 2.0, xp.asarray(np.ones(4, np.float32))  # another address
+    with pytest.raises(CaptureError, match=r"operation 0 \(multiply\): an array captured at "
+                       r"0x[0-9a-f]+, now at 0x[0-9a-f]+; a graph"):
+        graph.launch()
+    graph2, y2 = capture(call)
+    held["more"] = True
+    with pytest.raises(CaptureError, match=r"at operation 1 \(add\): captured '\(the capture "
+                       r"ended\)'|ran 2 operations, its capture 1"):
+        graph2.launch()
+
+
 def test_capture_is_refused_inside_a_capture_and_on_the_host():
-    with pytest.raises(CaptureError, match="a capture inside a capture"):
+    with pytest.raises(CaptureError, match="a capture or a launch inside a capture"):
         capture(lambda: capture(lambda: None))
     assert dgraphs.why_not(standin) == ""
     with pytest.raises(CaptureError, match="^capture on cpu: the host"):

@@ -10,8 +10,10 @@ address and be refilled before a launch, and nothing in it may wait for the host
 download, an upload from host memory): the capture refuses those (`CaptureError`). The arrays a
 call makes while captured belong to its graph for the graph's life (a card's private pool).
 
-On the stand-in (`device.standin.capture`) the call runs while each operation is recorded;
-its cupy rules hold: a host sync, an upload and cuBLAS through cupy are refused. On a card
+On the stand-in (`device.standin.capture`) the call runs while each operation's signature is
+recorded, and a replay runs it again, refusing any operation that differs from its capture (a
+changed scalar, an array elsewhere); its cupy rules hold: a host sync, an upload and cuBLAS
+through cupy are refused while capturing. On a card
 (cupy) a capture would queue the call on a non-blocking stream under `begin_capture` with a
 private memory pool and launch the graph on the current stream once captured; it is not built:
 `why_not` says so, and `exec.graphs` keeps a card's block calls eager.

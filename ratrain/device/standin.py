@@ -22,19 +22,24 @@ arithmetic is numpy's, so a run on the stand-in is bitwise the numpy run: the CP
 every device code path, and a missing transfer fails there as it would on a GPU.
 
 Capture (`capture(fn)`, what `device.graphs` runs a CUDA graph's capture as on the stand-in):
-while `fn` runs, each device operation is computed as usual and also recorded, with the arrays it
-read and wrote and its host scalars as they were; `StandinGraph.launch()` runs the recorded
-operations again on the same storage, in order, and counts one operation (a graph launch),
-its operations in `COUNTS["graph_ops"]`. What cupy refuses while a stream captures is refused
-here with `CaptureError`: a host sync (`float(a)`, `.get()`, `.item()`), an upload from host
-memory, and cuBLAS through cupy (`matmul`, `dot`, `einsum`, ... : cupy's cuBLAS wrappers refuse
-capture). Every array made under capture stays with the graph (a card's private pool).
+`fn` runs once while each device operation's signature is recorded: its name, each array it
+reads or writes (one the call made itself, named by the operation that made it, or any other by
+its address and layout) and each host scalar it is given, by value. `StandinGraph.launch()`, a
+replay, runs `fn` again, checks each operation against the capture and refuses the first that
+differs (`CaptureError`: a scalar that changed, an array now elsewhere, another sequence), so
+what passes is exactly what a card would replay; its results are written into the arrays the
+capture returned (the graph's), and it counts as one operation (a graph launch), its
+operations in `COUNTS["graph_ops"]`. A call's own arrays live as long as the call, as a card's
+private pool reuses them. What cupy refuses while a stream captures is refused in a capture: a
+host sync (`float(a)`, `.get()`, `.item()`), an upload from host memory, and cuBLAS through
+cupy (`matmul`, `dot`, `einsum`, ...: cupy's cuBLAS wrappers refuse a capturing stream).
 """
 
 from __future__ import annotations
 
 import collections
 import types
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -50,35 +55,142 @@ class CaptureError(RuntimeError):
 
 
 class _Capture:
-    """The stand-in's capture state: the graph being recorded (None: not capturing) and
-    whether a graph is replaying (its operations then count as the graph's, not the host's)."""
+    """The stand-in's capture state: the trace of the graph being captured or replayed (None:
+    neither; `trace.graph` says which graph, `trace.replay` whether it is a replay)."""
 
-    graph = None
-    replaying = False
+    trace = None
+
+
+def _capturing() -> bool:
+    return _Capture.trace is not None and not _Capture.trace.replay
 
 
 def _refuse_captured(what: str) -> None:
-    if _Capture.graph is not None:
+    if _capturing():
         raise CaptureError(f"{what} while a stream captures a graph: cupy refuses it "
                            "(cudaErrorStreamCaptureUnsupported); keep it outside the captured "
                            "call")
 
 
-def did(rerun, result=None, ops: int = 1) -> None:
-    """Count `ops` device operations just queued (`ops` 0: none) and, while capturing, record
-    them: `rerun()` queues them again on the same arrays, returning what they made, which a
-    replay copies into `result` (the arrays they made at capture; None: they write in place).
-    Within a replay nothing is counted or recorded (the graph's launch counts itself)."""
-    if _Capture.replaying or not ops:
+def did(name: str, inputs, made=None, ops: int = 1) -> None:
+    """Count `ops` device operations `name` just queued on `inputs` (its arguments, arrays and
+    host scalars), making `made` (None: it wrote in place); `ops` 0: none. Within a capture or
+    a replay they are the graph's, and their signature is recorded or checked (see the
+    module)."""
+    if not ops:
         return
-    if _Capture.graph is not None:
-        _Capture.graph._record(rerun, result, ops)
+    if _Capture.trace is not None:
+        _Capture.trace.op(name, inputs, made, ops)
     else:
         COUNTS["ops"] += ops
 
 
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns `a`'s memory (itself, or the base its views come from)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _arrays(v):
+    """The numpy arrays in a structure of arguments or results (stand-in arrays unwrapped)."""
+    if type(v) is StandinArray:
+        yield v._a
+    elif isinstance(v, np.ndarray):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _arrays(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _arrays(x)
+
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), np.generic, np.dtype, type)
+
+
+class _Trace:
+    """One run of a captured call: each operation's signature (its name; each array argument
+    as a temporary of the call, by the operation that made it, or by its address; every host
+    scalar by value) recorded at capture, compared on a replay."""
+
+    def __init__(self, graph, replay: bool):
+        self.graph, self.replay = graph, replay
+        self.temps: dict = {}  # id(root) -> (key, weak reference to the root)
+        self.k = 0
+        self.ops = 0
+
+    def _where(self, a: np.ndarray) -> tuple:
+        root = _root(a)
+        t = self.temps.get(id(root))
+        at = t[0] if t is not None and t[1]() is root else ("at", _data(root))
+        return (at, _data(a) - _data(root), a.shape, a.strides, a.dtype.str)
+
+    def _desc(self, v):
+        if type(v) is StandinArray:
+            v = v._a
+        if isinstance(v, np.ndarray):
+            return self._where(v)
+        if isinstance(v, (list, tuple)):
+            return tuple(self._desc(x) for x in v)
+        if isinstance(v, dict):
+            return tuple((k, self._desc(x)) for k, x in v.items())
+        if isinstance(v, slice):
+            return ("slice", self._desc(v.start), self._desc(v.stop), self._desc(v.step))
+        if isinstance(v, _SCALARS) or v is Ellipsis:
+            return v if not isinstance(v, float) or v == v else "nan"
+        return type(v).__qualname__  # a kernel, a backend: what it is, not where
+
+    def alloc(self, made) -> None:
+        """An allocation (no operation): its arrays are the call's temporaries."""
+        self.op("(alloc)", (), made, 0)
+
+    def op(self, name, inputs, made, ops) -> None:
+        sig = (name, self._desc(inputs), ops)
+        seen = {id(_root(a)) for a in _arrays(inputs)}
+        for i, a in enumerate(_arrays(made)):
+            root = _root(a)
+            if id(root) not in seen:
+                self.temps[id(root)] = (("temp", self.k, i), weakref.ref(root))
+        if self.replay:
+            sigs = self.graph.sigs
+            if self.k >= len(sigs) or sigs[self.k] != sig:
+                want = sigs[self.k] if self.k < len(sigs) else "(the capture ended)"
+                raise CaptureError(f"a replay of a graph differs from its capture at operation "
+                                   f"{self.k} ({name}): {_first_difference(want, sig)}; a graph "
+                                   "replays what it captured, with the same arrays and host "
+                                   "scalars")
+        else:
+            self.graph.sigs.append(sig)
+        self.k += 1
+        self.ops += ops
+
+
+def _data(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _first_difference(want, got) -> str:
+    """Where two signatures first differ, in words."""
+    marks = ("at", "temp")
+    if isinstance(want, tuple) and isinstance(got, tuple) and want[:1] in [(m,) for m in marks] \
+            and got[:1] in [(m,) for m in marks]:
+        return f"an array captured {_said(want)}, now {_said(got)}"
+    if isinstance(want, tuple) and isinstance(got, tuple) and len(want) == len(got):
+        for w, g in zip(want, got):
+            if w != g:
+                return _first_difference(w, g)
+    return f"captured {want!r}, now {got!r}"
+
+
+def _said(where: tuple) -> str:
+    return (f"at {where[1]:#x}" if where[0] == "at" else
+            f"as the call's own (made by its operation {where[1]})")
+
+
 def _copy_into(dst, src) -> None:
-    """A replay's results into the arrays the capture made (the graph's addresses)."""
+    """A replay's results into the arrays its capture made (the graph's, which its callers
+    hold): arrays element by element, through lists, tuples, dicts and objects' fields."""
     if type(dst) is StandinArray:
         dst = dst._a
     if type(src) is StandinArray:
@@ -86,37 +198,47 @@ def _copy_into(dst, src) -> None:
     if isinstance(src, np.generic):  # a reduction's scalar, which the device made a 0-d array
         src = np.asarray(src)
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        if not np.may_share_memory(dst, src) or dst.__array_interface__ != src.__array_interface__:
+        if dst.__array_interface__ != src.__array_interface__:
             np.copyto(dst, src)
     elif isinstance(dst, (list, tuple)) and isinstance(src, (list, tuple)):
         for d, r in zip(dst, src):
             _copy_into(d, r)
+    elif isinstance(dst, dict) and isinstance(src, dict):
+        for k in dst:
+            _copy_into(dst[k], src[k])
+    elif hasattr(dst, "__dict__") and type(dst) is type(src):
+        for k, d in vars(dst).items():
+            _copy_into(d, vars(src)[k])
 
 
 class StandinGraph:
-    """A captured sequence of the stand-in's device operations (see the module)."""
+    """A captured call of the stand-in (see the module): its operations' signatures, the call
+    and what it returned (the graph's arrays)."""
 
-    def __init__(self):
-        self.steps: list = []
+    def __init__(self, fn):
+        self.fn = fn
+        self.sigs: list = []
         self.ops = 0
+        self.result = None
 
-    def _record(self, rerun, result, ops) -> None:
-        if rerun is None:
-            raise CaptureError("an operation the stand-in cannot replay while capturing")
-        self.steps.append((rerun, result))
-        self.ops += ops
+    def _run(self, replay: bool):
+        if _Capture.trace is not None:
+            raise CaptureError("a capture or a launch inside a capture or a replay")
+        trace = _Capture.trace = _Trace(self, replay)
+        try:
+            result = self.fn()
+        finally:
+            _Capture.trace = None
+        if replay and trace.k != len(self.sigs):
+            raise CaptureError(f"a replay of a graph ran {trace.k} operations, its capture "
+                               f"{len(self.sigs)}")
+        return result, trace.ops
 
     def launch(self) -> None:
-        if _Capture.graph is not None:
-            raise CaptureError("a graph launched while another is captured")
-        _Capture.replaying = True
-        try:
-            for rerun, result in self.steps:
-                r = rerun()
-                if result is not None:
-                    _copy_into(result, r)
-        finally:
-            _Capture.replaying = False
+        """Replay: the call run again, each operation checked against the capture, its results
+        written into the graph's arrays; counted as one operation (a graph launch)."""
+        result, _ = self._run(replay=True)
+        _copy_into(self.result, result)
         COUNTS["ops"] += 1
         COUNTS["graphs"] += 1
         COUNTS["graph_ops"] += self.ops
@@ -125,19 +247,13 @@ class StandinGraph:
 def capture(fn):
     """(graph, fn()): `fn` run once while its device operations are recorded (see the module),
     counted as the graph's first launch."""
-    if _Capture.graph is not None or _Capture.replaying:
-        raise CaptureError("a capture inside a capture or a replay")
-    graph = StandinGraph()
-    _Capture.graph = graph
-    try:
-        result = fn()
-    finally:
-        _Capture.graph = None
+    graph = StandinGraph(fn)
+    graph.result, graph.ops = graph._run(replay=False)
     # what a card does next: the graph launched once (here its operations already ran)
     COUNTS["ops"] += 1
     COUNTS["graphs"] += 1
     COUNTS["graph_ops"] += graph.ops
-    return graph, result
+    return graph, graph.result
 
 _REFUSED = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
             "construct a NumPy array explicitly.")
@@ -147,15 +263,18 @@ _UPLOADERS = frozenset({"asarray", "array", "asanyarray", "ascontiguousarray"})
 # to another dtype)
 _NO_WORK = frozenset({"empty", "empty_like", "shape", "ndim", "size", "result_type", "dtype",
                       "broadcast_shapes", "iinfo", "finfo", "can_cast", "promote_types"})
+_ALLOCATORS = frozenset({"empty", "empty_like"})  # a capture's temporaries, though no work
 _VIEWS = frozenset({"reshape", "transpose", "swapaxes", "squeeze", "ravel", "view",
                     "broadcast_to", "expand_dims", "moveaxis", "atleast_1d", "atleast_2d",
                     "split", "array_split", "astype", "asarray", "ascontiguousarray"})
 
 
-def _op(name: str, result, inputs, rerun=None, made=None) -> None:
+def _op(name: str, result, inputs, made=None, args=()) -> None:
     """Count one device operation, unless `name` queues no work or made a view of an input
-    (`rerun` queues it again and `made` is the device array it made: `did`)."""
+    (`made`: the device array it made, `args` its arguments: `did`)."""
     if name in _NO_WORK:
+        if name in _ALLOCATORS and _Capture.trace is not None:
+            _Capture.trace.alloc(made)
         return
     if name in _VIEWS:
         res = result if isinstance(result, (list, tuple)) else (result,)
@@ -163,7 +282,7 @@ def _op(name: str, result, inputs, rerun=None, made=None) -> None:
         if all(isinstance(r, np.ndarray) and any(np.may_share_memory(r, b) for b in base)
                for r in res):
             return
-    did(rerun, made)
+    did(name, args, made)
 
 
 def _unwrap(v, host_ok: bool = False):
@@ -228,7 +347,7 @@ def _device_call(f, host_ok: bool = False, name: str | None = None, this=None):
         ua, uk = _unwrap(args, host_ok), _unwrap(kwargs, host_ok)
         r = f(*ua, **uk)
         made = _wrap(r)
-        _op(name, r, (this, *args), lambda: f(*ua, **uk), made)
+        _op(name, r, (this, *args), made, (this, ua, uk))
         return made
     call.__name__ = getattr(f, "__name__", "call")
     call.__doc__ = getattr(f, "__doc__", None)
@@ -255,9 +374,8 @@ def _binary(uf, reflected: bool = False):
         if uf is _matmul:
             _refuse_captured("cuBLAS through cupy (matmul)")
         a, o = self._a, _unwrap(other)
-        run = (lambda: uf(o, a)) if reflected else (lambda: uf(a, o))
-        made = _wrap(run())
-        did(run, made)
+        made = _wrap(uf(o, a) if reflected else uf(a, o))
+        did(uf.__name__, (a, o, reflected), made)
         return made
     return op
 
@@ -265,11 +383,8 @@ def _binary(uf, reflected: bool = False):
 def _inplace(uf):
     def op(self, other):
         a, o = self._a, _unwrap(other)
-
-        def run():
-            uf(a, o, out=a)
-        run()
-        did(run)
+        uf(a, o, out=a)
+        did(uf.__name__, (a, o))
         return self
     return op
 
@@ -278,7 +393,7 @@ def _unary(uf):
     def op(self):
         a = self._a
         made = _wrap(uf(a))
-        did(lambda: uf(a), made)
+        did(uf.__name__, (a,), made)
         return made
     return op
 
@@ -361,7 +476,7 @@ class StandinArray:
             _refuse_captured("cuBLAS through cupy (matmul)")
         ui, uk = _unwrap(inputs), _unwrap(kwargs)
         made = _wrap(f(*ui, **uk))
-        did(lambda: f(*ui, **uk), made)
+        did(f"{ufunc.__name__}.{method}", (ui, uk), made)
         return made
 
     def __array_function__(self, func, types, args, kwargs):
@@ -372,7 +487,7 @@ class StandinArray:
         ua, uk = _unwrap(args), _unwrap(kwargs)
         r = func(*ua, **uk)
         made = _wrap(r)
-        _op(func.__name__, r, args, lambda: func(*ua, **uk), made)
+        _op(func.__name__, r, args, made, (ua, uk))
         return made
 
     # ---- attributes ----
@@ -410,7 +525,7 @@ class StandinArray:
         r = a[k]
         made = _wrap(r)
         if isinstance(r, np.ndarray) and r.size and not np.may_share_memory(r, a):
-            did(lambda: a[k], made)  # a gather (advanced indexing); a basic index is a view
+            did("getitem", (a, k), made)  # a gather (advanced indexing); a basic index: a view
         return made
 
     def __setitem__(self, key, value):
@@ -420,12 +535,8 @@ class StandinArray:
             if (t.__array_interface__["data"][0] == v.__array_interface__["data"][0]
                     and t.shape == v.shape and t.strides == v.strides):
                 return  # `a[i] += b` stores the view back into itself: cupy skips it
-        a = self._a
-
-        def run():
-            a[k] = v
-        run()
-        did(run)
+        self._a[k] = v
+        did("setitem", (self._a, k, v))
 
     # ---- operators (numpy's ufuncs on the storage; host arrays refused) ----
     __add__, __radd__ = _binary(np.add), _binary(np.add, True)

@@ -79,7 +79,7 @@ def _kernel(fn):
     def call(*args, **kwargs):
         _PENDING[0] = 0
         r = fn(*args, **kwargs)
-        did(lambda: fn(*args, **kwargs), r, _PENDING[0])
+        did(fn.__qualname__, (args, kwargs), r, _PENDING[0])
         return r
     return call
 
