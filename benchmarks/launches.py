@@ -27,9 +27,11 @@ attention is what a card's `auto` runs: at fp16 and bf16 cuDNN's, as the stand-i
 (`run.attention: cudnn-count`, a graph's execute one operation), at fp32 the tiled path at tile
 1024 (`--against run.attention=tiled-1024` counts a 16-bit step with it). With cuDNN's
 attention each decoder layer's forward and backward is a device graph (`run.graphs: auto`,
-`exec.graphs`): the step counted is the third (the first runs the layers eagerly, the second
-captures them), a graph's launch one host launch and its operations the device's; the host
-launches a step and a micro-batch are reported beside the device operations
+`exec.graphs`): the step counted is the first that captures nothing (a block's first call runs
+eagerly, its second is captured), a graph's launch one host launch and its operations the device's; the host
+launches a step are reported beside the device operations, split into those of the
+micro-batches' forward and backward calls (a micro-batch's: their sum over the micro-batches)
+and those once a step
 (`--against run.graphs=off` counts the eager step). The counts do not
 depend on the host, its load or its threads (the stand-in computes in one thread, as a device
 rank does).
@@ -52,9 +54,10 @@ BASE = ("run.devkernels=count",)
 # the attention a card's `auto` runs: cuDNN's (counted) at 16 bits, the tiled path at fp32
 ATTENTION = {"bf16": "cudnn-count", "fp16": "cudnn-count", "fp32": "tiled-1024"}
 SMOKE = ("run.devkernels=sim", "run.attention=tiled-1024")  # numba-cuda's simulator
-# steps before the one counted: the first runs each layer's calls eagerly, the second captures
-# them where run.graphs is on (`exec.graphs`), so the counted one replays
-WARM_STEPS = 2
+# at most this many steps before the one counted: where run.graphs is on (`exec.graphs`) a
+# block's first call runs eagerly, its second is captured, and a block whose input came from an
+# eager call is captured again once it comes from a graph; the counted step replays them all
+WARM_STEPS = 6
 
 
 def count(precision: str, sets, smoke: bool = False) -> dict:
@@ -72,10 +75,29 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
         devlaunch.MAX_BLOCKS, devkernels.ROW_GROUPS, devlaunch.SIM_THREADS = 1, 1, 8
     dev = open_device("standin")
     base = SMOKE if smoke else (*BASE, f"run.attention={ATTENTION[precision]}")
+    from ratrain.runtime.compute import StageCompute
+
+    inside = [0]  # host launches inside the micro-batches' forward and backward calls
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            before = COUNTS["ops"]
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += COUNTS["ops"] - before
+        return call
+
+    StageCompute.forward = counted(StageCompute.forward)
+    StageCompute.backward = counted(StageCompute.backward)
     step, _, cfg, kernels = ratrain_contender(precision, dev, smoke, sets=(*base, *sets))
-    for _ in range(WARM_STEPS):
+    for i in range(WARM_STEPS):  # until a step after the first captures no graph
+        COUNTS.clear()
         step()
+        if i and not COUNTS["captures"]:
+            break
     COUNTS.clear()
+    inside[0] = 0
 
     def device_ops():  # a graph's launch is one host launch, its operations the device's
         return COUNTS["ops"] - COUNTS["graphs"] + COUNTS["graph_ops"]
@@ -94,7 +116,8 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     m = cfg.parallel.num_micro_batches
     return {"sets": list(sets), "kernels": kernels, "graphs": cfg.run.graphs, "ops": total,
             "host_launches": COUNTS["ops"], "graph_launches": COUNTS["graphs"],
-            "host_launches_per_micro_batch": COUNTS["ops"] / m, "micro_batches": m,
+            "host_launches_per_micro_batch": inside[0] / m, "micro_batches": m,
+            "host_launches_once_a_step": COUNTS["ops"] - inside[0],
             "stand_in_seconds": seconds, "by_category": rows}
 
 
@@ -149,8 +172,10 @@ def main(argv=None) -> int:
         print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
         print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
               f"{r['stand_in_seconds']:.1f} s); {r['host_launches']:,} host launches "
-              f"({r['graph_launches']} of them graphs), "
-              f"{r['host_launches_per_micro_batch']:.1f} a micro-batch of {r['micro_batches']}")
+              f"({r['graph_launches']} of them graphs): "
+              f"{r['host_launches_per_micro_batch']:.1f} a micro-batch's forward and backward "
+              f"(of {r['micro_batches']}), {r['host_launches_once_a_step']} once a step (the "
+              "update, the views, the gradient norm, the inputs)")
         for row in r["by_category"]:
             print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
     if groups:
@@ -164,6 +189,8 @@ def main(argv=None) -> int:
            "host_launches_per_micro_batch": {k: r["host_launches_per_micro_batch"]
                                              for k, r in runs.items()},
            "graph_launches": {k: r["graph_launches"] for k, r in runs.items()},
+           "host_launches_once_a_step": {k: r["host_launches_once_a_step"]
+                                         for k, r in runs.items()},
            "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}
                            for k, r in runs.items()},
            "sets": {k: r["sets"] for k, r in runs.items()}}

@@ -115,7 +115,7 @@ def test_graphs_resolve_where_every_op_of_a_layer_call_captures():
         graphs.resolve("on", host)
 
 
-def _run(precision, mode, steps=4, recompute="none", pp=1, m=3):
+def _run(precision, mode, steps=6, recompute="none", pp=1, m=3):
     cfg = tiny_config(precision=precision, recompute=recompute, steps=steps, m=m)
     cfg = replace(cfg, run=replace(cfg.run, devkernels="count", attention="cudnn-count",
                                    graphs=mode))
@@ -142,18 +142,22 @@ def test_replayed_layers_train_bitwise_as_eager_ones(precision, recompute):
     assert [r for r, _ in replayed] == [r for r, _ in eager]
     for name, w in eager_params.items():
         np.testing.assert_array_equal(params[name], w, err_msg=name)
-    layers, m = MODEL.layers, 3
-    # each layer's forward and backward captured once (one micro-batch in flight on one stage)
-    assert bg.captures == 2 * layers
+    # each layer's forward and backward, the head's and the embedding's backward captured,
+    # again where an input came from an eager call then and from a graph later, then replayed
+    graphed, m = 2 * MODEL.layers + 3, 3
+    assert [c.get("captures", 0) for _, c in replayed[-2:]] == [0, 0]
+    assert graphed <= bg.captures <= 3 * graphed
     (_, first), (_, last) = eager[-1], replayed[-1]
-    assert last["graphs"] == 2 * layers * m  # every layer call a replay
-    assert last["ops"] < first["ops"] // 2, (last, first)  # the host launches
-    # a replay runs what the eager call ran, plus one copy into a graph's input a micro-batch
-    # and direction
-    assert last["ops"] - last["graphs"] + last["graph_ops"] == first["ops"] + 2 * m
+    assert last["graphs"] == graphed * m  # every such call a replay
+    assert last["ops"] < first["ops"] // 4, (last, first)  # the host launches
+    # a replay runs what the eager call ran, plus the copies a micro-batch: into a graph's
+    # input (the first layer's x, the head's targets, the embedding's ids) and out of one (the
+    # loss the executor keeps)
+    assert last["ops"] - last["graphs"] + last["graph_ops"] == first["ops"] + 4 * m
     assert last["syncs"] == first["syncs"] == 1
 
 
 def test_views_and_gradients_keep_their_addresses_for_the_graphs():
-    _, _, bg = _run("bf16", "on", steps=3)
-    assert bg.captures == 2 * MODEL.layers  # no recapture: the views and gradients stayed put
+    steps, _, _ = _run("bf16", "on", steps=8)
+    # none after the chain settles: the views and gradients stayed where they were
+    assert [c.get("captures", 0) for _, c in steps[4:]] == [0] * 4

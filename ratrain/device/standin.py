@@ -250,6 +250,7 @@ def capture(fn):
     graph = StandinGraph(fn)
     graph.result, graph.ops = graph._run(replay=False)
     # what a card does next: the graph launched once (here its operations already ran)
+    COUNTS["captures"] += 1
     COUNTS["ops"] += 1
     COUNTS["graphs"] += 1
     COUNTS["graph_ops"] += graph.ops

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ratrain.device import graphs as dgraphs
 from ratrain.device import storage_of
-from ratrain.exec import layers
+from ratrain.exec import head, layers
 
 GRAPHS = ("auto", "on", "off")
 
@@ -75,7 +75,8 @@ def _where_all(arrays: dict) -> tuple:
 
 
 def _made(out):
-    """The array a call hands on: y of a forward's (y, cache), a backward's dx."""
+    """The array a call hands on: y of a forward's (y, cache) (the head's loss), a backward's
+    dx (None: the embedding's backward)."""
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -83,12 +84,12 @@ def _made(out):
 class _Entry:
     graph: object
     sig: tuple
-    inp: object  # the graph's input (x forward, dy backward)
+    inp: tuple  # the graph's inputs (x forward, dy backward; the targets, the token ids)
     out: object  # what the call returns: (y, cache) forward, dx backward
 
 
 class BlockGraphs:
-    """The layer calls of one stage captured and replayed (see the module)."""
+    """The block calls of one stage captured and replayed (see the module)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -104,41 +105,80 @@ class BlockGraphs:
             return a
         return a.copy()
 
-    def _call(self, key, slot, sig, inp, run):
-        """Replay `key` when its addresses are `sig`, else run eagerly (the first call at
-        these addresses) or capture (the second); `run(inp)` is the eager call."""
+    def _forget(self, key, slot) -> None:
+        old = self.entries.pop(key, None)
+        made = _made(old.out) if old is not None else None
+        if made is not None:
+            self.outputs.get(slot, {}).pop(id(made), None)
+
+    def _call(self, key, slot, sig, inputs: tuple, run):
+        """Replay `key` when its addresses and scalars are `sig`, else run eagerly (the first
+        call with them) or capture (the second); `run(*inputs)` is the eager call. Which
+        inputs are graphs' outputs is part of the key, so a graph captured while its input came
+        from an eager call is captured again once that input comes from a graph (no copy)."""
+        owned = self.outputs.get(slot, {})
+        sig = (sig, tuple(id(a) if owned.get(id(a)) is a else None for a in inputs))
         e = self.entries.get(key)
         if e is not None and e.sig == sig:
-            if inp is not e.inp:
-                e.inp[...] = inp  # into the graph's own input buffer
+            for a, mine in zip(inputs, e.inp):
+                if a is not mine:
+                    mine[...] = a  # into the graph's own input buffer
             e.graph.launch()
             return e.out
         if self.seen.get(key) != sig:
             self.seen[key] = sig
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.outputs.get(slot, {}).pop(id(_made(old.out)), None)
-            return run(inp)
-        mine = self._input(inp, slot)
-        graph, out = dgraphs.capture(self.ctx.xp, lambda: run(mine))
+            self._forget(key, slot)
+            return run(*inputs)
+        mine = tuple(self._input(a, slot) for a in inputs)
+        graph, out = dgraphs.capture(self.ctx.xp, lambda: run(*mine))
         self.entries[key] = _Entry(graph, sig, mine, out)
         self.captures += 1
         made = _made(out)
-        self.outputs.setdefault(slot, {})[id(made)] = made
+        if made is not None:
+            self.outputs.setdefault(slot, {})[id(made)] = made
         return out
 
+    def _cache_of(self, block, slot, cache) -> bool:
+        """Whether `cache` is what the block's forward graph of the slot keeps."""
+        fe = self.entries.get((block, "forward", slot))
+        return fe is not None and fe.out[1] is cache
+
     def forward(self, block, slot, x, p, recompute):
+        """A decoder layer's forward: `layers.layer_forward`'s (y, cache)."""
         sig = (recompute, _where_all(p), tuple(x.shape), str(x.dtype))
-        return self._call((block, "forward", slot), slot, sig, x,
+        return self._call((block, "forward", slot), slot, sig, (x,),
                           lambda xin: layers.layer_forward(xin, p, self.ctx, recompute))
 
     def backward(self, block, slot, dy, cache, p, g):
-        fe = self.entries.get((block, "forward", slot))
-        if fe is None or fe.out[1] is not cache:  # an eager forward's cache: eager
+        """A decoder layer's backward: `layers.layer_backward`'s dx."""
+        if not self._cache_of(block, slot, cache):  # an eager forward's cache: eager
             return layers.layer_backward(dy, cache, p, g, self.ctx)
         sig = (id(cache), _where_all(p), _where_all(g), tuple(dy.shape), str(dy.dtype))
-        return self._call((block, "backward", slot), slot, sig, dy,
+        return self._call((block, "backward", slot), slot, sig, (dy,),
                           lambda dyin: layers.layer_backward(dyin, cache, p, g, self.ctx))
+
+    def head_forward(self, block, slot, x, targets, p):
+        """The head's forward: `head.head_forward`'s (loss, cache)."""
+        sig = (_where_all(p), tuple(x.shape), str(x.dtype), tuple(targets.shape))
+        return self._call((block, "forward", slot), slot, sig, (x, targets),
+                          lambda xin, t: head.head_forward(xin, t, p, self.ctx))
+
+    def head_backward(self, block, slot, dscale, cache, p, g):
+        """The head's backward: `head.head_backward`'s dx; the loss's seed `dscale`, a host
+        scalar a replay would freeze, is part of the key (a new one is captured anew)."""
+        if not self._cache_of(block, slot, cache):
+            return head.head_backward(dscale, cache, p, g, self.ctx)
+        sig = (id(cache), float(dscale), _where_all(p), _where_all(g))
+        return self._call((block, "backward", slot), slot, sig, (),
+                          lambda: head.head_backward(dscale, cache, p, g, self.ctx))
+
+    def embed_backward(self, block, slot, dy, cache, p, g) -> None:
+        """The embedding's backward (`layers.embed_backward`), its token ids an input."""
+        sig = (_where_all(p), _where_all(g), tuple(dy.shape), tuple(cache.x.shape))
+        self._call((block, "backward", slot), slot, sig, (dy, cache.x),
+                   lambda dyin, ids: layers.embed_backward(
+                       dyin, layers.BlockCache("embed", "none", ids, [], None, {}), p, g,
+                       self.ctx))
 
     def owns(self, a) -> bool:
         """Whether `a` is a graph's output (rewritten by its next replay)."""

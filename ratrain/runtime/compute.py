@@ -76,10 +76,13 @@ class StageCompute:
                         x, cache = layers.layer_forward(x, p, self.ctx, recompute)
                     else:
                         x, cache = self.graphs.forward(b, slot, x, p, recompute)
-                else:
+                elif slot is None:
                     # a 0-d array, on the device where it ran: the executor downloads
                     # the step's losses together (one host sync per step)
                     loss, cache = head.head_forward(x, targets[mb], p, self.ctx)
+                else:
+                    loss, cache = self.graphs.head_forward(b, slot, x, targets[mb], p)
+                    loss = self._handed(loss)
             if keep_caches:
                 self.ledger.track(f"activations.mb{mb}.{b}", *layers.cache_arrays(cache))
                 self.caches[(mb, b)] = cache
@@ -96,13 +99,19 @@ class StageCompute:
                 hook(pre, b)
             role, cache = self.role[b], self.caches.pop((mb, b))
             p, g = self.view(b), self.grad(b)
+            slot = self.slots.get(mb)
             with self.pace(role, "backward", cache.recompute):
-                if role == "head":
+                if role == "head" and slot is not None:
+                    dx = self.graphs.head_backward(b, slot, dscale, cache, p, g)
+                elif role == "head":
                     dx = head.head_backward(dscale, cache, p, g, self.ctx)  # (B, T, C)
-                elif role == "layer" and mb in self.slots:
-                    dx = self.graphs.backward(b, self.slots[mb], dy, cache, p, g)
+                elif role == "layer" and slot is not None:
+                    dx = self.graphs.backward(b, slot, dy, cache, p, g)
                 elif role == "layer":
                     dx = layers.layer_backward(dy, cache, p, g, self.ctx)
+                elif slot is not None:
+                    self.graphs.embed_backward(b, slot, dy, cache, p, g)
+                    dx = None
                 else:
                     layers.embed_backward(dy, cache, p, g, self.ctx)
                     dx = None
