@@ -110,6 +110,10 @@ def test_graphs_resolve_where_every_op_of_a_layer_call_captures():
         assert not graphs.resolve("auto", ctx)
         with pytest.raises(ValueError, match=f"^run.graphs=on: {why}.*; set run.graphs=auto"):
             graphs.resolve("on", ctx)
+    assert not graphs.resolve("auto", _ctx("bf16"), parks=True)
+    with pytest.raises(ValueError, match="^run.graphs=on: offload.activations moves a cache's "
+                       r"arrays .* \(set offload.activations=off\); set run.graphs=auto"):
+        graphs.resolve("on", _ctx("bf16"), parks=True)
     host = ExecContext(MODEL, "bf16", np)
     with pytest.raises(ValueError, match="^run.graphs=on: the host .* a graph is a device's"):
         graphs.resolve("on", host)

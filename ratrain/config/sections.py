@@ -408,10 +408,11 @@ class RunConfig:
         bf16; refused elsewhere). cudnn-count is cuDNN's backend on the stand-in at fp16 and
         bf16, its calls counted and computed by the tiled path (benchmarks/launches.py). A program may register its own (docs/INTERNALS.md, "An
         attention backend")
-    graphs: auto | on | off: each decoder layer's forward and backward on a device as a CUDA
-        graph, captured once per micro-batch in flight and replayed by one host launch
-        (exec.graphs), eager the reference. auto: on where every op of a layer call can be
-        captured (the stand-in in fp16 and bf16 with cuDNN's attention; not yet on a card, see
+    graphs: auto | on | off: a device's block calls (each decoder layer's forward and backward,
+        the head's, the embedding's backward) as CUDA graphs, captured once per micro-batch in
+        flight and replayed by one host launch each (exec.graphs), eager the reference. auto:
+        on where every op of a block call can be captured (the stand-in in fp16 and bf16 with
+        cuDNN's attention, without offload.activations; not yet on a card, see
         docs/INTERNALS.md); on: refused in one line where they cannot be
     reference_ops: ops that run their reference (the array module's composition: numpy,
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
@@ -448,7 +449,7 @@ class RunConfig:
     fused: str | bool = "auto"  # auto | on | off (RATRAIN_FUSED)
     devkernels: str | bool = "auto"  # auto | on | off | sim | count (RATRAIN_DEVKERNELS)
     attention: str = "auto"  # auto | a backend's name
-    graphs: str | bool = "auto"  # auto | on | off: the layers' calls as device graphs
+    graphs: str | bool = "auto"  # auto | on | off: the blocks' calls as device graphs
     reference_ops: tuple[str, ...] = ()  # ops on their reference whatever fused / devkernels say
     blas: str = "auto"  # auto | openblas | mkl: a CPU rank's GEMMs
     head_chunk_mib: int = 0  # the head's logits chunk, MiB; 0 = the device's (cpu 16, gpu 256)

@@ -11,7 +11,7 @@ fused attention through nvidia-cudnn-frontend, imported on first use) and the ta
 once per rank, which implementation runs each op (`backends`, with the registry of attention
 backends); the blocks built from them with their caches and recompute choices (`layers`; the
 head, its loss and its vocabulary walk, `head`), the execution context of threads, dtypes, the
-kernel table and RoPE tables (`context`); a decoder layer's calls as device graphs, a slot
+kernel table and RoPE tables (`context`); the blocks' calls as device graphs, a slot
 per micro-batch in flight (`graphs`); a stage's flat buffers of masters, moments, views and
 gradients (`params`); AdamW, clipping, the LR schedule and loss scaling (`optim`).
 

@@ -1,27 +1,33 @@
-"""A decoder layer's forward and backward as device graphs (`run.graphs`), eager the reference.
+"""A stage's block calls as device graphs (`run.graphs`), eager the reference.
 
     graphs = BlockGraphs(ctx)
     y, cache = graphs.forward(block, slot, x, p, recompute)     layers.layer_forward's result
     dx = graphs.backward(block, slot, dy, cache, p, g)          layers.layer_backward's result
+    loss, cache = graphs.head_forward(block, slot, x, targets, p)    head.head_forward's
+    dx = graphs.head_backward(block, slot, dscale, cache, p, g)      head.head_backward's
+    graphs.embed_backward(block, slot, dy, cache, p, g)              layers.embed_backward
 
-Each (layer, phase, slot) is captured once (`device.graphs`) and replayed by one host launch
+Each (block, phase, slot) is captured once (`device.graphs`) and replayed by one host launch
 after. A slot is a micro-batch in flight on the stage (`runtime.compute`: the lowest one free
 when its forward starts, free again when its backward ends), so a slot's forward graph owns
 the arrays its cache keeps until that micro-batch's backward, which its backward graph reads.
+(The embedding's forward, one gather, stays eager.)
 
 A replay runs on the addresses it was captured on. So a key is replayed only while what the
 call reads is where it was: the block's weight views and gradients (their addresses are part
-of the key), the cache its forward graph made (a backward's), and the input: a graph's output
+of the key), the cache its forward graph made (a backward's), and the inputs: a graph's output
 of the same slot is handed on as is (the layer before's y, the layer after's dx), anything else
 is copied into the graph's own input buffer (one operation). A key whose addresses changed is
-run eagerly once more, then captured again. A key is captured on its second call, the first
-eager (it loads kernels, builds cuDNN's plans and fills the memory pool outside the capture).
-What a graph writes stays its own until its next replay: the stage hands copies of its outputs
-to the links (`runtime.compute`).
+captured again; so is one whose input came from an eager call at its capture and comes from a
+graph now. A key is captured on its second call, the first eager (it loads kernels, builds
+cuDNN's plans and fills the memory pool outside the capture); one captured `RECAPTURES` times
+runs eagerly from then on. What a
+graph writes stays its own until its next replay: the stage hands copies of its outputs on
+(`runtime.compute`).
 
-Nothing in a layer's call depends on a step's scalars (learning rate, loss scale, clipping: the
-optimizer's and the head's, which stay eager), so the scalars frozen into a capture stay
-right; the host scalars a call does take (`recompute`, the shapes) are part of the key.
+The host scalars a call takes are part of its key: `recompute` and the shapes, and the head's
+loss seed (the loss scale over the tokens: a new scale, a new capture, never a frozen old one).
+The optimizer, whose learning rate and bias corrections change every step, stays eager.
 """
 
 from __future__ import annotations
@@ -33,13 +39,21 @@ from ratrain.device import storage_of
 from ratrain.exec import head, layers
 
 GRAPHS = ("auto", "on", "off")
+# captures of one key before it runs eagerly for good: its addresses keep moving (a step's
+# settling takes two or three)
+RECAPTURES = 8
 
 
-def why_not(ctx) -> str:
-    """Why `ctx`'s layer calls cannot be captured ("" when they can)."""
+def why_not(ctx, parks: bool = False) -> str:
+    """Why `ctx`'s block calls cannot be captured ("" when they can); `parks`: whether a pass
+    moves the caches' arrays out and back between a forward and its backward (the memory
+    tier's activations), which a replay, on the captured addresses, cannot follow."""
     why = dgraphs.why_not(ctx.xp)
     if why:
         return why
+    if parks:
+        return ("offload.activations moves a cache's arrays to the tier and back to new "
+                "addresses, which a replay cannot follow (set offload.activations=off)")
     if not ctx.half_layout:
         return (f"precision={ctx.precision}: a device's fp32 GEMMs go through cupy's cuBLAS, which "
                 "refuses a capturing stream (fp16 and bf16 GEMMs go through exec.devgemm)")
@@ -50,14 +64,14 @@ def why_not(ctx) -> str:
     return ""
 
 
-def resolve(mode: str, ctx) -> bool:
-    """Whether `run.graphs: mode` captures `ctx`'s layer calls: auto where they can be, on
-    (one line where they cannot), off."""
+def resolve(mode: str, ctx, parks: bool = False) -> bool:
+    """Whether `run.graphs: mode` captures `ctx`'s block calls: auto where they can be, on
+    (one line where they cannot), off (`parks`: `why_not`'s)."""
     if mode not in GRAPHS:
         raise ValueError(f"run.graphs={mode!r}: expected one of {', '.join(GRAPHS)}")
     if mode == "off":
         return False
-    why = why_not(ctx)
+    why = why_not(ctx, parks)
     if why and mode == "on":
         raise ValueError(f"run.graphs=on: {why}; set run.graphs=auto (or off)")
     return not why
@@ -94,7 +108,7 @@ class BlockGraphs:
     def __init__(self, ctx):
         self.ctx = ctx
         self.entries: dict[tuple, _Entry] = {}
-        self.seen: dict[tuple, tuple] = {}  # key -> the addresses of its last eager call
+        self.seen: dict[tuple, int] = {}  # key -> its calls with a signature new to it
         self.outputs: dict[int, dict[int, object]] = {}  # slot -> {id: a graph's output}
         self.captures = 0
 
@@ -112,10 +126,11 @@ class BlockGraphs:
             self.outputs.get(slot, {}).pop(id(made), None)
 
     def _call(self, key, slot, sig, inputs: tuple, run):
-        """Replay `key` when its addresses and scalars are `sig`, else run eagerly (the first
-        call with them) or capture (the second); `run(*inputs)` is the eager call. Which
-        inputs are graphs' outputs is part of the key, so a graph captured while its input came
-        from an eager call is captured again once that input comes from a graph (no copy)."""
+        """Replay `key` when its addresses and scalars are `sig`, else capture it anew (run
+        eagerly on its first call, and after `RECAPTURES` captures); `run(*inputs)` is the
+        eager call. Which inputs are graphs' outputs is part of the signature, so a graph
+        captured while its input came from an eager call is captured again once that input
+        comes from a graph (then handed on with no copy)."""
         owned = self.outputs.get(slot, {})
         sig = (sig, tuple(id(a) if owned.get(id(a)) is a else None for a in inputs))
         e = self.entries.get(key)
@@ -125,10 +140,10 @@ class BlockGraphs:
                     mine[...] = a  # into the graph's own input buffer
             e.graph.launch()
             return e.out
-        if self.seen.get(key) != sig:
-            self.seen[key] = sig
-            self._forget(key, slot)
-            return run(*inputs)
+        self._forget(key, slot)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1 or self.seen[key] > RECAPTURES:
+            return run(*inputs)  # the first call (a warm-up), or a key that keeps moving
         mine = tuple(self._input(a, slot) for a in inputs)
         graph, out = dgraphs.capture(self.ctx.xp, lambda: run(*mine))
         self.entries[key] = _Entry(graph, sig, mine, out)

@@ -7,9 +7,9 @@ runs each layer with its recompute choice, pads each block to the platform's tim
 when a pacer is given (`exec.spec.block_flops`; the embedding, a gather, is not paced), and runs
 the lifecycle hooks a compute action carries around each block (`hook(hooks, block)`, the
 executor's). Tied embeddings: the head uses the embedding's view and gradient as its weight.
-With `run.graphs` on, the layers' calls are device graphs (`exec.graphs`): each micro-batch
-holds a slot from its forward to its backward, and what leaves the stage is a copy of a graph's
-output.
+With `run.graphs` on, the blocks' calls are device graphs (`exec.graphs`): each micro-batch
+holds a slot from its forward to its backward, and what leaves the stage (the activations sent
+on, the input gradient, the loss) is a copy of a graph's output.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class StageCompute:
         self.tokens = cfg.parallel.micro_batch * cfg.model.seq_len
         self.recompute: dict[str, str] = {}  # layer -> recompute choice (set by the executor)
         self.caches: dict = {}  # (mb, block) -> the block's cache until its backward
-        # the layers' calls as device graphs (run.graphs), a slot per micro-batch in flight
-        self.graphs = graphs.BlockGraphs(ctx) if graphs.resolve(cfg.run.graphs, ctx) else None
+        # the blocks' calls as device graphs (run.graphs), a slot per micro-batch in flight
+        on = graphs.resolve(cfg.run.graphs, ctx, cfg.offload.activations != "off")
+        self.graphs = graphs.BlockGraphs(ctx) if on else None
         self.slots: dict[int, int] = {}  # mb -> its slot, from its forward to its backward
         if self.graphs is not None:  # a graph reads the views and adds into the gradients
             state.keep_buffers = True  # where it was captured

@@ -190,8 +190,9 @@ def rank_classes(cfg: Config, comm):
 
 
 def check_graphs(cfg: Config, xp, kernels) -> None:
-    """One line where `run.graphs: on` asks for graphs this rank's layer calls cannot be."""
-    graphs.resolve(cfg.run.graphs, ExecContext(cfg.model, cfg.precision, xp, kernels=kernels))
+    """One line where `run.graphs: on` asks for graphs this rank's block calls cannot be."""
+    graphs.resolve(cfg.run.graphs, ExecContext(cfg.model, cfg.precision, xp, kernels=kernels),
+                   cfg.offload.activations != "off")
 
 
 def measured_rate(cfg: Config) -> float:
