@@ -30,8 +30,9 @@ attention each decoder layer's forward and backward is a device graph (`run.grap
 `exec.graphs`): the step counted is the first that captures nothing (a block's first call runs
 eagerly, its second is captured), a graph's launch one host launch and its operations the device's; the host
 launches a step are reported beside the device operations, split into those of the
-micro-batches' forward and backward calls (a micro-batch's: their sum over the micro-batches)
-and those once a step
+micro-batches' forward and backward calls (a micro-batch's: their sum over the micro-batches),
+less the lifecycle hooks these run between blocks, and those once a step (the hooks' updates,
+views, gradients and gradient norm, and the inputs' upload)
 (`--against run.graphs=off` counts the eager step). The counts do not
 depend on the host, its load or its threads (the stand-in computes in one thread, as a device
 rank does).
@@ -41,6 +42,7 @@ Prints a table and, last, one JSON line (for `benchmarks/record.py`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -77,13 +79,27 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     base = SMOKE if smoke else (*BASE, f"run.attention={ATTENTION[precision]}")
     from ratrain.runtime.compute import StageCompute
 
-    inside = [0]  # host launches inside the micro-batches' forward and backward calls
+    # host launches inside the micro-batches' forward and backward calls, less those of the
+    # lifecycle hooks they run between blocks (a block's update, its views: once a step)
+    inside = [0]
 
     def counted(fn):
+        sig = inspect.signature(fn)
+
         def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            hook = bound.arguments.get("hook")
+            if hook is not None:
+                def outside(*a, **k):
+                    before = COUNTS["ops"]
+                    try:
+                        return hook(*a, **k)
+                    finally:
+                        inside[0] -= COUNTS["ops"] - before
+                bound.arguments["hook"] = outside
             before = COUNTS["ops"]
             try:
-                return fn(*args, **kwargs)
+                return fn(*bound.args, **bound.kwargs)
             finally:
                 inside[0] += COUNTS["ops"] - before
         return call
@@ -175,7 +191,7 @@ def main(argv=None) -> int:
               f"({r['graph_launches']} of them graphs): "
               f"{r['host_launches_per_micro_batch']:.1f} a micro-batch's forward and backward "
               f"(of {r['micro_batches']}), {r['host_launches_once_a_step']} once a step (the "
-              "update, the views, the gradient norm, the inputs)")
+              "lifecycle's: the updates, views, gradients and their norm; the inputs)")
         for row in r["by_category"]:
             print(f"   {row['category']:26} {row['ops']:7,d} ops {row['calls']:6d} calls")
     if groups:
