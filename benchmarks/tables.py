@@ -113,11 +113,10 @@ TABLES = {
          [("ops.this", "ops, kernels", "d"), ("ops.against", "ops, compositions", "d"),
           ("attention_layer_ops.device", "attention, device groups", "d"),
           ("attention_layer_ops.host", "attention, host groups", "d")]),
-        ("launches-124m-bf16-graphs", "the bf16 step of the 124M model on the stand-in as a "
-         "card would queue it with its block calls as CUDA graphs (run.graphs: auto; its first "
-         "step without a capture), against the eager step (run.graphs: off): host launches a "
-         "step, those of the micro-batch's forward and backward (one micro-batch) and those "
-         "once a step, and the device operations the step runs",
+        ("launches-124m-bf16-graphs", "the bf16 step of the 124M model on the stand-in with "
+         "its block calls as CUDA graphs (run.graphs: auto), against the eager step (off): "
+         "host launches a step, of the micro-batch's forward and backward, and once a step; "
+         "device operations a step",
          [("host_launches.this", "host launches, graphs", "d"),
           ("host_launches_per_micro_batch.this", "a micro-batch, graphs", ".0f"),
           ("host_launches_once_a_step.this", "once a step", "d"),
