@@ -29,7 +29,8 @@ attention is what a card's `auto` runs: at fp16 and bf16 cuDNN's, as the stand-i
 attention each decoder layer's forward and backward is a device graph (`run.graphs: auto`,
 `exec.graphs`): the step counted is the first that captures nothing (a block's first call runs
 eagerly, its second is captured), a graph's launch one host launch and its operations the device's; the host
-launches a step are reported beside the device operations, split into those of the
+launches a step are reported beside the device operations (and the casts among them: an
+`astype`, `copyto` or assignment across dtypes, `COUNTS["casts"]`), split into those of the
 micro-batches' forward and backward calls (a micro-batch's: their sum over the micro-batches),
 less the lifecycle hooks these run between blocks, and those once a step (the hooks' updates,
 views, gradients and gradient norm, and the inputs' upload)
@@ -131,6 +132,7 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
     rows.sort(key=lambda r: -r["ops"])
     m = cfg.parallel.num_micro_batches
     return {"sets": list(sets), "kernels": kernels, "graphs": cfg.run.graphs, "ops": total,
+            "casts": COUNTS["casts"],
             "host_launches": COUNTS["ops"], "graph_launches": COUNTS["graphs"],
             "host_launches_per_micro_batch": inside[0] / m, "micro_batches": m,
             "host_launches_once_a_step": COUNTS["ops"] - inside[0],
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     for name, r in runs.items():
         print(f"== {name}: {' '.join(r['sets']) or '(defaults)'}  [{r['kernels']}]")
         print(f"   {r['ops']:,} device operations a step ({a.precision}; the stand-in took "
-              f"{r['stand_in_seconds']:.1f} s); {r['host_launches']:,} host launches "
+              f"{r['stand_in_seconds']:.1f} s), {r['casts']} of them casts; "
+              f"{r['host_launches']:,} host launches "
               f"({r['graph_launches']} of them graphs): "
               f"{r['host_launches_per_micro_batch']:.1f} a micro-batch's forward and backward "
               f"(of {r['micro_batches']}), {r['host_launches_once_a_step']} once a step (the "
@@ -205,6 +208,7 @@ def main(argv=None) -> int:
            "host_launches_per_micro_batch": {k: r["host_launches_per_micro_batch"]
                                              for k, r in runs.items()},
            "graph_launches": {k: r["graph_launches"] for k, r in runs.items()},
+           "casts": {k: r["casts"] for k, r in runs.items()},
            "host_launches_once_a_step": {k: r["host_launches_once_a_step"]
                                          for k, r in runs.items()},
            "by_category": {k: {row["category"]: row["ops"] for row in r["by_category"]}

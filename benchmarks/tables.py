@@ -116,12 +116,13 @@ TABLES = {
         ("launches-124m-bf16-graphs", "the bf16 step of the 124M model on the stand-in with "
          "its block calls as CUDA graphs (run.graphs: auto), against the eager step (off): "
          "host launches a step, of the micro-batch's forward and backward, and once a step; "
-         "device operations a step",
+         "device operations a step, and the casts among them",
          [("host_launches.this", "host launches, graphs", "d"),
           ("host_launches_per_micro_batch.this", "a micro-batch, graphs", ".0f"),
           ("host_launches_once_a_step.this", "once a step", "d"),
           ("host_launches.against", "host launches, eager", "d"),
-          ("ops.this", "device ops, graphs", "d"), ("ops.against", "device ops, eager", "d")]),
+          ("ops.this", "device ops, graphs", "d"), ("ops.against", "device ops, eager", "d"),
+          ("casts.this", "casts among them", "d")]),
         ("launches-124m-bf16-tiled", "the same bf16 step, counted with the kernels, with the "
          "tiled attention (tile 1024) instead of cuDNN's",
          [("ops.this", "ops, kernels", "d")]),

@@ -99,6 +99,22 @@ def test_standin_counts_device_operations_not_views():
     assert ops(lambda: a.__setitem__(slice(1, 3), a[0:2])) == 1  # another view: a copy
 
 
+def test_standin_counts_casts_among_its_operations():
+    a, h = xp.zeros((4, 6), xp.float32), xp.zeros((4, 6), xp.float16)
+
+    def casts(f) -> int:
+        COUNTS.clear()
+        f()
+        return COUNTS["casts"]
+
+    for one in (lambda: a.astype(np.float16), lambda: h.__setitem__(slice(0, 2), a[0:2]),
+                lambda: xp.copyto(h, a)):
+        assert casts(one) == 1
+    for none in (lambda: a.astype(np.float32), lambda: a.copy(), lambda: xp.copyto(a, a + 1),
+                 lambda: h.__setitem__(slice(0, 2), h[2:4]), lambda: a + a):
+        assert casts(none) == 0
+
+
 def test_transfers_and_staging():
     h = np.arange(4, dtype=np.float32)
     assert to_host(h) is h and to_device(np, h) is h  # the host: no copies

@@ -408,12 +408,10 @@ class RunConfig:
         bf16; refused elsewhere). cudnn-count is cuDNN's backend on the stand-in at fp16 and
         bf16, its calls counted and computed by the tiled path (benchmarks/launches.py). A program may register its own (docs/INTERNALS.md, "An
         attention backend")
-    graphs: auto | on | off: a device's block calls (each decoder layer's forward and backward,
-        the head's, the embedding's backward) as CUDA graphs, captured once per micro-batch in
-        flight and replayed by one host launch each (exec.graphs), eager the reference. auto:
-        on where every op of a block call can be captured (the stand-in in fp16 and bf16 with
-        cuDNN's attention, without offload.activations; not yet on a card, see
-        docs/INTERNALS.md); on: refused in one line where they cannot be
+    graphs: auto | on | off: a device's block calls as CUDA graphs, each captured once per
+        micro-batch in flight and replayed by one host launch (exec.graphs; eager the
+        reference). auto: where every op of a block call captures (the stand-in at fp16 and
+        bf16 with cuDNN's attention, no offload.activations; not a card yet); on: refused else
     reference_ops: ops that run their reference (the array module's composition: numpy,
         cupy) whatever run.fused and run.devkernels give the rest: any of rmsnorm, rope, swiglu,
         cross_entropy, adamw, grad_norm, cast; [] = none (A/B trials of one kernel, and a way

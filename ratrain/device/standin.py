@@ -17,7 +17,8 @@ and transfer is counted (`COUNTS`), so a test can hold a step to the syncs it ne
 each device operation (`COUNTS["ops"]`: a call that would queue device work on cupy, a ufunc,
 operator, reduction, cast, copy, fill, gather or scatter; not a view, nor an `empty`), about a
 kernel launch each (a cupy reduction may launch two), the host's cost of a step on a card that
-`benchmarks/launches.py` counts. The
+`benchmarks/launches.py` counts; those that convert between dtypes (`astype`, `copyto` and an
+assignment across dtypes) are also counted as casts (`COUNTS["casts"]`). The
 arithmetic is numpy's, so a run on the stand-in is bitwise the numpy run: the CPU suite runs
 every device code path, and a missing transfer fails there as it would on a GPU.
 
@@ -265,6 +266,7 @@ _UPLOADERS = frozenset({"asarray", "array", "asanyarray", "ascontiguousarray"})
 _NO_WORK = frozenset({"empty", "empty_like", "shape", "ndim", "size", "result_type", "dtype",
                       "broadcast_shapes", "iinfo", "finfo", "can_cast", "promote_types"})
 _ALLOCATORS = frozenset({"empty", "empty_like"})  # a capture's temporaries, though no work
+_CASTS = frozenset({"astype", "copyto"})  # a cast where the dtype changes (COUNTS["casts"])
 _VIEWS = frozenset({"reshape", "transpose", "swapaxes", "squeeze", "ravel", "view",
                     "broadcast_to", "expand_dims", "moveaxis", "atleast_1d", "atleast_2d",
                     "split", "array_split", "astype", "asarray", "ascontiguousarray"})
@@ -283,7 +285,16 @@ def _op(name: str, result, inputs, made=None, args=()) -> None:
         if all(isinstance(r, np.ndarray) and any(np.may_share_memory(r, b) for b in base)
                for r in res):
             return
+    if name in _CASTS:  # astype(this) -> made; copyto(dst, src)
+        given = [x for x in inputs if x is not None]  # (this, *args); this None: xp.copyto
+        dst, src = (made, given[0]) if name == "astype" else given[:2]
+        if _dtype_of(dst) != _dtype_of(src):
+            COUNTS["casts"] += 1
     did(name, args, made)
+
+
+def _dtype_of(v):
+    return getattr(v, "dtype", None)
 
 
 def _unwrap(v, host_ok: bool = False):
@@ -537,6 +548,8 @@ class StandinArray:
                     and t.shape == v.shape and t.strides == v.strides):
                 return  # `a[i] += b` stores the view back into itself: cupy skips it
         self._a[k] = v
+        if isinstance(v, np.ndarray) and v.dtype != self._a.dtype:
+            COUNTS["casts"] += 1  # an assignment across dtypes: a cast
         did("setitem", (self._a, k, v))
 
     # ---- operators (numpy's ufuncs on the storage; host arrays refused) ----
