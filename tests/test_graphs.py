@@ -10,7 +10,8 @@ import pytest
 
 from ratrain.device import graphs as dgraphs
 from ratrain.device import open_device
-from ratrain.device.standin import COUNTS, CaptureError, capture, standin
+from ratrain.device.standin import COUNTS, CaptureError, standin
+from ratrain.device.standin_graphs import capture
 from ratrain.exec import graphs
 from ratrain.exec.backends import kernel_table
 from ratrain.exec.context import ExecContext

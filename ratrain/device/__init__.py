@@ -4,8 +4,8 @@ Owns: choosing the array module of `run.device` and, for a GPU, the card (`selec
 host/device transfer, host sync, pinned staging buffer and copy stream (`arrays`), so no other
 module asks which module it was given; the stand-in (`standin`): numpy underneath, refusing
 implicit host conversion as cupy does, so the CPU suite catches a missing transfer; a call's
-device operations captured as a graph and replayed (`graphs`; the stand-in's capture refuses
-what a capturing stream refuses).
+device operations captured as a graph and replayed (`graphs`; the stand-in's, which checks
+each replay against its capture, `standin_graphs`).
 
 May import: numpy, ml_dtypes (bfloat16, cupy's too); cupy, lazily, only where `run.device: gpu`
 asks for it. Nothing of ratrain:

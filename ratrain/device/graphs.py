@@ -10,7 +10,7 @@ address and be refilled before a launch, and nothing in it may wait for the host
 download, an upload from host memory): the capture refuses those (`CaptureError`). The arrays a
 call makes while captured belong to its graph for the graph's life (a card's private pool).
 
-On the stand-in (`device.standin.capture`) the call runs while each operation's signature is
+On the stand-in (`device.standin_graphs.capture`) the call runs while each operation's signature is
 recorded, and a replay runs it again, refusing any operation that differs from its capture (a
 changed scalar, an array elsewhere); its cupy rules hold: a host sync, an upload and cuBLAS
 through cupy are refused while capturing. On a card
@@ -22,7 +22,8 @@ private memory pool and launch the graph on the current stream once captured; it
 from __future__ import annotations
 
 from ratrain.device.arrays import kind_of
-from ratrain.device.standin import CaptureError, capture as _standin_capture
+from ratrain.device.standin import CaptureError
+from ratrain.device.standin_graphs import capture as _standin_capture
 
 # why a card does not capture yet (`why_not`): what a captured block call needs first
 _CARD = ("a card's capture is not built yet: its GEMMs go through cupy's cuBLAS binding, which "
