@@ -64,13 +64,11 @@ WARM_STEPS = 6
 
 
 def count(precision: str, sets, smoke: bool = False) -> dict:
-    """One counted step (after one warm-up step) of the 124M model (`smoke`: gpu.py's tiny one,
-    with the device kernels in numba-cuda's simulator, each launch counted) on the stand-in."""
-    from gpu import ratrain_contender
-
+    """One counted step (after the warm-up steps, `WARM_STEPS`) of the 124M model (`smoke`:
+    gpu.py's tiny one, with the device kernels in numba-cuda's simulator, each launch counted)
+    on the stand-in."""
     from ratrain.device import open_device
     from ratrain.device.standin import COUNTS
-    from ratrain.exec.profile import Profile
 
     if smoke:  # the simulator's cost is per block and thread; a launch counts once at any grid
         from ratrain.exec import devkernels, devlaunch
@@ -105,8 +103,22 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
                 inside[0] += COUNTS["ops"] - before
         return call
 
-    StageCompute.forward = counted(StageCompute.forward)
-    StageCompute.backward = counted(StageCompute.backward)
+    # this count's own wrappers around the stage's calls (a second count wraps them afresh)
+    originals = StageCompute.forward, StageCompute.backward
+    StageCompute.forward, StageCompute.backward = (counted(f) for f in originals)
+    try:
+        return _count(precision, sets, smoke, dev, base, inside)
+    finally:
+        StageCompute.forward, StageCompute.backward = originals
+
+
+def _count(precision, sets, smoke, dev, base, inside) -> dict:
+    """`count`'s step, warm-ups and figures, with the stage's calls counted into `inside`."""
+    from gpu import ratrain_contender
+
+    from ratrain.device.standin import COUNTS
+    from ratrain.exec.profile import Profile
+
     step, _, cfg, kernels = ratrain_contender(precision, dev, smoke, sets=(*base, *sets))
     for i in range(WARM_STEPS):  # until a step after the first captures no graph
         COUNTS.clear()
@@ -127,7 +139,7 @@ def count(precision: str, sets, smoke: bool = False) -> dict:
             for r in prof.rows()]
     total = device_ops()
     rows.append({"category": "(outside the categories)" if not COUNTS["graphs"] else
-                 "(outside the categories: the layers' graphs)", "calls": 0,
+                 "(outside the categories: the blocks' graphs)", "calls": 0,
                  "ops": total - sum(r["ops"] for r in rows)})
     rows.sort(key=lambda r: -r["ops"])
     m = cfg.parallel.num_micro_batches

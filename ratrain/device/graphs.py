@@ -3,6 +3,7 @@
     graph, result = capture(xp, fn)    fn() run once, its device operations captured
     graph.launch()                     the same operations again, on the same memory
     graph.ops                          how many device operations one launch runs
+    where(a)                           what a replay needs unchanged of an array
 
 A replay runs the operations as captured: on the same arrays (addresses are baked in), with the
 host scalars they were given then. So whatever a captured call reads must live at a fixed
@@ -21,7 +22,7 @@ private memory pool and launch the graph on the current stream once captured; it
 
 from __future__ import annotations
 
-from ratrain.device.arrays import kind_of
+from ratrain.device.arrays import kind_of, storage_of
 from ratrain.device.standin import CaptureError
 from ratrain.device.standin_graphs import capture as _standin_capture
 
@@ -41,6 +42,14 @@ def why_not(xp) -> str:
     return "the host (numpy) queues no device operations: a graph is a device's"
 
 
+def where(a) -> tuple:
+    """What a replay needs unchanged of an array: its memory (its address on the stand-in's
+    storage, or on the card) and its layout."""
+    h = storage_of(a)
+    ptr = h.__array_interface__["data"][0] if h is not None else a.data.ptr
+    return ptr, tuple(a.shape), tuple(a.strides), str(a.dtype)
+
+
 def capture(xp, fn):
     """(graph, fn()): `fn` run once with its device operations captured (see the module)."""
     why = why_not(xp)
@@ -49,4 +58,4 @@ def capture(xp, fn):
     return _standin_capture(fn)
 
 
-__all__ = ["CaptureError", "capture", "why_not"]
+__all__ = ["CaptureError", "capture", "where", "why_not"]

@@ -112,11 +112,14 @@ def _data(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+def _is_place(v) -> bool:
+    """Whether a signature's element says where an array is (`_Trace._where`'s first)."""
+    return isinstance(v, tuple) and v[:1] in (("at",), ("temp",))
+
+
 def _first_difference(want, got) -> str:
     """Where two signatures first differ, in words."""
-    marks = ("at", "temp")
-    if isinstance(want, tuple) and isinstance(got, tuple) and want[:1] in [(m,) for m in marks] \
-            and got[:1] in [(m,) for m in marks]:
+    if _is_place(want) and _is_place(got):
         return f"an array captured {_said(want)}, now {_said(got)}"
     if isinstance(want, tuple) and isinstance(got, tuple) and len(want) == len(got):
         for w, g in zip(want, got):
@@ -181,6 +184,10 @@ class StandinGraph:
         written into the graph's arrays; counted as one operation (a graph launch)."""
         result, _ = self._run(replay=True)
         _copy_into(self.result, result)
+        self._launched()
+
+    def _launched(self) -> None:
+        """One launch counted: one host operation, the graph's operations the device's."""
         COUNTS["ops"] += 1
         COUNTS["graphs"] += 1
         COUNTS["graph_ops"] += self.ops
@@ -193,9 +200,7 @@ def capture(fn):
     graph.result, graph.ops = graph._run(replay=False)
     # what a card does next: the graph launched once (here its operations already ran)
     COUNTS["captures"] += 1
-    COUNTS["ops"] += 1
-    COUNTS["graphs"] += 1
-    COUNTS["graph_ops"] += graph.ops
+    graph._launched()
     return graph, graph.result
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ratrain.device import graphs as dgraphs
-from ratrain.device import storage_of
 from ratrain.exec import head, layers
 
 GRAPHS = ("auto", "on", "off")
@@ -77,15 +76,8 @@ def resolve(mode: str, ctx, parks: bool = False) -> bool:
     return not why
 
 
-def _where(a) -> tuple:
-    """What a replay needs unchanged of an array: its memory and layout."""
-    h = storage_of(a)
-    ptr = h.__array_interface__["data"][0] if h is not None else a.data.ptr
-    return ptr, tuple(a.shape), tuple(a.strides), str(a.dtype)
-
-
 def _where_all(arrays: dict) -> tuple:
-    return tuple((k, _where(v)) for k, v in sorted(arrays.items()))
+    return tuple((k, dgraphs.where(v)) for k, v in sorted(arrays.items()))
 
 
 def _made(out):
