@@ -41,6 +41,9 @@ install cudnn --no-deps "$(sed -n 's/^ *\(nvidia-cudnn-frontend==[0-9.]*\) *$/\1
 # sequential layer needs neither intel-openmp nor tbb); the wheel has no module to import
 install_if "from ratrain.exec.blas import load_mkl; load_mkl()" mkl --no-deps \
   "$(sed -n 's/^ *\(mkl>=[0-9.]*\) *$/\1/p' setup.cfg | head -1)"
+# NVVM and NVRTC for numba-cuda's compiler (tests/test_devcompile.py): setup.cfg's devcompile pins
+install_if "from cuda.pathfinder import load_nvidia_dynamic_lib as f; f('nvvm'); f('nvrtc')" \
+  "NVVM and NVRTC" $(sed -n '/^devcompile =/,/^[a-z]/s/^ *\(nvidia-[a-z-]*==[0-9.]*\) *$/\1/p' setup.cfg)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_osc=^ucx

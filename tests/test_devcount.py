@@ -132,7 +132,7 @@ def test_the_twins_write_where_the_kernels_write():
 def test_bad_input_is_one_line():
     with pytest.raises(TypeError, match="devcount computes the stand-in's arrays, not ndarray"):
         devcount.swiglu_forward(rand(2, 3), rand(2, 3), np)
-    with pytest.raises(TypeError, match="float32 and float16 arrays, not float64"):
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16 arrays, not float64"):
         devcount.sum_squares(standin.asarray(np.zeros(3)), standin)
     with pytest.raises(BackendError, match="run.devkernels=count counts the device kernels' "
                        "launches on run.device=standin: on a GPU set run.devkernels=auto"):

@@ -28,7 +28,7 @@ from ratrain.exec.context import ExecContext
 from ratrain.runtime.rank import build_rank
 from ratrain.plan.check import run_plan
 from tests._devices import DEVICES, GPU, MODULES, host
-from tests._executor_util import global_batch, layer_weight_copy_nbytes, tiny_config
+from tests._executor_util import MODEL, global_batch, layer_weight_copy_nbytes, tiny_config
 from tests._prereq import need
 from tests.test_layers import M, make_params, zeros_like
 from tests.test_train import job, train  # noqa: F401  (job: a pytest fixture)
@@ -273,8 +273,8 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
     # norm, exec.devloss for the head's cross-entropy), here on the stand-in in numba-cuda's
     # simulator: slow, so a model of one tiny layer, one step, against the host's numpy (the
     # GPU check runs every device test with these kernels on the card); in bf16 too, whose
-    # norm weights are bf16 views the kernels take as an fp32 copy (they once went to cupy's
-    # composition instead)
+    # norm weights are bf16 views the kernels read through their bits (they once went to
+    # cupy's composition instead)
     need("numba.cuda")
     cfg = tiny_config(model=SMALL, m=1, micro_batch=1, precision=precision)
     if devlaunch.simulated():
@@ -310,8 +310,8 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
 
 
 def test_bf16_inputs_reach_the_device_kernels(monkeypatch):
-    """bf16 inputs the kernels do not load (a norm's weight, the fused attention's dq) go to
-    them as an exact fp32 copy, not to cupy's composition, with the reference's values (in
+    """bf16 inputs (a norm's weight, the fused attention's dq) go to the kernels, which read
+    them through their bits, not to cupy's composition, with the reference's values (in
     numba-cuda's simulator on the stand-in; on a card under scripts/gpu-check.sh)."""
     need("numba.cuda")
     if devlaunch.simulated():
@@ -343,6 +343,30 @@ def test_bf16_inputs_reach_the_device_kernels(monkeypatch):
     assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope"} <= names, names
     for got, ref in ((y, ry), (dx, rdx), (dw, rdw), (dr, rdr)):
         np.testing.assert_allclose(host(got), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_kernels_writing_16_bits_train_bitwise_as_casting_after(monkeypatch, precision):
+    """A device's kernels write the 16-bit GEMM operands themselves (`ExecContext.out16`: the
+    norms', RoPE's, SwiGLU's outputs, dgate|dup, dq|dk|dv) and read 16-bit inputs as they are;
+    the same steps with fp32 outputs and a cast after each, and fp32 copies in, give the same
+    bits, in more casts (counted on the stand-in)."""
+    cfg = tiny_config(precision=precision, m=2)
+    cfg = replace(cfg, run=replace(cfg.run, devkernels="count", attention="cudnn-count"))
+    fused, fused_params = _steps(cfg, "standin")
+    init = ExecContext.__init__
+
+    def cast_after(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.out16 = None
+
+    monkeypatch.setattr(ExecContext, "__init__", cast_after)
+    casts, casts_params = _steps(cfg, "standin")
+    assert [(r.loss, r.grad_norm) for r, _ in fused] == [(r.loss, r.grad_norm) for r, _ in casts]
+    for name, w in casts_params.items():
+        np.testing.assert_array_equal(fused_params[name], w, err_msg=name)
+    assert fused[-1][1]["casts"] < casts[-1][1]["casts"] - 8 * MODEL.layers, \
+        (fused[-1][1], casts[-1][1])
 
 
 def _steps(cfg, device, steps=3):

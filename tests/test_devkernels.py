@@ -196,6 +196,93 @@ def test_cross_entropy_grad_of_a_vocabulary_chunk_is_the_references(dk, xp, dtyp
     half_close(d16, want)  # the cast fused: rounded once
 
 
+BF16 = kernels.BF16
+
+
+def test_bfloat16_loads_are_exact_and_stores_round_as_the_host_cast():
+    """`devlaunch.ld` widens every bfloat16 bit pattern to its float32 exactly; `st` rounds a
+    float32 to nearest even as the host's cast (`fused.cast`) does: ties both ways, the largest
+    finite values and their overflow, infinities, NaNs (the quiet NaN of their sign), zeros
+    and subnormals. (What a compiled kernel runs instead is typed in tests/test_devcompile.py.)"""
+    u = np.arange(1 << 16, dtype=np.uint16)
+    got = np.array([devlaunch.ld(v) for v in u], np.float32)
+    finite = ~np.isnan(u.view(BF16).astype(np.float32))
+    np.testing.assert_array_equal(got[finite], u.view(BF16).astype(np.float32)[finite])
+    assert np.isnan(got[~finite]).all()
+    edges = np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7FFFFF, 0x7F7F7FFF,
+                      0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x00000000,
+                      0x80000000, 0x00000001, 0x00008000, 0x00018000, 0x807FFFFF], np.uint32)
+    bits = np.concatenate([edges, RNG.integers(0, 1 << 32, 20000, dtype=np.uint64)
+                           .astype(np.uint32)])
+    f = bits.view(np.float32)
+    out = np.empty(f.size, np.uint16)
+    for i, v in enumerate(f):
+        devlaunch.st(out, i, v)
+    np.testing.assert_array_equal(out, fused.cast(f, BF16).view(np.uint16))
+
+
+def same16(got, want32):
+    """A bfloat16 result against the fp32 one it rounds: bitwise its cast under the simulator,
+    within one bfloat16 ulp on a GPU."""
+    got = host(got)
+    assert got.dtype == BF16
+    want = host(want32).astype(BF16)
+    if devlaunch.simulated():
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    else:
+        close(got.astype(np.float32), want.astype(np.float32), rtol=2.0 ** -7)
+
+
+def test_kernels_read_and_write_bfloat16_as_their_fp32_copies_rounded(dk, xp, monkeypatch):
+    """Each kernel handed bfloat16 arrays (through their bits: `devlaunch.bits`, `ld`, `st`)
+    computes what it computes on their exact fp32 copies, and a bfloat16 `out` holds that
+    result rounded once: no fp32 copy in, no cast out."""
+    monkeypatch.setattr(dk, "ROW_GROUPS", 4)
+    monkeypatch.setattr(devlaunch, "MAX_BLOCKS", 3)
+
+    def pair(*shape, scale=1.0):  # a bfloat16 array on the device and its fp32 copy
+        a = rand(*shape, scale=scale).astype(BF16)
+        return xp.asarray(a), xp.asarray(a.astype(np.float32))
+
+    def empty(shape, dtype=BF16):
+        return xp.empty(shape, dtype)
+
+    (x, x32), (w, w32), (dy, dy32) = pair(6, 45), pair(45), pair(6, 45)
+    y, cache = dk.rmsnorm_forward(x, w, 1e-5, xp, out=empty(x.shape), threads=TPB)
+    y32, cache32 = dk.rmsnorm_forward(x32, w32, 1e-5, xp, threads=TPB)
+    same16(y, y32)
+    same(dk, cache[1], host(cache32[1]))
+    dx, dw = dk.rmsnorm_backward(dy, cache, xp, out=empty(x.shape), threads=TPB)
+    dx32, dw32 = dk.rmsnorm_backward(dy32, cache32, xp, threads=TPB)
+    same16(dx, dx32)
+    same(dk, dw, host(dw32))
+
+    (gu, gu32), (da, da32) = pair(5, 74, scale=3.0), pair(5, 37)
+    halves, halves32 = (gu[:, :37], gu[:, 37:]), (gu32[:, :37], gu32[:, 37:])
+    a, _ = dk.swiglu_forward(*halves, xp, out=empty((5, 37)), threads=TPB)
+    same16(a, dk.swiglu_forward(*halves32, xp, threads=TPB)[0])
+    outs = (empty((5, 37)), empty((5, 74))[:, 37:], empty((5, 37)))  # the act too, a view
+    dk.swiglu_backward(da, halves, xp, out=outs, with_act=True, threads=TPB)
+    for got, want in zip(outs, dk.swiglu_backward(da32, halves32, xp, with_act=True,
+                                                  threads=TPB)):
+        same16(got, want)
+
+    cos, sin = (xp.asarray(t[:, None]) for t in kernels.rope_tables(5, 8, 10000.0))
+    (q, q32) = pair(2, 5, 3, 8)
+    out = empty((2, 3, 5, 8))  # written head-major, as the layers do
+    dk.rope_forward(q, cos, sin, xp, out=out.transpose(0, 2, 1, 3), threads=TPB)
+    same16(out.transpose(0, 2, 1, 3), dk.rope_forward(q32, cos, sin, xp, threads=TPB)[0])
+    same16(dk.rope_backward(q, (cos, sin), xp, out=empty(q.shape), threads=TPB),
+           dk.rope_backward(q32, (cos, sin), xp, threads=TPB))
+
+    (z, z32), t = pair(5, 37, scale=4.0), xp.asarray(RNG.integers(0, 37, 5))
+    lse, losses = devloss.cross_entropy_rows(z, t, xp, threads=TPB)
+    for got, want in zip((lse, losses), devloss.cross_entropy_rows(z32, t, xp, threads=TPB)):
+        same(dk, got, host(want))
+    d = devloss.cross_entropy_grad(z, t, lse, 0.3, xp, out=empty(z.shape), threads=TPB)
+    same16(d, devloss.cross_entropy_grad(z32.copy(), t, lse, 0.3, xp, threads=TPB))
+
+
 def test_cross_entropy_target_out_of_range_is_a_nan_loss_not_a_stray_read(dk, xp):
     z, t = rand(3, 20), np.array([0, 20, -1])
     lse, losses = devloss.cross_entropy_rows(xp.asarray(z), xp.asarray(t), xp, threads=TPB)

@@ -251,3 +251,41 @@ def test_gemm_fp16_tiled_accumulates_in_fp32(which):
     out = np.empty((3, 33, 29), np.float16)
     matmul(a_, b_, out=out, scratch_bytes=1 << 20)
     np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("half", [np.float16, kernels.BF16])
+def test_a_16_bit_out_is_the_references_result_rounded_once(half):
+    """Handed a 16-bit `out` (as a device's 16-bit layout hands the reference where its kernels
+    write 16 bits), a reference computes in fp32 and rounds once into it (`kernels.rounds_once`):
+    the bits of casting what it returns without `out`, where writing its intermediate steps
+    into the 16-bit array would round each."""
+    x = RNG.standard_normal((4, 24)).astype(np.float32)
+    w = RNG.standard_normal(24).astype(np.float32)
+    y, (_, rstd, _) = kernels.rmsnorm_forward(x, w, 1e-5, np)
+    out = np.empty(x.shape, half)
+    got, (_, rstd16, _) = kernels.rmsnorm_forward(x, w, 1e-5, np, out)
+    assert got is out
+    np.testing.assert_array_equal(out.view(np.uint16), y.astype(half).view(np.uint16))
+    np.testing.assert_array_equal(rstd16, rstd)
+    cos, sin = kernels.rope_tables(4, 6, 10000.0)
+    q = RNG.standard_normal((2, 4, 3, 6)).astype(np.float32)
+    out = np.empty((2, 3, 4, 6), half).transpose(0, 2, 1, 3)  # head-major, as the layers write
+    kernels.rope_forward(q, cos[:, None], sin[:, None], np, out)
+    want = kernels.rope_forward(q, cos[:, None], sin[:, None], np)[0]
+    np.testing.assert_array_equal(out.view(np.uint16), want.astype(half).view(np.uint16))
+    g, u, da = (RNG.standard_normal((5, 7)).astype(np.float32) * 3 for _ in range(3))
+    outs = tuple(np.empty((5, 7), half) for _ in range(3))
+    got = kernels.swiglu_backward(da, (g, u), np, outs, with_act=True)
+    assert all(a is b for a, b in zip(got, outs))
+    for o, want in zip(outs, kernels.swiglu_backward(da, (g, u), np, with_act=True)):
+        np.testing.assert_array_equal(o.view(np.uint16), want.astype(half).view(np.uint16))
+    direct = np.empty((5, 7), half)  # what writing the steps into 16 bits would give
+    a = np.negative(g, out=direct)
+    np.exp(a, out=a)
+    a += 1.0
+    np.divide(g, a, out=a)
+    a *= u
+    act = kernels.swiglu_forward(g, u, np, np.empty((5, 7), half))[0]
+    assert not np.array_equal(act.view(np.uint16), direct.view(np.uint16))
+    np.testing.assert_array_equal(act.view(np.uint16), kernels.swiglu_forward(g, u, np)[0]
+                                  .astype(half).view(np.uint16))

@@ -142,6 +142,11 @@ class ExecContext:
         # device's, with its GEMMs into fp32 by cuBLAS's GemmEx, `exec.devgemm`; a host's on
         # oneMKL)
         self.half_layout = self.gemm_half is not None
+        # where a device's kernels write a 16-bit GEMM operand themselves (`exec.deventries`:
+        # they read and write 16 bits): the dtype the layers give such outputs (the norms', RoPE's
+        # into the attention's 16-bit q and k, SwiGLU's, the backward's dgate|dup and dq|dk|dv),
+        # else None (fp32 outputs, cast where a GEMM takes 16 bits). The same bits either way
+        self.out16 = self.gemm_half if not self.host else None
         # bound on the fp32 logits of one head chunk: the device's unless given
         self.head_chunk_bytes = head_chunk_bytes or HEAD_CHUNK_BYTES[self.kernels.device]
         self._rope: dict[int, tuple] = {}

@@ -25,11 +25,11 @@ import numpy as np
 from ratrain.device import storage_of
 from ratrain.device.standin import StandinArray, did
 from ratrain.exec import cudnn_sdpa, devkernels, devloss, fused, kernels
+from ratrain.exec.devlaunch import TAKES
 from ratrain.exec.attention import (AttentionCache, flash_attention_backward,
                                     flash_attention_forward)
 
 LAUNCHES = {**devkernels.LAUNCHES, **devloss.LAUNCHES}
-_TAKES = (np.dtype(np.float32), np.dtype(np.float16))
 # the references untimed (the table's entry, `exec.deventries`, times the call once)
 _REF = types.SimpleNamespace(**{name: getattr(getattr(kernels, name), "__wrapped__",
                                                getattr(kernels, name))
@@ -54,8 +54,9 @@ def _host(*arrays):
 def _checked(*arrays):
     host = _host(*arrays)
     for a in host:
-        if a.dtype not in _TAKES:
-            raise TypeError(f"devkernels compute float32 and float16 arrays, not {a.dtype}")
+        if a.dtype not in TAKES:
+            raise TypeError(f"devkernels compute float32, float16 and bfloat16 arrays, not "
+                            f"{a.dtype}")
     return host
 
 
@@ -127,9 +128,9 @@ def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     hda, hg, hu = _checked(dact, gate, up)
     r = _REF.swiglu_backward(_f32(hda), (_f32(hg), _f32(hu)), np, None, with_act)
     _count("swiglu_backward", hg)
-    outs = out or (None, None)
+    outs = tuple(out or ()) + (None,) * (3 - len(out or ()))
     grads = tuple(_put(o, v, hg.shape) for o, v in zip(outs, r[:2]))
-    return (*grads, StandinArray(r[2])) if with_act else grads
+    return (*grads, _put(outs[2], r[2], hg.shape)) if with_act else grads
 
 
 @_kernel

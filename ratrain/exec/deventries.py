@@ -8,9 +8,10 @@
 `exec.devloss`; on a GPU, or on the stand-in in numba-cuda's simulator, `run.devkernels: sim`),
 or `exec.devcount`'s twins (the stand-in's `run.devkernels: count`: each call computed on the
 host and counted as the launches a card's kernel makes). Both see the same decisions, made here
-once: the kernels take float32 and float16 arrays (a bfloat16 input as its exact fp32 copy),
-the norms and the head's loss contiguous rows, SwiGLU 2-D views; anything else goes to the
-reference.
+once: the kernels take float32, float16 and bfloat16 arrays (a bfloat16 one through its bits,
+`devlaunch.ld`, `st`), the norms and the head's loss contiguous rows, SwiGLU 2-D views;
+anything else goes to the reference. A 16-bit input is read as it is and a 16-bit `out` is
+written by the kernel itself: no fp32 copy in, no cast out.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from ratrain.exec import devkernels, devloss, kernels
+from ratrain.exec.devlaunch import TAKES
 from ratrain.exec.kernels import block_sq_norm
 from ratrain.exec.profile import timed
-
-_DK = (np.dtype(np.float32), np.dtype(np.float16))  # what the device kernels take
 
 # numba-cuda's kernels (compiled on first call)
 KERNELS = SimpleNamespace(
@@ -32,15 +32,7 @@ KERNELS = SimpleNamespace(
 
 
 def _dk(*arrays) -> bool:
-    return all(a is None or a.dtype in _DK for a in arrays)
-
-
-def _dk_in(a):
-    """An input as the device kernels take it: a bfloat16 one (a bf16 run's norm weights, the
-    fused attention's dq and dk) as its fp32 copy, converted exactly, as the reference computes
-    with it; anything else itself. Without it those calls of a bf16 run went to cupy's
-    compositions, about ten launches a call instead of two."""
-    return a.astype(np.float32) if a is not None and a.dtype == kernels.BF16 else a
+    return all(a is None or a.dtype in TAKES for a in arrays)
 
 
 def _ids(a) -> bool:
@@ -52,8 +44,6 @@ def entries(k) -> dict:
 
     @timed("rmsnorm")
     def rmsnorm_forward(x, w, eps, xp, out=None):
-        x = kernels.as_dtype(x, kernels.compute_dtype(x, w))
-        w = _dk_in(w)
         if _dk(x, w, out) and x.flags.c_contiguous:
             return k.rmsnorm_forward(x, w, eps, xp, out=out)
         return kernels.rmsnorm_forward(x, w, eps, xp, out)
@@ -61,36 +51,32 @@ def entries(k) -> dict:
     @timed("rmsnorm")
     def rmsnorm_backward(dy, cache, xp):
         x, rstd, w = cache
-        dy = kernels.as_dtype(dy, x.dtype)
-        cache = (x, rstd, _dk_in(w))
-        if _dk(x, dy, cache[2]) and x.flags.c_contiguous and dy.flags.c_contiguous:
+        if _dk(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
             return k.rmsnorm_backward(dy, cache, xp)
-        return kernels.rmsnorm_backward(dy, cache, xp)
+        # the reference computes in its cache's x's dtype: a 16-bit x as its exact fp32 copy
+        x = kernels.as_dtype(x, kernels.compute_dtype(x, dy, w))
+        return kernels.rmsnorm_backward(dy, (x, rstd, w), xp)
 
     @timed("rope")
     def rope_forward(x, cos, sin, xp, out=None):
-        x = _dk_in(x)
         if _dk(x, cos, sin, out):
             return k.rope_forward(x, cos, sin, xp, out=out)
         return kernels.rope_forward(x, cos, sin, xp, out)
 
     @timed("rope")
     def rope_backward(dy, cache, xp, out=None):
-        dy = _dk_in(dy)
         if _dk(dy, *cache, out):
             return k.rope_backward(dy, cache, xp, out=out)
         return kernels.rope_backward(dy, cache, xp, out)
 
     @timed("swiglu")
     def swiglu_forward(gate, up, xp, out=None):
-        gate, up = _dk_in(gate), _dk_in(up)
         if gate.ndim == 2 and _dk(gate, up, out):
             return k.swiglu_forward(gate, up, xp, out=out)
         return kernels.swiglu_forward(gate, up, xp, out)
 
     @timed("swiglu")
     def swiglu_backward(dact, cache, xp, out=None, with_act=False):
-        dact, cache = _dk_in(dact), tuple(_dk_in(a) for a in cache)
         if cache[0].ndim == 2 and _dk(dact, *cache, *(out or ())):
             return k.swiglu_backward(dact, cache, xp, out=out, with_act=with_act)
         return kernels.swiglu_backward(dact, cache, xp, out, with_act)
@@ -106,11 +92,9 @@ def entries(k) -> dict:
     def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None):
         if not (_dk(z, lse) and z.flags.c_contiguous and _ids(targets)):
             return kernels.cross_entropy_grad(z, targets, lse, scale, xp, v0, out)
-        if out is None or (_dk(out) and out.flags.c_contiguous):  # fp16: the cast fused
+        if out is None or (_dk(out) and out.flags.c_contiguous):  # a 16-bit out: cast fused
             return k.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0, out=out)
-        d = k.cross_entropy_grad(z, targets, lse, scale, xp, v0=v0)  # bf16: then a cast
-        kernels.assign(out, d)
-        return out
+        return kernels.cross_entropy_grad(z, targets, lse, scale, xp, v0, out)
 
     @timed("grad norm")
     def grad_norm(grad_flat, xp):

@@ -18,15 +18,16 @@ numba-cuda, checks the arguments and says how a launch goes on a GPU and in the 
 The kernel table (`exec.backends`) puts them in the references' place on a GPU rank (and on the
 stand-in under the simulator, `run.devkernels: sim`).
 
-Numerics: inputs are float32 or float16 (float64 stays on `kernels`, the reference); every
-value is loaded into fp32 and computed in fp32 in the reference's operator order, and results
-are rounded once on store into the output's dtype (fp32 by default, as the reference returns;
-an `out` of float16 fuses the cast). Row reductions are shared-memory trees (another order
+Numerics: inputs are float32, float16 or bfloat16 (float64 stays on `kernels`, the
+reference); every value is loaded into fp32 (`devlaunch.ld`: a bfloat16 through its bits,
+exactly) and computed in fp32 in the reference's operator order, and results are rounded once
+on store into the output's dtype (`devlaunch.st`; fp32 by default, as the reference returns;
+an `out` of 16 bits fuses the cast, the same bits as a cast of the fp32 result). Row reductions are shared-memory trees (another order
 than numpy's pairwise sums: a few ulps); the gradient norm accumulates in fp64 as the
 reference does. Under the simulator the arithmetic is numpy's fp32 (exp, log, sqrt rounded from
 double); on a GPU libdevice's expf/logf (within 2 ulps) and the compiler's fused
 multiply-adds may change the last bit, so the tests compare with tolerances, not bitwise.
-Caches keep the inputs as given (a float16 x stays float16; it holds exactly the values the
+Caches keep the inputs as given (a 16-bit x stays 16-bit; it holds exactly the values the
 reference's fp32 copy holds). Block size: `threads` per block, a power of two (on a GPU 256;
 32 under the simulator, one Python thread per CUDA thread); each kernel set is compiled once
 per block size. The head's cross-entropy has kernels of its own (`exec.devloss`).
@@ -42,7 +43,7 @@ import numpy as np
 
 from ratrain.exec import devlaunch as dl
 from ratrain.exec import fused
-from ratrain.exec.devlaunch import F32
+from ratrain.exec.devlaunch import F32, ld, st
 
 # numba.cuda and its scalar types, set by `_kernels` from `load()`: module globals, as the
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
@@ -75,14 +76,14 @@ def _kernels(TPB: int) -> SimpleNamespace:
         C = x.shape[1]
         acc = float32(0.0)
         for c in range(t, C, TPB):
-            v = float32(x[r, c])
+            v = ld(x[r, c])
             acc += v * v
         ms = block_reduce(sh, t, acc, False) / float32(C)
         s = float32(1.0) / float32(math.sqrt(ms + eps))
         if t == 0:
             rstd[r] = s
         for c in range(t, C, TPB):
-            y[r, c] = float32(x[r, c]) * s * float32(w[c])
+            st(y, (r, c), ld(x[r, c]) * s * ld(w[c]))
 
     @cuda.jit
     def rmsnorm_bwd(dy, x, rstd, w, dx, dwp):  # dwp (blocks, C): this block's rows' dw
@@ -90,18 +91,18 @@ def _kernels(TPB: int) -> SimpleNamespace:
         b, t, nb = cuda.blockIdx.x, cuda.threadIdx.x, cuda.gridDim.x
         R, C = x.shape
         for r in range(b, R, nb):
-            s = float32(rstd[r])
+            s = ld(rstd[r])
             acc = float32(0.0)
             for c in range(t, C, TPB):
-                acc += float32(dy[r, c]) * float32(w[c]) * (float32(x[r, c]) * s)
+                acc += ld(dy[r, c]) * ld(w[c]) * (ld(x[r, c]) * s)
             m = block_reduce(sh, t, acc, False) / float32(C)
             for c in range(t, C, TPB):
-                xhat = float32(x[r, c]) * s
-                dx[r, c] = (float32(dy[r, c]) * float32(w[c]) - xhat * m) * s
+                xhat = ld(x[r, c]) * s
+                st(dx, (r, c), (ld(dy[r, c]) * ld(w[c]) - xhat * m) * s)
         for c in range(t, C, TPB):  # each thread its columns, the block's rows in order
             acc = float32(0.0)
             for r in range(b, R, nb):
-                acc += float32(dy[r, c]) * (float32(x[r, c]) * float32(rstd[r]))
+                acc += ld(dy[r, c]) * (ld(x[r, c]) * ld(rstd[r]))
             dwp[b, c] = acc
 
     @cuda.jit
@@ -123,8 +124,8 @@ def _kernels(TPB: int) -> SimpleNamespace:
         while i < gate.shape[0] * F:
             r = i // F
             c = i - r * F
-            g = float32(gate[r, c])
-            out[r, c] = g / (float32(1.0) + fexp(-g)) * float32(up[r, c])
+            g = ld(gate[r, c])
+            st(out, (r, c), g / (float32(1.0) + fexp(-g)) * ld(up[r, c]))
             i += step
 
     @cuda.jit
@@ -135,14 +136,14 @@ def _kernels(TPB: int) -> SimpleNamespace:
         while i < gate.shape[0] * F:
             r = i // F
             c = i - r * F
-            g, u, da = float32(gate[r, c]), float32(up[r, c]), float32(dact[r, c])
+            g, u, da = ld(gate[r, c]), ld(up[r, c]), ld(dact[r, c])
             s = one / (one + fexp(-g))  # sigmoid(g)
             silu = g * s
             if with_act:
-                act[r, c] = silu * u
-            dup[r, c] = da * silu
+                st(act, (r, c), silu * u)
+            st(dup, (r, c), da * silu)
             d = silu - silu * s + s  # d silu / dg, the reference's order
-            dgate[r, c] = (da * u) * d
+            st(dgate, (r, c), (da * u) * d)
             i += step
 
     # -- RoPE -----------------------------------------------------------------------------
@@ -159,10 +160,10 @@ def _kernels(TPB: int) -> SimpleNamespace:
             j //= H
             tt = j % T
             b = j // T
-            y1, y2 = rope_pair(float32(x[b, tt, h, k]), float32(x[b, tt, h, k + d]),
-                               float32(cos[tt, k]), float32(sin[tt, k]), sign)
-            out[b, tt, h, k] = y1
-            out[b, tt, h, k + d] = y2
+            y1, y2 = rope_pair(ld(x[b, tt, h, k]), ld(x[b, tt, h, k + d]),
+                               ld(cos[tt, k]), ld(sin[tt, k]), sign)
+            st(out, (b, tt, h, k), y1)
+            st(out, (b, tt, h, k + d), y2)
             i += step
 
     # -- AdamW, the gradient norm -----------------------------------------------------------
@@ -267,13 +268,14 @@ def swiglu_forward(gate, up, xp, out=None, threads=None):
 
 def swiglu_backward(dact, cache, xp, out=None, with_act=False, threads=None):
     """-> (dgate, dup) float32 (or `out` = (dgate, dup)'s dtypes, views welcome), and act with
-    `with_act`: `kernels.swiglu_backward`."""
+    `with_act` (float32, or `out`'s third array when it has one): `kernels.swiglu_backward`."""
     gate, up = cache
     dl.check(xp, dact, gate, up)
     tpb = dl.block_threads(threads)
     shape = dl.two_d("gate", gate).shape
-    dgate, dup = (dl.out_array(o, shape, F32, xp, True) for o in (out or (None, None)))
-    act = xp.empty(shape, F32) if with_act else None
+    outs = tuple(out or ()) + (None,) * (3 - len(out or ()))
+    dgate, dup = (dl.out_array(o, shape, F32, xp, True) for o in outs[:2])
+    act = dl.out_array(outs[2], shape, F32, xp, True) if with_act else None
     if gate.size:
         dl.launch(_kernels(tpb).swiglu_bwd, dl.grid(gate.size, tpb), tpb, xp,
                   dl.two_d("dact", dact), gate, dl.two_d("up", up), dgate, dup,

@@ -32,6 +32,7 @@ import numpy as np
 
 from ratrain.device import kind_of, storage_of
 from ratrain.device.standin import StandinArray, did
+from ratrain.exec.kernels import BF16
 
 # numba.cuda and its scalar types, set by `load()`: module globals, as the simulator swaps the
 # `cuda` global of a kernel's module for its per-thread stand-in
@@ -39,6 +40,7 @@ cuda = float32 = float64 = None
 _SIM = None  # whether numba.cuda is the simulator (set by `load()`)
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+TAKES = (F32, F16, BF16)  # what the kernels load and store (a bfloat16 array as its bits)
 GPU_THREADS = 256  # threads per block on a GPU (8 warps)
 SIM_THREADS = 32  # under the simulator: one Python thread each
 MAX_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each looping over the rest
@@ -80,6 +82,8 @@ def load():
         from numba.core import config
     cuda, float32, float64 = numba_cuda, numba_cuda.float32, numba_cuda.float64
     _SIM = bool(config.ENABLE_CUDASIM)
+    if not _SIM:
+        _compiled_ld_st(numba_cuda)
     return numba_cuda
 
 
@@ -105,6 +109,81 @@ def simulated() -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------
+# Loads and stores: a float16 or float32 element as itself, a bfloat16 one through its bits
+# --------------------------------------------------------------------------------------------
+# `launch` passes a bfloat16 array as its uint16 view (numba-cuda has no bfloat16 array type,
+# and its `cuda.bf16` intrinsics are stubs in the simulator): `ld` widens those bits exactly
+# (bits << 16), `st` rounds to nearest even (a NaN becomes the quiet NaN of its sign), as
+# ml_dtypes does for finite values and the host's `fused.cast` does for all. Kernels load every element they may be given in 16 bits
+# with `ld` and store with `st`. In the simulator these Python functions run as they are; on a
+# GPU their overloads (`_compiled_ld_st`) compile to a shift and a bit move (`mov.b32`).
+
+
+def ld(v):
+    """fp32 of a loaded element (a uint16: a bfloat16's bits)."""
+    if isinstance(v, np.uint16):
+        return (np.uint32(v) << np.uint32(16)).view(np.float32)
+    return np.float32(v)
+
+
+def _bf16_bits(b: int) -> int:
+    """The bfloat16 bits of the float32 bits `b`: rounded to nearest even, a NaN kept quiet."""
+    if b & 0x7FFFFFFF > 0x7F800000:
+        return ((b >> 16) & 0x8000) | 0x7FC0
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+def st(a, i, v):
+    """a[i] = v (fp32), rounded into a's dtype (a uint16 array: bfloat16 bits)."""
+    if a.dtype == np.uint16:
+        a[i] = _bf16_bits(int(np.float32(v).view(np.uint32)))
+    else:
+        a[i] = v
+
+
+def _compiled_ld_st(numba_cuda) -> None:
+    """`ld` and `st` for compiled kernels (numba-cuda's `overload`: chosen by the element's
+    type, inlined)."""
+    from numba.core import types  # numba's, present wherever numba-cuda is
+    from numba.cuda.extending import overload
+
+    u16, u32, f32 = numba_cuda.uint16, numba_cuda.uint32, numba_cuda.float32
+
+    @overload(ld, target="cuda", inline="always")
+    def _ld(v):
+        if v == types.uint16:
+            def bf16(v):
+                t = numba_cuda.local.array(1, u32)
+                t[0] = u32(v) << u32(16)
+                return t.view(np.float32)[0]
+            return bf16
+        return lambda v: f32(v)
+
+    @overload(st, target="cuda", inline="always")
+    def _st(a, i, v):
+        if a.dtype == types.uint16:
+            def bf16(a, i, v):
+                t = numba_cuda.local.array(1, f32)
+                t[0] = v
+                b = t.view(np.uint32)[0]
+                if b & u32(0x7FFFFFFF) > u32(0x7F800000):
+                    a[i] = u16(((b >> u32(16)) & u32(0x8000)) | u32(0x7FC0))
+                else:
+                    a[i] = u16((b + u32(0x7FFF) + ((b >> u32(16)) & u32(1))) >> u32(16))
+            return bf16
+
+        def same(a, i, v):
+            a[i] = v
+        return same
+
+
+def bits(a):
+    """A bfloat16 array (numpy's or cupy's) as its uint16 view, what the kernels take; any
+    other argument itself."""
+    return a.view(np.uint16) if getattr(a, "dtype", None) == BF16 else a
+
+
 def check(xp, *arrays) -> None:
     """One line on a wrong array module or dtype, before any launch."""
     sim = simulated()
@@ -115,9 +194,9 @@ def check(xp, *arrays) -> None:
         raise TypeError("devkernels on a GPU take cupy arrays: pass xp=cupy (numpy arrays run "
                         "only under NUMBA_ENABLE_CUDASIM=1)")
     for a in arrays:
-        if a.dtype not in (F32, F16):
-            raise TypeError(f"devkernels compute float32 and float16 arrays, not {a.dtype}: "
-                            "float64 runs on ratrain.exec.kernels (the reference)")
+        if a.dtype not in TAKES:
+            raise TypeError(f"devkernels compute float32, float16 and bfloat16 arrays, not "
+                            f"{a.dtype}: float64 runs on ratrain.exec.kernels (the reference)")
 
 
 def block_threads(threads, gpu=GPU_THREADS) -> int:
@@ -149,6 +228,7 @@ def launch(kernel, blocks: int, threads: int, xp, *args) -> None:
         # in and back, which loses writes through aliases and refuses strided views); a
         # stand-in array's values are a numpy array (`storage_of`)
         held = [storage_of(a) for a in args]
+        held = [h if h is None else bits(h) for h in held]
         kernel[blocks, threads](*[a if h is None else FakeCUDAArray(h) for a, h in zip(args, held)])
         if any(type(a) is StandinArray for a in args):  # a launch of the stand-in's device
             did(getattr(kernel, "__name__", "kernel"),
@@ -156,8 +236,8 @@ def launch(kernel, blocks: int, threads: int, xp, *args) -> None:
         return
     stream = _stream(xp.cuda.get_current_stream().ptr)
     # ordered on the same stream as the arrays' producers: no host sync (sync=False)
-    args = [cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
-            for a in args]
+    args = [cuda.as_cuda_array(bits(a), sync=False)
+            if hasattr(a, "__cuda_array_interface__") else a for a in args]
     kernel[blocks, threads, stream](*args)
 
 
@@ -171,9 +251,9 @@ def out_array(out, shape, dtype, xp, any_strides=False):
     that a 2-D view of it writes through) or a new `dtype` array."""
     if out is None:
         return xp.empty(shape, dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype not in (F32, F16):
+    if tuple(out.shape) != tuple(shape) or out.dtype not in TAKES:
         raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(shape)} "
-                         "float32 or float16")
+                         "float32, float16 or bfloat16")
     if not (any_strides or out.flags.c_contiguous):
         raise ValueError("out: must be C-contiguous (a view of it is written)")
     return out
@@ -237,6 +317,6 @@ def device_functions(TPB: int) -> SimpleNamespace:
     return SimpleNamespace(fexp=fexp, flog=flog, fmax=fmax, block_reduce=block_reduce)
 
 
-__all__ = ["EXP_MAX", "F16", "F32", "GPU_THREADS", "MAX_BLOCKS", "SIM_THREADS", "block_threads",
-           "check", "device_functions", "grid", "launch", "load", "numpy_compat", "out_array",
-           "rows", "simulated", "two_d", "why_off"]
+__all__ = ["EXP_MAX", "F16", "F32", "GPU_THREADS", "MAX_BLOCKS", "SIM_THREADS", "TAKES", "bits",
+           "block_threads", "check", "device_functions", "grid", "launch", "ld", "load",
+           "numpy_compat", "out_array", "rows", "simulated", "st", "two_d", "why_off"]

@@ -14,9 +14,10 @@ log-sum-exp and no logits. Its backward recomputes the logits a vocabulary chunk
 the gradient kernel takes the kept statistics and the chunk's first column `v0`, never a
 whole row.
 
-Numerics are `exec.devkernels`' (inputs float32 or float16, computed in fp32, rounded once on
-store; the row reductions are shared-memory trees, a few ulps from numpy's sums). The gradient
-is rounded once into `out` when it is float16, fusing the cast the head's 16-bit GEMMs need.
+Numerics are `exec.devkernels`' (inputs float32, float16 or bfloat16, computed in fp32, rounded
+once on store; the row reductions are shared-memory trees, a few ulps from numpy's sums). The
+gradient is rounded once into `out` when it is 16-bit, fusing the cast the head's 16-bit GEMMs
+need.
 A target outside the vocabulary makes its row's loss NaN and adds no one-hot: a kernel cannot
 raise the reference's IndexError, and must not read out of bounds.
 """
@@ -30,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ratrain.exec import devlaunch as dl
-from ratrain.exec.devlaunch import F32
+from ratrain.exec.devlaunch import F32, ld, st
 
 # numba.cuda and its scalar type, set by `_kernels` from `load()`: module globals, as the
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
@@ -60,17 +61,17 @@ def _kernels(TPB: int) -> SimpleNamespace:
         V = z.shape[1]
         m = float32(-inf)
         for c in range(t, V, TPB):
-            m = fmax(m, float32(z[r, c]))
+            m = fmax(m, ld(z[r, c]))
         m = block_reduce(sh, t, m, True)
         acc = float32(0.0)
         for c in range(t, V, TPB):
-            acc += fexp(float32(z[r, c]) - m)
+            acc += fexp(ld(z[r, c]) - m)
         ls = flog(block_reduce(sh, t, acc, False)) + m
         if t == 0:
             tr = targets[r]
             zt = float32(math.nan)
             if 0 <= tr < V:
-                zt = float32(z[r, tr])
+                zt = ld(z[r, tr])
             lse[r] = ls
             losses[r] = ls - zt
 
@@ -83,10 +84,10 @@ def _kernels(TPB: int) -> SimpleNamespace:
         while i < z.shape[0] * W:
             r = i // W
             c = i - r * W
-            p = fexp(float32(z[r, c]) - float32(lse[r]))
+            p = fexp(ld(z[r, c]) - ld(lse[r]))
             if c + v0 == targets[r]:
                 p -= float32(1.0)
-            d[r, c] = p * scale
+            st(d, (r, c), p * scale)
             i += step
 
     return SimpleNamespace(ce_rows=ce_rows, ce_grad=ce_grad)
@@ -121,7 +122,8 @@ def cross_entropy_rows(z, targets, xp, out=None, threads=None):
 def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None, threads=None):
     """dlogits of the vocabulary's columns [v0, v0 + W) from their logits z (N, W), the targets
     (N,) and the rows' lse (N,): (exp(z - lse) - onehot(targets - v0)) * scale, written over z
-    and returned, or into `out` (float32 or float16, C-contiguous; z is then left as it was):
+    and returned, or into `out` (float32, float16 or bfloat16, C-contiguous; z is then left as it
+was):
     `kernels.cross_entropy_grad`."""
     dl.check(xp, z, lse)
     _targets(z, targets)

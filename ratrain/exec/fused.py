@@ -106,10 +106,12 @@ def swiglu_forward(gate, up, xp, out=None):
 def swiglu_backward(dact, cache, xp, out=None, with_act=False):
     """`kernels.swiglu_backward` of float32 (N, F) arrays (any strides)."""
     gate, up = cache
-    if not (gate.ndim == 2 and _f32(gate, up, dact)):
+    if not (gate.ndim == 2 and _f32(gate, up, dact, *(out or ()))):
         return kernels.swiglu_backward(dact, cache, xp, out, with_act)
-    dgate, dup = out if out is not None else (np.empty(gate.shape, F32), np.empty(gate.shape, F32))
-    act = np.empty(gate.shape, F32) if with_act else None
+    dgate, dup, *act_out = out if out is not None else (None, None)
+    dgate = np.empty(gate.shape, F32) if dgate is None else dgate
+    dup = np.empty(gate.shape, F32) if dup is None else dup
+    act = (act_out[0] if act_out else np.empty(gate.shape, F32)) if with_act else None
     _swiglu_bwd(dact, gate, up, _exp_neg(gate), dgate, dup, act if with_act else dgate, with_act)
     return (dgate, dup, act) if with_act else (dgate, dup)
 

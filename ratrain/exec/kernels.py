@@ -19,6 +19,8 @@ attention backends (`exec.attention`), which the layers call through the table.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import ml_dtypes
@@ -56,6 +58,36 @@ def as_dtype(a, dt):
 def assign(dst, src) -> None:
     """dst[...] = src, cast to dst's dtype (the reference of `fused.assign`)."""
     dst[...] = src
+
+
+def rounds_once(fn):
+    """A reference that takes `out` (an array, or a tuple of them), made to round once into a
+    16-bit `out`: it then computes into new arrays in the compute type and casts each result
+    into `out`, the bits of a cast of what it returns without `out`. (Written into a 16-bit
+    `out` directly, its intermediate steps would be rounded too.) A device's 16-bit layout
+    hands the references such outs where its kernels write 16 bits themselves."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        out = bound.arguments.get("out")
+        outs = out if isinstance(out, tuple) else (out,)
+        if not any(o is not None and is_half_dtype(o.dtype) for o in outs):
+            return fn(*args, **kwargs)
+        bound.arguments["out"] = None
+        r = fn(*bound.args, **bound.kwargs)
+        if isinstance(out, tuple):  # results first, in `out`'s order
+            for o, v in zip(out, r):
+                assign(o, v)
+            return (*out, *r[len(out):])
+        if isinstance(r, tuple):  # (result, cache)
+            assign(out, r[0])
+            return (out, *r[1:])
+        assign(out, r)
+        return out
+
+    return call
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,6 +167,7 @@ def _embedding_backward_device(rows, flat, dw, xp) -> None:
 
 
 @timed("rmsnorm")
+@rounds_once
 def rmsnorm_forward(x, w, eps, xp, out=None):
     """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w)."""
     ct = compute_dtype(x, w)
@@ -183,6 +216,7 @@ def rope_tables(seq_len, head_dim, theta, xp=np, dtype=np.float32):
 
 
 @timed("rope")
+@rounds_once
 def rope_forward(x, cos, sin, xp, out=None):
     """y = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
 
@@ -203,6 +237,7 @@ def rope_forward(x, cos, sin, xp, out=None):
 
 
 @timed("rope")
+@rounds_once
 def rope_backward(dy, cache, xp, out=None):
     """dx = dy * cos + rotate_half^T(dy * sin), rotate_half^T(z) = cat(z2, -z1)."""
     cos, sin = cache
@@ -271,6 +306,7 @@ def attention_backward(do, cache, xp):
 
 
 @timed("swiglu")
+@rounds_once
 def swiglu_forward(gate, up, xp, out=None):
     """act = gate * sigmoid(gate) * up, in the compute type; cache (gate, up)."""
     ct = compute_dtype(gate, up)
@@ -284,20 +320,22 @@ def swiglu_forward(gate, up, xp, out=None):
 
 
 @timed("swiglu")
+@rounds_once
 def swiglu_backward(dact, cache, xp, out=None, with_act=False):
     """-> (dgate, dup) in the compute type, written into `out` = (dgate, dup) when given (views
     welcome). `with_act`: also return act = silu(gate) * up, which the sigmoid computed here
-    gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act)."""
+    gives for one multiply (a layer's down-projection gradient needs it): (dgate, dup, act),
+    act written into `out`'s third array when it has one."""
     gate, up = cache
     ct = compute_dtype(gate, up, dact)
     g, u, da = as_dtype(gate, ct), as_dtype(up, ct), as_dtype(dact, ct)
-    dgate, dup = out if out is not None else (None, None)
+    dgate, dup, *act_out = out if out is not None else (None, None)
     sig = xp.negative(g)  # (..., F)
     xp.exp(sig, out=sig)
     sig += 1.0
     xp.reciprocal(sig, out=sig)  # sigmoid(g)
     silu = g * sig
-    act = silu * u if with_act else None
+    act = xp.multiply(silu, u, out=act_out[0] if act_out else None) if with_act else None
     dup = xp.multiply(da, silu, out=dup)
     # d silu / dg = sig * (1 + g * (1 - sig)) = sig + silu - silu * sig
     t = silu * sig

@@ -112,6 +112,17 @@ def _g(ctx, a):
     return a if ctx.gemm_half is None else _as(ctx, a, ctx.gemm_half)
 
 
+def _normed(ctx, x, rstd, w):
+    """The norm's output recomputed from the kept statistics, x * rstd * w (the forward's
+    arithmetic), rounded by its last multiply into the 16-bit GEMM operand where a device's
+    kernels write those (`ctx.out16`), else in the compute type."""
+    y = x * rstd
+    if ctx.out16 is None:
+        y *= as_compute(ctx, w)
+        return y
+    return ctx.xp.multiply(y, as_compute(ctx, w), out=ctx.xp.empty(y.shape, ctx.out16))
+
+
 def _add_into(a, b, out, ctx):
     """out[...] = a + b, summed in the compute type and rounded once into out's dtype (as
     numpy's add into a float16 out does); `b` is overwritten when out's dtype differs."""
@@ -180,7 +191,7 @@ def _gemm_weight_nbytes(p, ctx) -> int:
 
 
 @timed("weight copies")
-def _gemm_weights(p, ctx):
+def _gemm_weights(p, ctx, backward=False):
     """GEMM weights in `gemm_dtype` (fp32 copies of 16-bit views on a host whose GEMMs are
     fp32, else the views' dtype): wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
     wd (account `_gemm_weight_nbytes` under scratch.gemm around their use). Views of the
@@ -198,11 +209,13 @@ def _gemm_weights(p, ctx):
                 copies.append((out[key][r : r + a.shape[0]], a))
                 r += a.shape[0]
     out["wo"], out["wd"] = p["attn.wo"], p["mlp.w_down"]
-    # the norms' weights as the layer's arithmetic takes them: the views, but a device's bf16
-    # ones as fp32 copies, made once (its kernels take fp32 and fp16: a bf16 weight would be
-    # converted at each of its four uses), the same values
+    # the norms' weights as the layer's arithmetic takes them: the views (a device's kernels
+    # read bf16 too), but in a device's backward its bf16 ones as fp32 copies, made once for
+    # their two uses each (a kernel's and the recomputed norm's multiply, `_normed`), the same
+    # values
     for key in ("attn_norm", "mlp_norm"):
-        out[key] = p[key] if ctx.host or p[key].dtype != BF16 else as_compute(ctx, p[key])
+        copy = backward and not ctx.host and p[key].dtype == BF16
+        out[key] = as_compute(ctx, p[key]) if copy else p[key]
     if out["wo"].dtype != wdt:
         out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
         copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
@@ -259,19 +272,29 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (T, 1, D) for the (b, T, heads, D) layout
     eps = ctx.model.norm_eps
 
+    o16 = ctx.out16  # the 16-bit dtype a device's kernels write GEMM operands in, or None
     x32 = as_compute(ctx, x)  # (b, T, C)
-    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, w["attn_norm"], eps, xp)  # (b, T, C)
+    xn = None if o16 is None else xp.empty((b, T, C), o16)  # the norm writes Wqkv's operand
+    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, w["attn_norm"], eps, xp, out=xn)  # (b, T, C)
     qkv = ops.gemm(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=half16)  # (N, HD + 2 KVD)
-    q = xp.empty((b, H, T, D), ct)
-    ops.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
-    k = xp.empty((b, KV, T, D), ct)
-    ops.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
-                     out=k.transpose(0, 2, 1, 3))
-    v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
-    del qkv
     attn = ops.attention
     adt = attn.dtype(ctx)  # the compute type, or ctx.dtype for a backend of 16-bit inputs
-    if half:  # keep 16 bits, attend on the rounded values
+    # a device's RoPE writes the 16-bit q, k of a 16-bit attention itself, and v is copied into
+    # its layout and rounded in one operation: the bits of rounding after
+    qkv16 = half and o16 is not None and adt != ct
+    q = xp.empty((b, H, T, D), adt if qkv16 else ct)
+    ops.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
+    k = xp.empty((b, KV, T, D), q.dtype)
+    ops.rope_forward(qkv[:, HD : HD + KVD].reshape(b, T, KV, D), cos3, sin3, xp,
+                     out=k.transpose(0, 2, 1, 3))
+    if qkv16:
+        v = xp.empty((b, KV, T, D), adt)
+        v.transpose(0, 2, 1, 3)[...] = qkv[:, HD + KVD :].reshape(b, T, KV, D)
+        q16, k16, v16 = q, k, v
+    else:
+        v = xp.ascontiguousarray(qkv[:, HD + KVD :].reshape(b, T, KV, D).transpose(0, 2, 1, 3))
+    del qkv
+    if half and not qkv16:  # keep 16 bits, attend on the rounded values
         q16, k16, v16 = (ops.cast(a, ctx.dtype) for a in (q, k, v))
         if adt == ct:
             for a, a16 in ((q, q16), (k, k16), (v, v16)):
@@ -293,7 +316,8 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     gu = ops.gemm(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=half16)  # (N, 2F)
     hk = ops.cast(h, ctx.dtype) if half else h  # what the cache keeps of h
     if y_out is not None:
-        act, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:], xp)  # (N, F)
+        act = None if o16 is None else xp.empty((N, F), o16)  # SwiGLU writes Wd's operand
+        act, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:], xp, out=act)  # (N, F)
         if ctx.half_layout:  # y = h + Wd . act: the GEMM adds into h, rounded once into y
             ops.gemm(_g(ctx, act), w["wd"].T, out=h.reshape(N, C), xp=xp, half=half16,
                      accumulate=True)
@@ -343,7 +367,7 @@ def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
 def _mlp_backward(dy, kept, p, w, ctx, parts):
     """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
     type and puts the wd, wgu and mlp_norm partials into `parts`."""
-    xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half
+    xp, ops, ct, half16, o16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half, ctx.out16
     C, _, _, _, F = _dims(ctx)
     b, T, _ = dy.shape
     N = b * T
@@ -353,15 +377,15 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
     h, gu = as_compute(ctx, kept["h"]), as_compute(ctx, kept["gu"])  # (b, T, C), (N, 2F)
     dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
-    dgu = xp.empty((N, 2 * F), ct)  # (N, 2F): d gate | d up
-    _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp,
-                                    out=(dgu[:, :F], dgu[:, F:]), with_act=True)  # (N, F)
+    dgu = xp.empty((N, 2 * F), o16 or ct)  # (N, 2F): d gate | d up (both GEMMs' operand)
+    outs = (dgu[:, :F], dgu[:, F:]) + (() if o16 is None else (xp.empty((N, F), o16),))
+    _, _, act = ops.swiglu_backward(dact, (gu[:, :F], gu[:, F:]), xp, out=outs,
+                                    with_act=True)  # (N, F): Wd's gradient's operand
     del dact, gu
     _weight_grad(ctx, parts, "wd", dyg, act)  # (C, F)
     del act, dyg
     rms2 = (h, kept["rstd2"], w["mlp_norm"])
-    xn2 = h * kept["rstd2"]  # (b, T, C)
-    xn2 *= as_compute(ctx, w["mlp_norm"])
+    xn2 = _normed(ctx, h, kept["rstd2"], w["mlp_norm"])  # (b, T, C)
     dgu = _g(ctx, dgu)  # both GEMMs' operand
     _weight_grad(ctx, parts, "wgu", dgu, xn2.reshape(N, C))  # (2F, C)
     del xn2
@@ -403,7 +427,8 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     dq, dk, dv = attn.backward(_heads(do.reshape(b, T, HD), H),
                                AttentionCache(q, k, v, _heads(o, H), lse), ctx)
     del do, q, k, v, o, o_kept
-    dqkv = xp.empty((N, HD + 2 * KVD), ct)  # (N, HD + 2 KVD), token-major
+    # (N, HD + 2 KVD), token-major: both GEMMs' operand (in 16 bits where the kernels write it)
+    dqkv = xp.empty((N, HD + 2 * KVD), ctx.out16 or ct)
     ops.rope_backward(dq.transpose(0, 2, 1, 3), (cos3, sin3), xp,
                       out=dqkv[:, :HD].reshape(b, T, H, D))
     ops.rope_backward(dk.transpose(0, 2, 1, 3), (cos3, sin3), xp,
@@ -412,8 +437,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     del dq, dk, dv
     x32 = as_compute(ctx, x)
     rms1 = (x32, kept["rstd1"], w["attn_norm"])
-    xn1 = x32 * kept["rstd1"]  # (b, T, C)
-    xn1 *= as_compute(ctx, w["attn_norm"])
+    xn1 = _normed(ctx, x32, kept["rstd1"], w["attn_norm"])  # (b, T, C)
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
     _weight_grad(ctx, parts, "wqkv", dqkv, xn1.reshape(N, C))  # (HD + 2 KVD, C)
     del xn1
@@ -461,7 +485,7 @@ def layer_backward(dy, cache, p, g, ctx):
     ]
     with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, *x.shape[:2], backward=True)), \
             ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
-        w = _gemm_weights(p, ctx)
+        w = _gemm_weights(p, ctx, backward=True)
         parts = ctx.map(run, range(len(chunks)))
         if ctx.half_layout:  # the GEMMs' operands are in parts until they add into g
             accumulate_gemms(*_stacked_grads(g, pairs[:-2], parts, ctx), ctx)
