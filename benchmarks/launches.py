@@ -19,8 +19,8 @@ simulator, on an AMD EPYC core).
 What it counts is what the device path queues on a card with its kernels: the kernel table's
 device entries (`exec.deventries`) send the same calls to the device kernels as on a card, and
 `run.devkernels: count` (`exec.devcount`) computes each on the host and counts the device
-operations its kernel queues (one launch; two for RMSNorm's backward; the gradient norm's two
-and its zeroed result), as numba-cuda's simulator counts them (tested). `--against
+operations its kernel queues (one launch; two for RMSNorm's backward and for the gradient
+norm), as numba-cuda's simulator counts them (tested). `--against
 run.devkernels=off` counts the same step on cupy's compositions (every op of RMSNorm, RoPE,
 SwiGLU, the head's cross-entropy, AdamW and the gradient norm a launch of its own). The
 attention is what a card's `auto` runs: at fp16 and bf16 cuDNN's, as the stand-in counts it

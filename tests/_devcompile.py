@@ -46,6 +46,7 @@ def main() -> int:
         "rmsnorm_fwd": (k.rmsnorm_fwd, [("d", 2), ("d", 1), f32, ("d", 2), a(f32, 1)]),
         "rmsnorm_bwd": (k.rmsnorm_bwd, [("d", 2), ("d", 2), a(f32, 1), ("d", 1), ("d", 2),
                                         a(f32, 2)]),
+        "rmsnorm_rec": (k.rmsnorm_rec, [("d", 2), a(f32, 1), ("d", 1), ("d", 2)]),
         "column_sum": (k.column_sum, [a(f32, 2), a(f32, 1)]),
         "swiglu_fwd": (k.swiglu_fwd, [("d", 2), ("d", 2), ("d", 2)]),
         "swiglu_bwd": (k.swiglu_bwd, [("d", 2), ("d", 2), ("d", 2), ("d", 2), ("d", 2),
@@ -58,6 +59,11 @@ def main() -> int:
         "ce_grad": (loss.ce_grad, [("d", 2), a(i64, 1), a(f32, 1), f32, i64, ("d", 2)]),
     }
     failed = 0
+    launched = {n for ns in (k, loss) for n, f in vars(ns).items()
+                if not f.targetoptions.get("device")}  # kernels, not device functions
+    for name in sorted(launched - set(kernels)):  # a kernel added, not listed
+        failed += 1
+        print(f"FAILED {name}: not compiled here (list its signature above)")
     for name, (kern, spec) in kernels.items():
         free = [i for i, s in enumerate(spec) if isinstance(s, tuple)]
         sigs = {tuple(a(f32, s[1]) if isinstance(s, tuple) else s for s in spec)}

@@ -34,5 +34,5 @@ def test_every_kernel_compiles_for_sm90_in_each_dtype():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
-    assert len(lines) == 11, out  # every kernel named in the script, each compiled
+    assert len(lines) >= 12, out  # every kernel (the script fails on one it does not list)
     assert "ok rmsnorm_fwd: 9 signatures" in lines, out

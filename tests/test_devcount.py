@@ -40,6 +40,8 @@ def _calls(dtype):
         "rmsnorm_backward": (lambda k, a: k.rmsnorm_backward(a[0], (a[1], a[2], a[3]), standin,
                                                              threads=TPB),
                              (dy, x, rstd, w)),
+        "rmsnorm_recompute": (lambda k, a: k.rmsnorm_recompute(a[0], a[1], a[2], standin,
+                                                               threads=TPB), (x, rstd, w)),
         "swiglu_forward": (lambda k, a: k.swiglu_forward(a[0][:, :20], a[0][:, 20:], standin,
                                                          threads=TPB), (gu,)),
         "swiglu_backward": (lambda k, a: k.swiglu_backward(a[1], (a[0][:, :20], a[0][:, 20:]),
@@ -81,7 +83,7 @@ FP32_ONLY = ("adamw", "sum_squares", "cross_entropy_rows", "cross_entropy_grad")
 
 
 @pytest.mark.parametrize("name,dtype", [(n, d) for n in sorted(devcount.LAUNCHES)
-                                        for d in (np.float32, F16)
+                                        for d in (np.float32, F16, kernels.BF16)
                                         if d == np.float32 or n not in FP32_ONLY])
 def test_each_twin_counts_its_kernels_launches_and_gives_the_references_values(sim, name,
                                                                                  dtype):

@@ -76,7 +76,8 @@ from ratrain.exec.gemm import matmul, mkl_entry
 from ratrain.exec.kernels import BF16, block_sq_norm
 
 # each op (but attention, an object of its own) and the table's fields that implement it
-ENTRIES = {"gemm": ("gemm",), "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward"),
+ENTRIES = {"gemm": ("gemm",),
+           "rmsnorm": ("rmsnorm_forward", "rmsnorm_backward", "rmsnorm_recompute"),
            "rope": ("rope_forward", "rope_backward"), "swiglu": ("swiglu_forward", "swiglu_backward"),
            "cross_entropy": ("cross_entropy_rows", "cross_entropy_grad"), "adamw": ("adamw",),
            "grad_norm": ("grad_norm",), "cast": ("cast", "assign")}
@@ -270,6 +271,7 @@ class Kernels:
     gemm: Callable
     rmsnorm_forward: Callable
     rmsnorm_backward: Callable
+    rmsnorm_recompute: Callable  # the forward's output again from its kept statistics
     rope_forward: Callable
     rope_backward: Callable
     swiglu_forward: Callable
@@ -409,7 +411,8 @@ def _fast_kernels(device: str, precision: str, fused_mode: str, dev_mode: str) -
 
 _REFERENCE = dict(
     gemm=matmul, rmsnorm_forward=kernels.rmsnorm_forward,
-    rmsnorm_backward=kernels.rmsnorm_backward, rope_forward=kernels.rope_forward,
+    rmsnorm_backward=kernels.rmsnorm_backward, rmsnorm_recompute=kernels.rmsnorm_recompute,
+    rope_forward=kernels.rope_forward,
     rope_backward=kernels.rope_backward, swiglu_forward=kernels.swiglu_forward,
     swiglu_backward=kernels.swiglu_backward, cross_entropy_rows=kernels.cross_entropy_rows,
     cross_entropy_grad=kernels.cross_entropy_grad, adamw=None, grad_norm=block_sq_norm,
@@ -417,6 +420,8 @@ _REFERENCE = dict(
 
 _FUSED = dict(
     rmsnorm_forward=fused.rmsnorm_forward, rmsnorm_backward=fused.rmsnorm_backward,
+    # two numpy passes on the host (its backward's normed inputs for the weight gradients)
+    rmsnorm_recompute=kernels.rmsnorm_recompute,
     rope_forward=fused.rope_forward, rope_backward=fused.rope_backward,
     swiglu_forward=fused.swiglu_forward, swiglu_backward=fused.swiglu_backward,
     adamw=fused.adamw, cast=fused.cast, assign=fused.assign)

@@ -34,6 +34,7 @@ LAUNCHES = {**devkernels.LAUNCHES, **devloss.LAUNCHES}
 _REF = types.SimpleNamespace(**{name: getattr(getattr(kernels, name), "__wrapped__",
                                                getattr(kernels, name))
                                 for name in ("rmsnorm_forward", "rmsnorm_backward",
+                                             "rmsnorm_recompute",
                                              "swiglu_forward", "swiglu_backward", "rope_forward",
                                              "rope_backward", "block_sq_norm",
                                              "cross_entropy_rows", "cross_entropy_grad")})
@@ -112,6 +113,14 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     dx, dw = _REF.rmsnorm_backward(_f32(hdy), (_f32(hx), hr, hw), np)
     _count("rmsnorm_backward", hx)
     return _put(out, dx, hx.shape), StandinArray(np.asarray(dw, np.float32))
+
+
+@_kernel
+def rmsnorm_recompute(x, rstd, w, xp, out=None, threads=None):
+    hx, hr, hw = _checked(x, rstd, w)
+    y = _REF.rmsnorm_recompute(_f32(hx), hr, hw, np)
+    _count("rmsnorm_recompute", hx)
+    return _put(out, y, hx.shape)
 
 
 @_kernel
@@ -240,5 +249,5 @@ class CountedSdpa:
 
 
 __all__ = ["LAUNCHES", "CountedSdpa", "adamw", "cross_entropy_grad", "cross_entropy_rows",
-           "rmsnorm_backward", "rmsnorm_forward", "rope_backward", "rope_forward", "sum_squares",
-           "swiglu_backward", "swiglu_forward"]
+           "rmsnorm_backward", "rmsnorm_forward", "rmsnorm_recompute", "rope_backward",
+           "rope_forward", "sum_squares", "swiglu_backward", "swiglu_forward"]

@@ -53,9 +53,13 @@ def entries(k) -> dict:
         x, rstd, w = cache
         if _dk(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
             return k.rmsnorm_backward(dy, cache, xp)
-        # the reference computes in its cache's x's dtype: a 16-bit x as its exact fp32 copy
-        x = kernels.as_dtype(x, kernels.compute_dtype(x, dy, w))
-        return kernels.rmsnorm_backward(dy, (x, rstd, w), xp)
+        return kernels.rmsnorm_backward(dy, cache, xp)
+
+    @timed("rmsnorm")
+    def rmsnorm_recompute(x, rstd, w, xp, out=None):
+        if _dk(x, rstd, w, out) and x.flags.c_contiguous:
+            return k.rmsnorm_recompute(x, rstd, w, xp, out=out)
+        return kernels.rmsnorm_recompute(x, rstd, w, xp, out)
 
     @timed("rope")
     def rope_forward(x, cos, sin, xp, out=None):
@@ -104,6 +108,7 @@ def entries(k) -> dict:
 
     return dict(
         rmsnorm_forward=rmsnorm_forward, rmsnorm_backward=rmsnorm_backward,
+        rmsnorm_recompute=rmsnorm_recompute,
         rope_forward=rope_forward, rope_backward=rope_backward, swiglu_forward=swiglu_forward,
         swiglu_backward=swiglu_backward, cross_entropy_rows=cross_entropy_rows,
         cross_entropy_grad=cross_entropy_grad, adamw=k.adamw, grad_norm=grad_norm)

@@ -9,6 +9,7 @@ numba-cuda, checks the arguments and says how a launch goes on a GPU and in the 
     rmsnorm_forward/backward  kernels.rmsnorm_* (fused._rmsnorm_*)         a block per row; dw:
                                                                             per-block partials,
                                                                             then a column sum
+    rmsnorm_recompute         kernels.rmsnorm_recompute                   grid-stride
     swiglu_forward/backward   kernels.swiglu_* (fused._swiglu_*)           grid-stride
     rope_forward/backward     kernels.rope_* (fused._rope)                 grid-stride
     adamw                     fused.adamw (optim._adam_core's arithmetic)  grid-stride
@@ -49,11 +50,12 @@ from ratrain.exec.devlaunch import F32, ld, st
 # simulator swaps the `cuda` global of a kernel's module for its per-thread stand-in
 cuda = float32 = float64 = None
 
-# device operations one call on non-empty arrays queues: its launches (and sum_squares's zeroed
-# result); what `exec.devcount` counts for a call on the stand-in (tested in the simulator)
-LAUNCHES = {"rmsnorm_forward": 1, "rmsnorm_backward": 2, "swiglu_forward": 1,
-            "swiglu_backward": 1, "rope_forward": 1, "rope_backward": 1, "adamw": 1,
-            "sum_squares": 3}
+# device operations one call on non-empty arrays queues: its launches (an empty array's
+# sum_squares: one, its zeroed result); what `exec.devcount` counts for a call on the
+# stand-in (tested in the simulator)
+LAUNCHES = {"rmsnorm_forward": 1, "rmsnorm_backward": 2, "rmsnorm_recompute": 1,
+            "swiglu_forward": 1, "swiglu_backward": 1, "rope_forward": 1, "rope_backward": 1,
+            "adamw": 1, "sum_squares": 2}
 ROW_GROUPS = 1024  # RMSNorm backward: blocks (hence dw partials), each over every 1024th row
 
 
@@ -104,6 +106,16 @@ def _kernels(TPB: int) -> SimpleNamespace:
             for r in range(b, R, nb):
                 acc += ld(dy[r, c]) * (ld(x[r, c]) * ld(rstd[r]))
             dwp[b, c] = acc
+
+    @cuda.jit
+    def rmsnorm_rec(x, rstd, w, y):  # x, y (R, C); rstd (R,); w (C,): grid-stride
+        C = x.shape[1]
+        i, step = cuda.grid(1), cuda.gridsize(1)
+        while i < x.shape[0] * C:
+            r = i // C
+            c = i - r * C
+            st(y, (r, c), ld(x[r, c]) * ld(rstd[r]) * ld(w[c]))
+            i += step
 
     @cuda.jit
     def column_sum(parts, out):  # parts (P, C) -> out (C,): each column summed in row order
@@ -223,6 +235,18 @@ def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
         dl.launch(_kernels(tpb).rmsnorm_fwd, x2.shape[0], tpb, xp, x2, w, np.float32(eps),
                   dl.rows(y), rstd.reshape(-1))
     return y, (x, rstd, w)
+
+
+def rmsnorm_recompute(x, rstd, w, xp, out=None, threads=None):
+    """y = x * rstd * w (..., C) from the forward's kept rstd (..., 1) (float32, or `out`'s
+    dtype): `kernels.rmsnorm_recompute`."""
+    dl.check(xp, x, rstd, w)
+    tpb = dl.block_threads(threads)
+    y = dl.out_array(out, x.shape, F32, xp)
+    if x.size:
+        dl.launch(_kernels(tpb).rmsnorm_rec, dl.grid(x.size, tpb), tpb, xp, dl.rows(x),
+                  rstd.reshape(-1), w, dl.rows(y))
+    return y
 
 
 def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
@@ -348,13 +372,13 @@ def sum_squares(a, xp, threads=None):
     if a.ndim != 1:
         raise ValueError(f"sum_squares: a flat array, got shape {tuple(a.shape)}")
     tpb = dl.block_threads(threads)
-    out = xp.zeros(1, np.float64)
-    if a.size:
-        k = _kernels(tpb)
-        blocks = dl.grid(a.size, tpb)
-        parts = xp.empty(blocks, np.float64)
-        dl.launch(k.sum_squares, blocks, tpb, xp, a, parts)
-        dl.launch(k.sum_parts, 1, tpb, xp, parts, out)
+    if not a.size:
+        return xp.zeros((), np.float64)
+    k = _kernels(tpb)
+    blocks = dl.grid(a.size, tpb)
+    parts, out = xp.empty(blocks, np.float64), xp.empty(1, np.float64)
+    dl.launch(k.sum_squares, blocks, tpb, xp, a, parts)
+    dl.launch(k.sum_parts, 1, tpb, xp, parts, out)  # writes out[0] whatever the sum
     return out.reshape(())
 
 
@@ -363,6 +387,7 @@ __all__ = [
     "adamw",
     "rmsnorm_backward",
     "rmsnorm_forward",
+    "rmsnorm_recompute",
     "rope_backward",
     "rope_forward",
     "sum_squares",

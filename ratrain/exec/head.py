@@ -88,10 +88,12 @@ class _HeadRows:
         xp, half16 = ctx.xp, ctx.gemm_half
         b, T, C = x.shape
         self.shape, N = x.shape, b * T
-        x32 = as_compute(ctx, x)
-        self.rms = (x32, kept["rstd"], p["norm"])
-        xn = (x32 * kept["rstd"]).reshape(N, C)  # (N, C)
-        xn *= as_compute(ctx, p["norm"])
+        xk = x if ctx.out16 is not None else as_compute(ctx, x)  # as the kernels take it
+        self.rms = (xk, kept["rstd"], p["norm"])
+        # the normed rows again (written in the GEMMs' 16 bits where the kernels write those)
+        xn = ctx.kernels.rmsnorm_recompute(
+            xk, kept["rstd"], p["norm"], xp,
+            out=None if ctx.out16 is None else xp.empty(x.shape, ctx.out16)).reshape(N, C)
         self.xg = xn if half16 is None else ctx.kernels.cast(xn, half16)  # GEMMs' operand
         self.lse, self.targets = kept["lse"], targets.reshape(N)  # (N,) each
         self.dxn = xp.empty((N, C), ctx.compute)  # (N, C): the sum over vocabulary chunks
@@ -139,10 +141,13 @@ def _head_bwd_finish(s, ctx, dx_out):
 
 
 def _head_norm(x, p, ctx):
-    """The head's final norm of x (b, T, C), in the compute dtype -> (xn (b*T, C), rstd)."""
+    """The head's final norm of x (b, T, C), in the compute dtype (in the GEMMs' 16 bits where
+    a device's kernels write those, `ctx.out16`) -> (xn (b*T, C), rstd)."""
     b, T, C = x.shape
-    xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(as_compute(ctx, x), p["norm"],
-                                                   ctx.model.norm_eps, ctx.xp)  # (b, T, C)
+    o16 = ctx.out16
+    xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(
+        x if o16 is not None else as_compute(ctx, x), p["norm"], ctx.model.norm_eps, ctx.xp,
+        out=None if o16 is None else ctx.xp.empty(x.shape, o16))  # (b, T, C)
     return xn.reshape(b * T, C), rstd
 
 

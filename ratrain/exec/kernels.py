@@ -183,11 +183,24 @@ def rmsnorm_forward(x, w, eps, xp, out=None):
 
 
 @timed("rmsnorm")
+@rounds_once
+def rmsnorm_recompute(x, rstd, w, xp, out=None):
+    """The forward's y = x * rstd * w again, from its kept statistics rstd (..., 1), in the
+    compute type: the backward's normed input for a weight gradient (x: what the forward
+    normed, or its 16-bit copy)."""
+    ct = compute_dtype(x, w)
+    y = as_dtype(x, ct) * rstd
+    y *= as_dtype(w, ct)
+    return y
+
+
+@timed("rmsnorm")
 def rmsnorm_backward(dy, cache, xp):
-    """-> (dx (..., C), dw (C,)), in the compute type."""
+    """-> (dx (..., C), dw (C,)), in the compute type (the cache's x: what the forward normed,
+    or its 16-bit copy)."""
     x, rstd, w = cache
-    ct = x.dtype
-    dy = as_dtype(dy, ct)
+    ct = compute_dtype(x, dy, w)
+    x, dy = as_dtype(x, ct), as_dtype(dy, ct)
     xhat = x * rstd  # (..., C)
     dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)  # (C,)
     gy = dy * as_dtype(w, ct)  # (..., C)
@@ -478,9 +491,11 @@ __all__ = [
     "mlp_forward",
     "rmsnorm_backward",
     "rmsnorm_forward",
+    "rmsnorm_recompute",
     "rope_backward",
     "rope_forward",
     "rope_tables",
+    "rounds_once",
     "swiglu_backward",
     "swiglu_forward",
 ]

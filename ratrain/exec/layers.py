@@ -48,7 +48,6 @@ from ratrain.device import stacked_rows
 from ratrain.exec import kernels
 from ratrain.exec.attention import AttentionCache
 from ratrain.exec.gemm import SCRATCH_TAG
-from ratrain.exec.kernels import BF16
 from ratrain.exec.profile import timed
 from ratrain.exec.spec import RECOMPUTE
 
@@ -106,6 +105,12 @@ def as_compute(ctx, a):
     return _as(ctx, a, ctx.compute)
 
 
+def _kernel_in(ctx, a):
+    """`a` as the norms' and SwiGLU's kernels take it: itself where a device's kernels read 16
+    bits (`ctx.out16`), else in the compute type (the same values)."""
+    return a if ctx.out16 is not None else as_compute(ctx, a)
+
+
 def _g(ctx, a):
     """`a` as an operand of two GEMMs: in the device's 16-bit GEMM dtype, cast once (the same
     bits each GEMM's own cast gives), or itself where the GEMMs are fp32."""
@@ -114,13 +119,10 @@ def _g(ctx, a):
 
 def _normed(ctx, x, rstd, w):
     """The norm's output recomputed from the kept statistics, x * rstd * w (the forward's
-    arithmetic), rounded by its last multiply into the 16-bit GEMM operand where a device's
+    arithmetic: `rmsnorm_recompute`), written as the 16-bit GEMM operand where a device's
     kernels write those (`ctx.out16`), else in the compute type."""
-    y = x * rstd
-    if ctx.out16 is None:
-        y *= as_compute(ctx, w)
-        return y
-    return ctx.xp.multiply(y, as_compute(ctx, w), out=ctx.xp.empty(y.shape, ctx.out16))
+    out = None if ctx.out16 is None else ctx.xp.empty(x.shape, ctx.out16)
+    return ctx.kernels.rmsnorm_recompute(x, rstd, w, ctx.xp, out=out)
 
 
 def _add_into(a, b, out, ctx):
@@ -191,7 +193,7 @@ def _gemm_weight_nbytes(p, ctx) -> int:
 
 
 @timed("weight copies")
-def _gemm_weights(p, ctx, backward=False):
+def _gemm_weights(p, ctx):
     """GEMM weights in `gemm_dtype` (fp32 copies of 16-bit views on a host whose GEMMs are
     fp32, else the views' dtype): wqkv (H*D + 2*KV*D, C), wo, wgu (2F, C),
     wd (account `_gemm_weight_nbytes` under scratch.gemm around their use). Views of the
@@ -209,13 +211,9 @@ def _gemm_weights(p, ctx, backward=False):
                 copies.append((out[key][r : r + a.shape[0]], a))
                 r += a.shape[0]
     out["wo"], out["wd"] = p["attn.wo"], p["mlp.w_down"]
-    # the norms' weights as the layer's arithmetic takes them: the views (a device's kernels
-    # read bf16 too), but in a device's backward its bf16 ones as fp32 copies, made once for
-    # their two uses each (a kernel's and the recomputed norm's multiply, `_normed`), the same
-    # values
+    # the norms' weights: the views themselves (the norms' kernels read 16 bits)
     for key in ("attn_norm", "mlp_norm"):
-        copy = backward and not ctx.host and p[key].dtype == BF16
-        out[key] = as_compute(ctx, p[key]) if copy else p[key]
+        out[key] = p[key]
     if out["wo"].dtype != wdt:
         out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
         copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
@@ -375,7 +373,7 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
     # dy32), else dy32
     dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
-    h, gu = as_compute(ctx, kept["h"]), as_compute(ctx, kept["gu"])  # (b, T, C), (N, 2F)
+    h, gu = _kernel_in(ctx, kept["h"]), _kernel_in(ctx, kept["gu"])  # (b, T, C), (N, 2F)
     dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), o16 or ct)  # (N, 2F): d gate | d up (both GEMMs' operand)
     outs = (dgu[:, :F], dgu[:, F:]) + (() if o16 is None else (xp.empty((N, F), o16),))
@@ -435,9 +433,9 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
                       out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
-    x32 = as_compute(ctx, x)
-    rms1 = (x32, kept["rstd1"], w["attn_norm"])
-    xn1 = _normed(ctx, x32, kept["rstd1"], w["attn_norm"])  # (b, T, C)
+    xk = _kernel_in(ctx, x)
+    rms1 = (xk, kept["rstd1"], w["attn_norm"])
+    xn1 = _normed(ctx, xk, kept["rstd1"], w["attn_norm"])  # (b, T, C)
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
     _weight_grad(ctx, parts, "wqkv", dqkv, xn1.reshape(N, C))  # (HD + 2 KVD, C)
     del xn1
@@ -485,7 +483,7 @@ def layer_backward(dy, cache, p, g, ctx):
     ]
     with ctx.scratch(WORK_TAG, _reserved_nbytes(ctx, *x.shape[:2], backward=True)), \
             ctx.scratch(SCRATCH_TAG, _gemm_weight_nbytes(p, ctx)):
-        w = _gemm_weights(p, ctx, backward=True)
+        w = _gemm_weights(p, ctx)
         parts = ctx.map(run, range(len(chunks)))
         if ctx.half_layout:  # the GEMMs' operands are in parts until they add into g
             accumulate_gemms(*_stacked_grads(g, pairs[:-2], parts, ctx), ctx)
