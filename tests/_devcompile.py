@@ -43,9 +43,10 @@ def main() -> int:
     # each kernel's arrays that a run may hand in 16 bits ("d": any of the three dtypes), the
     # rest fixed; every such array is tried alone in each dtype, then all of them together
     kernels = {
-        "rmsnorm_fwd": (k.rmsnorm_fwd, [("d", 2), ("d", 1), f32, ("d", 2), a(f32, 1)]),
+        "rmsnorm_fwd": (k.rmsnorm_fwd, [("d", 2), ("d", 1), f32, ("d", 2), a(f32, 1), ("d", 2),
+                                        nt.boolean]),
         "rmsnorm_bwd": (k.rmsnorm_bwd, [("d", 2), ("d", 2), a(f32, 1), ("d", 1), ("d", 2),
-                                        a(f32, 2)]),
+                                        ("d", 2), ("d", 2), a(f32, 2), nt.boolean, nt.boolean]),
         "rmsnorm_rec": (k.rmsnorm_rec, [("d", 2), a(f32, 1), ("d", 1), ("d", 2)]),
         "column_sum": (k.column_sum, [a(f32, 2), a(f32, 1)]),
         "swiglu_fwd": (k.swiglu_fwd, [("d", 2), ("d", 2), ("d", 2)]),

@@ -247,15 +247,26 @@ def test_kernels_read_and_write_bfloat16_as_their_fp32_copies_rounded(dk, xp, mo
     def empty(shape, dtype=BF16):
         return xp.empty(shape, dtype)
 
-    (x, x32), (w, w32), (dy, dy32) = pair(6, 45), pair(45), pair(6, 45)
-    y, cache = dk.rmsnorm_forward(x, w, 1e-5, xp, out=empty(x.shape), threads=TPB)
+    (x, x32), (w, w32), (dy, dy32), (res, res32) = pair(6, 45), pair(45), pair(6, 45), pair(6, 45)
+    copy = empty(x.shape, np.float32)  # x's fp32 copy, written by the same pass
+    y, cache = dk.rmsnorm_forward(x, w, 1e-5, xp, out=empty(x.shape), x_copy=copy, threads=TPB)
     y32, cache32 = dk.rmsnorm_forward(x32, w32, 1e-5, xp, threads=TPB)
     same16(y, y32)
     same(dk, cache[1], host(cache32[1]))
+    np.testing.assert_array_equal(host(copy), host(x32))
+    back16 = empty(x.shape)  # and fp32 x's 16-bit copy: x32 rounded, x's own bits
+    dk.rmsnorm_forward(x32, w32, 1e-5, xp, x_copy=back16, threads=TPB)
+    same16(back16, x32)
     dx, dw = dk.rmsnorm_backward(dy, cache, xp, out=empty(x.shape), threads=TPB)
     dx32, dw32 = dk.rmsnorm_backward(dy32, cache32, xp, threads=TPB)
     same16(dx, dx32)
     same(dk, dw, host(dw32))
+    # a residual's gradient added (read in bf16), dx written in fp32 and rounded into bf16
+    full, half = empty(x.shape, np.float32), empty(x.shape)
+    dk.rmsnorm_backward(dy, cache, xp, residual=res, out=full, copy_out=half, threads=TPB)
+    with_res = host(dx32) + host(res32)
+    same(dk, full, with_res)
+    same16(half, with_res)
 
     (gu, gu32), (da, da32) = pair(5, 74, scale=3.0), pair(5, 37)
     halves, halves32 = (gu[:, :37], gu[:, 37:]), (gu32[:, :37], gu32[:, 37:])

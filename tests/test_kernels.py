@@ -267,6 +267,17 @@ def test_a_16_bit_out_is_the_references_result_rounded_once(half):
     assert got is out
     np.testing.assert_array_equal(out.view(np.uint16), y.astype(half).view(np.uint16))
     np.testing.assert_array_equal(rstd16, rstd)
+    copy = np.empty(x.shape, half)  # x's copy from the same call, rounded once
+    kernels.rmsnorm_forward(x, w, 1e-5, np, x_copy=copy)
+    np.testing.assert_array_equal(copy.view(np.uint16), x.astype(half).view(np.uint16))
+    dy, res = (RNG.standard_normal(x.shape).astype(np.float32) for _ in range(2))
+    dx, dw = kernels.rmsnorm_backward(dy, (x, rstd, w), np)
+    out, copy = np.empty(x.shape, np.float32), np.empty(x.shape, half)
+    got, dw2 = kernels.rmsnorm_backward(dy, (x, rstd, w), np, res.astype(half), out, copy)
+    assert got is out
+    np.testing.assert_array_equal(dw2, dw)
+    np.testing.assert_array_equal(out, dx + res.astype(half).astype(np.float32))
+    np.testing.assert_array_equal(copy.view(np.uint16), out.astype(half).view(np.uint16))
     cos, sin = kernels.rope_tables(4, 6, 10000.0)
     q = RNG.standard_normal((2, 4, 3, 6)).astype(np.float32)
     out = np.empty((2, 3, 4, 6), half).transpose(0, 2, 1, 3)  # head-major, as the layers write

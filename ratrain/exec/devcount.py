@@ -99,19 +99,24 @@ def _put(out, value, shape):
 
 
 @_kernel
-def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
+def rmsnorm_forward(x, w, eps, xp, out=None, x_copy=None, threads=None):
     hx, hw = _checked(x, w)
     y, (_, rstd, _) = _REF.rmsnorm_forward(_f32(hx), hw, eps, np)
     _count("rmsnorm_forward", hx)
+    if x_copy is not None:
+        _put(x_copy, hx, hx.shape)
     return _put(out, y, hx.shape), (x, StandinArray(rstd), w)
 
 
 @_kernel
-def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
+def rmsnorm_backward(dy, cache, xp, residual=None, out=None, copy_out=None, threads=None):
     x, rstd, w = cache
     hdy, hx, hr, hw = _checked(dy, x, rstd, w)
-    dx, dw = _REF.rmsnorm_backward(_f32(hdy), (_f32(hx), hr, hw), np)
+    res = None if residual is None else _f32(_checked(residual)[0])
+    dx, dw = _REF.rmsnorm_backward(_f32(hdy), (_f32(hx), hr, hw), np, res)
     _count("rmsnorm_backward", hx)
+    if copy_out is not None:
+        _put(copy_out, dx, hx.shape)
     return _put(out, dx, hx.shape), StandinArray(np.asarray(dw, np.float32))
 
 

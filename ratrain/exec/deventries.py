@@ -35,6 +35,11 @@ def _dk(*arrays) -> bool:
     return all(a is None or a.dtype in TAKES for a in arrays)
 
 
+def _rows(*arrays) -> bool:
+    """Whether every array given is C-contiguous (the norms' kernels take rows)."""
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
 def _ids(a) -> bool:
     return a.dtype.kind in "iu"
 
@@ -43,17 +48,17 @@ def entries(k) -> dict:
     """The table's device entries over the kernel functions `k` (see the module)."""
 
     @timed("rmsnorm")
-    def rmsnorm_forward(x, w, eps, xp, out=None):
-        if _dk(x, w, out) and x.flags.c_contiguous:
-            return k.rmsnorm_forward(x, w, eps, xp, out=out)
-        return kernels.rmsnorm_forward(x, w, eps, xp, out)
+    def rmsnorm_forward(x, w, eps, xp, out=None, x_copy=None):
+        if _dk(x, w, out, x_copy) and _rows(x, out, x_copy):
+            return k.rmsnorm_forward(x, w, eps, xp, out=out, x_copy=x_copy)
+        return kernels.rmsnorm_forward(x, w, eps, xp, out, x_copy)
 
     @timed("rmsnorm")
-    def rmsnorm_backward(dy, cache, xp):
+    def rmsnorm_backward(dy, cache, xp, residual=None, out=None, copy_out=None):
         x, rstd, w = cache
-        if _dk(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous:
-            return k.rmsnorm_backward(dy, cache, xp)
-        return kernels.rmsnorm_backward(dy, cache, xp)
+        if _dk(x, dy, w, residual, out, copy_out) and _rows(x, dy, residual, out, copy_out):
+            return k.rmsnorm_backward(dy, cache, xp, residual, out, copy_out)
+        return kernels.rmsnorm_backward(dy, cache, xp, residual, out, copy_out)
 
     @timed("rmsnorm")
     def rmsnorm_recompute(x, rstd, w, xp, out=None):

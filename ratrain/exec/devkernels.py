@@ -72,14 +72,16 @@ def _kernels(TPB: int) -> SimpleNamespace:
     # -- RMSNorm --------------------------------------------------------------------------
 
     @cuda.jit
-    def rmsnorm_fwd(x, w, eps, y, rstd):  # x, y (R, C); w (C,); rstd (R,); a block per row
-        sh = cuda.shared.array(TPB, float32)
+    def rmsnorm_fwd(x, w, eps, y, rstd, xc, with_copy):  # x, y, xc (R, C); w (C,); rstd (R,)
+        sh = cuda.shared.array(TPB, float32)  # a block per row; with_copy: x into xc too
         r, t = cuda.blockIdx.x, cuda.threadIdx.x
         C = x.shape[1]
         acc = float32(0.0)
         for c in range(t, C, TPB):
             v = ld(x[r, c])
             acc += v * v
+            if with_copy:
+                st(xc, (r, c), v)
         ms = block_reduce(sh, t, acc, False) / float32(C)
         s = float32(1.0) / float32(math.sqrt(ms + eps))
         if t == 0:
@@ -88,7 +90,9 @@ def _kernels(TPB: int) -> SimpleNamespace:
             st(y, (r, c), ld(x[r, c]) * s * ld(w[c]))
 
     @cuda.jit
-    def rmsnorm_bwd(dy, x, rstd, w, dx, dwp):  # dwp (blocks, C): this block's rows' dw
+    def rmsnorm_bwd(dy, x, rstd, w, res, dx, dx2, dwp, with_res, with_copy):
+        # dwp (blocks, C): this block's rows' dw; with_res: res added to dx; with_copy: dx
+        # also into dx2
         sh = cuda.shared.array(TPB, float32)
         b, t, nb = cuda.blockIdx.x, cuda.threadIdx.x, cuda.gridDim.x
         R, C = x.shape
@@ -100,7 +104,12 @@ def _kernels(TPB: int) -> SimpleNamespace:
             m = block_reduce(sh, t, acc, False) / float32(C)
             for c in range(t, C, TPB):
                 xhat = ld(x[r, c]) * s
-                st(dx, (r, c), (ld(dy[r, c]) * ld(w[c]) - xhat * m) * s)
+                d = (ld(dy[r, c]) * ld(w[c]) - xhat * m) * s
+                if with_res:
+                    d += ld(res[r, c])
+                st(dx, (r, c), d)
+                if with_copy:
+                    st(dx2, (r, c), d)
         for c in range(t, C, TPB):  # each thread its columns, the block's rows in order
             acc = float32(0.0)
             for r in range(b, R, nb):
@@ -223,17 +232,19 @@ def _kernels(TPB: int) -> SimpleNamespace:
 # --------------------------------------------------------------------------------------------
 
 
-def rmsnorm_forward(x, w, eps, xp, out=None, threads=None):
+def rmsnorm_forward(x, w, eps, xp, out=None, x_copy=None, threads=None):
     """x (..., C), w (C,) -> y (..., C) (float32, or `out`'s dtype), cache (x, rstd (..., 1)
-    float32, w): `kernels.rmsnorm_forward`."""
+    float32, w), and x written into `x_copy` in its dtype when given: `kernels.rmsnorm_forward`."""
     dl.check(xp, x, w)
     tpb = dl.block_threads(threads)
     y = dl.out_array(out, x.shape, F32, xp)
+    xc = None if x_copy is None else dl.out_array(x_copy, x.shape, F32, xp)
     rstd = xp.empty((*x.shape[:-1], 1), F32)
     if x.size:
         x2 = dl.rows(x)
         dl.launch(_kernels(tpb).rmsnorm_fwd, x2.shape[0], tpb, xp, x2, w, np.float32(eps),
-                  dl.rows(y), rstd.reshape(-1))
+                  dl.rows(y), rstd.reshape(-1), dl.rows(y if xc is None else xc),
+                  xc is not None)
     return y, (x, rstd, w)
 
 
@@ -249,14 +260,20 @@ def rmsnorm_recompute(x, rstd, w, xp, out=None, threads=None):
     return y
 
 
-def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
-    """-> (dx (..., C) float32 (or `out`'s dtype), dw (C,) float32): `kernels.rmsnorm_backward`.
-    dw: each of at most ROW_GROUPS blocks sums its rows (every ROW_GROUPS-th) per column, then
-    the partials are summed in block order."""
+def rmsnorm_backward(dy, cache, xp, residual=None, out=None, copy_out=None, threads=None):
+    """-> (dx (..., C) float32 (or `out`'s dtype), dw (C,) float32), `residual` added to dx and
+    dx also written into `copy_out` when given: `kernels.rmsnorm_backward`. dw: each of at most
+    ROW_GROUPS blocks sums its rows (every ROW_GROUPS-th) per column, then the partials are
+    summed in block order."""
     x, rstd, w = cache
-    dl.check(xp, dy, x, rstd, w)
+    dl.check(xp, dy, x, rstd, w, *(a for a in (residual,) if a is not None))
     tpb = dl.block_threads(threads)
     dx = dl.out_array(out, x.shape, F32, xp)
+    dx2 = None if copy_out is None else dl.out_array(copy_out, x.shape, F32, xp)
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape)
+                                 or not residual.flags.c_contiguous):
+        raise ValueError(f"residual: a C-contiguous {tuple(x.shape)} array, got "
+                         f"{tuple(residual.shape)}")
     C = x.shape[-1]
     x2 = dl.rows(x)
     R = x2.shape[0]
@@ -267,8 +284,9 @@ def rmsnorm_backward(dy, cache, xp, out=None, threads=None):
     k = _kernels(tpb)
     blocks = min(R, ROW_GROUPS)
     parts = xp.empty((blocks, C), F32)
-    dl.launch(k.rmsnorm_bwd, blocks, tpb, xp, dl.rows(dy), x2, rstd.reshape(-1), w, dl.rows(dx),
-              parts)
+    dl.launch(k.rmsnorm_bwd, blocks, tpb, xp, dl.rows(dy), x2, rstd.reshape(-1), w,
+              dl.rows(dx if residual is None else residual), dl.rows(dx),
+              dl.rows(dx if dx2 is None else dx2), parts, residual is not None, dx2 is not None)
     dl.launch(k.column_sum, dl.grid(C, tpb), tpb, xp, parts, dw)
     return dx, dw
 

@@ -148,8 +148,11 @@ def _rmsnorm_bwd(dy, x, rstd, w, dx, dw):  # dy, x, dx (R, C); rstd (R,); w, dw 
 
 
 @timed("rmsnorm")
-def rmsnorm_forward(x, w, eps, xp, out=None):
-    """`kernels.rmsnorm_forward` of a C-contiguous float32 x (..., C) and float32 w."""
+def rmsnorm_forward(x, w, eps, xp, out=None, x_copy=None):
+    """`kernels.rmsnorm_forward` of a C-contiguous float32 x (..., C) and float32 w (with
+    `x_copy`, a device layout's: the reference)."""
+    if x_copy is not None:
+        return kernels.rmsnorm_forward(x, w, eps, xp, out, x_copy)
     x = as_dtype(x, compute_dtype(x, w))
     if not (_f32(x, w) and x.flags.c_contiguous):
         return kernels.rmsnorm_forward(x, w, eps, xp, out)
@@ -161,8 +164,11 @@ def rmsnorm_forward(x, w, eps, xp, out=None):
 
 
 @timed("rmsnorm")
-def rmsnorm_backward(dy, cache, xp):
-    """`kernels.rmsnorm_backward` of C-contiguous float32 dy and x, and a float32 w."""
+def rmsnorm_backward(dy, cache, xp, residual=None, out=None, copy_out=None):
+    """`kernels.rmsnorm_backward` of C-contiguous float32 dy and x, and a float32 w (with a
+    residual or outputs, a device layout's: the reference)."""
+    if residual is not None or out is not None or copy_out is not None:
+        return kernels.rmsnorm_backward(dy, cache, xp, residual, out, copy_out)
     x, rstd, w = cache
     dy = as_dtype(dy, x.dtype)
     if not (_f32(x, dy, w) and x.flags.c_contiguous and dy.flags.c_contiguous):

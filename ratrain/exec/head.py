@@ -135,6 +135,10 @@ def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
 
 @timed("head")
 def _head_bwd_finish(s, ctx, dx_out):
+    if ctx.out16 is not None:  # the norm's kernel rounds dx into the 16-bit dx_out
+        _, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp,
+                                                out=dx_out)
+        return {"norm": dnorm}
     dx, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp)
     ctx.kernels.assign(dx_out, dx)
     return {"norm": dnorm}

@@ -168,8 +168,12 @@ def _embedding_backward_device(rows, flat, dw, xp) -> None:
 
 @timed("rmsnorm")
 @rounds_once
-def rmsnorm_forward(x, w, eps, xp, out=None):
-    """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w)."""
+def rmsnorm_forward(x, w, eps, xp, out=None, x_copy=None):
+    """x (..., C), w (C,) -> y (..., C) in the compute type; cache (x, rstd, w). `x_copy`:
+    also x, in that array's dtype (a device's layers take the layer input's fp32 copy, and
+    h's 16-bit one, from the norm's pass)."""
+    if x_copy is not None:
+        assign(x_copy, x)
     ct = compute_dtype(x, w)
     x = as_dtype(x, ct)
     y = xp.multiply(x, x, out=out)  # (..., C) scratch for x^2
@@ -195,9 +199,12 @@ def rmsnorm_recompute(x, rstd, w, xp, out=None):
 
 
 @timed("rmsnorm")
-def rmsnorm_backward(dy, cache, xp):
+def rmsnorm_backward(dy, cache, xp, residual=None, out=None, copy_out=None):
     """-> (dx (..., C), dw (C,)), in the compute type (the cache's x: what the forward normed,
-    or its 16-bit copy)."""
+    or its 16-bit copy). `residual` (any dtype) is added to dx: the residual stream's gradient,
+    which a layer's backward adds to what comes back through a norm. dx is rounded once into
+    `out` when given (any dtype), and into `copy_out` too (a second dtype: a device's layers
+    take dh in fp32 for the residual and in 16 bits for its GEMMs)."""
     x, rstd, w = cache
     ct = compute_dtype(x, dy, w)
     x, dy = as_dtype(x, ct), as_dtype(dy, ct)
@@ -208,6 +215,13 @@ def rmsnorm_backward(dy, cache, xp):
     xhat *= m
     gy -= xhat
     gy *= rstd  # dx
+    if residual is not None:
+        gy += as_dtype(residual, ct)
+    if copy_out is not None:
+        assign(copy_out, gy)
+    if out is not None:
+        assign(out, gy)
+        gy = out
     return gy, dw
 
 

@@ -271,9 +271,13 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     eps = ctx.model.norm_eps
 
     o16 = ctx.out16  # the 16-bit dtype a device's kernels write GEMM operands in, or None
-    x32 = as_compute(ctx, x)  # (b, T, C)
-    xn = None if o16 is None else xp.empty((b, T, C), o16)  # the norm writes Wqkv's operand
-    xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, w["attn_norm"], eps, xp, out=xn)  # (b, T, C)
+    if o16 is None:
+        x32 = as_compute(ctx, x)  # (b, T, C)
+        xn, (_, rstd1, _) = ops.rmsnorm_forward(x32, w["attn_norm"], eps, xp)  # (b, T, C)
+    else:  # the norm reads x as it is, writes Wqkv's 16-bit operand and x's fp32 copy
+        x32 = xp.empty((b, T, C), ct)  # the residual, which Wo's GEMM adds into
+        xn, (_, rstd1, _) = ops.rmsnorm_forward(x, w["attn_norm"], eps, xp,
+                                                out=xp.empty((b, T, C), o16), x_copy=x32)
     qkv = ops.gemm(xn.reshape(N, C), w["wqkv"].T, xp=xp, half=half16)  # (N, HD + 2 KVD)
     attn = ops.attention
     adt = attn.dtype(ctx)  # the compute type, or ctx.dtype for a backend of 16-bit inputs
@@ -310,9 +314,13 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
         h = ops.gemm(o.reshape(N, HD), w["wo"].T, xp=xp, half=half16).reshape(b, T, C)
         h += x32  # (b, T, C)
     del x32
-    xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, w["mlp_norm"], eps, xp, out=xn)  # (b, T, C)
+    # what the cache keeps of h: its 16-bit copy (written by the norm's kernel on a device)
+    hk = xp.empty(h.shape, ctx.dtype) if o16 is not None else None
+    xn2, (_, rstd2, _) = ops.rmsnorm_forward(h, w["mlp_norm"], eps, xp, out=xn,
+                                             x_copy=hk)  # (b, T, C)
     gu = ops.gemm(xn2.reshape(N, C), w["wgu"].T, xp=xp, half=half16)  # (N, 2F)
-    hk = ops.cast(h, ctx.dtype) if half else h  # what the cache keeps of h
+    if hk is None:
+        hk = ops.cast(h, ctx.dtype) if half else h
     if y_out is not None:
         act = None if o16 is None else xp.empty((N, F), o16)  # SwiGLU writes Wd's operand
         act, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:], xp, out=act)  # (N, F)
@@ -356,20 +364,22 @@ def _weight_grad(ctx, parts, key, dy, x) -> None:
 def _layer_bwd_chunk(dy, x, kept, p, w, ctx, dx_out):
     """Backward of one batch chunk; writes dx_out and returns the weight-gradient partials."""
     parts = {}
-    dh = _mlp_backward(dy, kept, p, w, ctx, parts)  # (b, T, C) fp32
-    _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out)
+    dh, dh16 = _mlp_backward(dy, kept, p, w, ctx, parts)  # (b, T, C) fp32, its 16-bit copy
+    _attention_backward(dh, dh16, x, kept, p, w, ctx, parts, dx_out)
     return parts
 
 
 @timed("layer (rest)")
 def _mlp_backward(dy, kept, p, w, ctx, parts):
     """y = h + Wd . swiglu(g, u), [g | u] = Wgu . rms(h): returns dh (b, T, C) in the compute
-    type and puts the wd, wgu and mlp_norm partials into `parts`."""
+    type, with its 16-bit copy where a device's kernels write one (`ctx.out16`, else None), and
+    puts the wd, wgu and mlp_norm partials into `parts`."""
     xp, ops, ct, half16, o16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half, ctx.out16
     C, _, _, _, F = _dims(ctx)
     b, T, _ = dy.shape
     N = b * T
-    dy32 = as_compute(ctx, dy).reshape(N, C)  # (N, C)
+    # (N, C): for the residual's add, unless the norm's kernel adds dy as it is
+    dy32 = as_compute(ctx, dy).reshape(N, C) if o16 is None else None
     # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
     # dy32), else dy32
     dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
@@ -389,16 +399,25 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     del xn2
     dxn2 = ops.gemm(dgu, w["wgu"], xp=xp, half=half16)  # (N, C)
     del dgu
-    dh, parts["mlp_norm"] = ops.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)  # (b, T, C)
-    dh += dy32.reshape(b, T, C)
-    return dh
+    if o16 is None:
+        dh, parts["mlp_norm"] = ops.rmsnorm_backward(dxn2.reshape(b, T, C), rms2, xp)
+        dh += dy32.reshape(b, T, C)  # (b, T, C)
+        return dh, None
+    # the norm's kernel adds the residual's gradient dy (its 16 bits as they are) and writes dh
+    # in fp32 (the residual's) and in 16 bits (its two GEMMs' operand)
+    dh16 = xp.empty((N, C), o16)
+    dh, parts["mlp_norm"] = ops.rmsnorm_backward(
+        dxn2.reshape(b, T, C), rms2, xp, residual=dy, out=xp.empty((b, T, C), ct),
+        copy_out=dh16.reshape(b, T, C))
+    return dh, dh16
 
 
 @timed("layer (rest)")
-def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
+def _attention_backward(dh, dh16, x, kept, p, w, ctx, parts, dx_out):
     """h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x)): writes dx_out (the
-    layer's input gradient, dh included) and puts the wo, wqkv and attn_norm partials into
-    `parts`. Under `recompute: selective` the attention core is re-run here first."""
+    layer's input gradient, dh included; `dh16`: dh's 16-bit copy, or None) and puts the wo,
+    wqkv and attn_norm partials into `parts`. Under `recompute: selective` the attention core
+    is re-run here first."""
     xp, ops, ct, half16 = ctx.xp, ctx.kernels, ctx.compute, ctx.gemm_half
     C, H, KV, D, _ = _dims(ctx)
     b, T, _ = x.shape
@@ -416,7 +435,7 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
         if ctx.half:
             o_kept = ops.cast(o_kept, ctx.dtype)
     o = _as(ctx, o_kept, adt)
-    dh2 = _g(ctx, dh.reshape(N, C))  # both GEMMs' operand
+    dh2 = _g(ctx, dh.reshape(N, C)) if dh16 is None else dh16  # both GEMMs' operand
     # (C, HD); the 16-bit layout takes the 16 bits kept, the others o (the same values)
     _weight_grad(ctx, parts, "wo", dh2, (o_kept if ctx.half_layout else o).reshape(N, HD))
     do = xp.empty((N, HD), adt)  # (N, HD), in the dtype the attention backend takes
@@ -441,8 +460,12 @@ def _attention_backward(dh, x, kept, p, w, ctx, parts, dx_out):
     del xn1
     dxn1 = ops.gemm(dqkv, w["wqkv"], xp=xp, half=half16)  # (N, C)
     del dqkv
-    dx1, parts["attn_norm"] = ops.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
-    _add_into(dh, dx1, dx_out, ctx)
+    if ctx.out16 is None:
+        dx1, parts["attn_norm"] = ops.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp)
+        _add_into(dh, dx1, dx_out, ctx)
+    else:  # the norm's kernel adds dh and rounds the sum into the layer's 16-bit dx
+        _, parts["attn_norm"] = ops.rmsnorm_backward(dxn1.reshape(b, T, C), rms1, xp,
+                                                     residual=dh, out=dx_out)
 
 
 def layer_forward(x, p, ctx, recompute="none"):
