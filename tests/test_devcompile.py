@@ -1,5 +1,5 @@
 """Every device kernel compiles for a Hopper card (sm_90) at float32, float16 and bfloat16
-arguments, with numba-cuda's real compiler and no card (`tests/_devcompile.py`). The simulator
+arguments (and each 16-bit array alone in bfloat16), with numba-cuda's real compiler and no card (`tests/_devcompile.py`). The simulator
 runs the kernels' Python and never compiles them; this is what checks the compiled path,
 bfloat16's loads and stores (`devlaunch.ld`, `st`) above all, before a card's session spends
 its time on it. It needs NVVM and NVRTC, which setup.cfg's `devcompile` extra pins (CUDA 13.0's,
@@ -35,4 +35,4 @@ def test_every_kernel_compiles_for_sm90_in_each_dtype():
     assert r.returncode == 0, out[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) >= 12, out  # every kernel (the script fails on one it does not list)
-    assert "ok rmsnorm_fwd: 11 signatures" in lines, out
+    assert "ok rmsnorm_fwd: 7 signatures" in lines, out

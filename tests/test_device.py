@@ -353,7 +353,7 @@ def test_kernels_writing_16_bits_train_bitwise_as_casting_after(monkeypatch, pre
     bits, in more casts (counted on the stand-in)."""
     cfg = tiny_config(precision=precision, m=2)
     cfg = replace(cfg, run=replace(cfg.run, devkernels="count", attention="cudnn-count"))
-    fused, fused_params = _steps(cfg, "standin")
+    fused, fused_params = _steps(cfg, "standin", steps=2)
     init = ExecContext.__init__
 
     def cast_after(self, *args, **kwargs):
@@ -361,7 +361,7 @@ def test_kernels_writing_16_bits_train_bitwise_as_casting_after(monkeypatch, pre
         self.out16 = None
 
     monkeypatch.setattr(ExecContext, "__init__", cast_after)
-    casts, casts_params = _steps(cfg, "standin")
+    casts, casts_params = _steps(cfg, "standin", steps=2)
     assert [(r.loss, r.grad_norm) for r, _ in fused] == [(r.loss, r.grad_norm) for r, _ in casts]
     for name, w in casts_params.items():
         np.testing.assert_array_equal(fused_params[name], w, err_msg=name)
