@@ -9,7 +9,8 @@ stand-in under the simulator, `NUMBA_ENABLE_CUDASIM=1`, which runs the same kern
 in the tests). It checks its arrays (`check`), allocates its outputs with `xp.empty` (cupy's
 pool owns them) or checks the caller's (`out_array`), and launches through `launch`. On a GPU
 that is cupy's current stream, the arrays passed by their CUDA array interface (no copy, no
-host sync). Under the simulator host arrays are passed in place (views and aliases included),
+host sync; a bfloat16 array as its bits, which kernels read and write through `ld` and `st`).
+Under the simulator host arrays are passed in place (views and aliases included),
 and each launch on the stand-in's arrays is counted as one device operation
 (`device.standin.COUNTS`, what `benchmarks/launches.py` reports).
 
@@ -105,19 +106,15 @@ def simulated() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Launch: one helper for every kernel
-# --------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------
 # Loads and stores: a float16 or float32 element as itself, a bfloat16 one through its bits
 # --------------------------------------------------------------------------------------------
 # `launch` passes a bfloat16 array as its uint16 view (numba-cuda has no bfloat16 array type,
 # and its `cuda.bf16` intrinsics are stubs in the simulator): `ld` widens those bits exactly
 # (bits << 16), `st` rounds to nearest even (a NaN becomes the quiet NaN of its sign), as
-# ml_dtypes does for finite values and the host's `fused.cast` does for all. Kernels load every element they may be given in 16 bits
-# with `ld` and store with `st`. In the simulator these Python functions run as they are; on a
-# GPU their overloads (`_compiled_ld_st`) compile to a shift and a bit move (`mov.b32`).
+# ml_dtypes does for finite values and the host's `fused.cast` does for all. Kernels load
+# every element they may be given in 16 bits with `ld` and store with `st`. In the simulator
+# these Python functions run as they are; on a GPU their overloads (`_compiled_ld_st`) compile
+# to a shift and a bit move (`mov.b32`).
 
 
 def ld(v):
@@ -128,7 +125,8 @@ def ld(v):
 
 
 def _bf16_bits(b: int) -> int:
-    """The bfloat16 bits of the float32 bits `b`: rounded to nearest even, a NaN kept quiet."""
+    """The bfloat16 bits of the float32 bits `b`: rounded to nearest even, a NaN the quiet NaN
+    of its sign."""
     if b & 0x7FFFFFFF > 0x7F800000:
         return ((b >> 16) & 0x8000) | 0x7FC0
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
@@ -182,6 +180,11 @@ def bits(a):
     """A bfloat16 array (numpy's or cupy's) as its uint16 view, what the kernels take; any
     other argument itself."""
     return a.view(np.uint16) if getattr(a, "dtype", None) == BF16 else a
+
+
+# --------------------------------------------------------------------------------------------
+# Launch: one helper for every kernel
+# --------------------------------------------------------------------------------------------
 
 
 def check(xp, *arrays) -> None:
