@@ -25,8 +25,8 @@ from ratrain.exec.layers import (
     BlockCache,
     accumulate,
     accumulate_gemms,
-    as_compute,
     gemm_dtype,
+    kernel_input,
 )
 from ratrain.exec.profile import timed
 
@@ -88,7 +88,7 @@ class _HeadRows:
         xp, half16 = ctx.xp, ctx.gemm_half
         b, T, C = x.shape
         self.shape, N = x.shape, b * T
-        xk = x if ctx.out16 is not None else as_compute(ctx, x)  # as the kernels take it
+        xk = kernel_input(ctx, x)
         self.rms = (xk, kept["rstd"], p["norm"])
         # the normed rows again (written in the GEMMs' 16 bits where the kernels write those)
         xn = ctx.kernels.rmsnorm_recompute(
@@ -150,7 +150,7 @@ def _head_norm(x, p, ctx):
     b, T, C = x.shape
     o16 = ctx.out16
     xn, (_, rstd, _) = ctx.kernels.rmsnorm_forward(
-        x if o16 is not None else as_compute(ctx, x), p["norm"], ctx.model.norm_eps, ctx.xp,
+        kernel_input(ctx, x), p["norm"], ctx.model.norm_eps, ctx.xp,
         out=None if o16 is None else ctx.xp.empty(x.shape, o16))  # (b, T, C)
     return xn.reshape(b * T, C), rstd
 

@@ -105,9 +105,9 @@ def as_compute(ctx, a):
     return _as(ctx, a, ctx.compute)
 
 
-def _kernel_in(ctx, a):
-    """`a` as the norms' and SwiGLU's kernels take it: itself where a device's kernels read 16
-    bits (`ctx.out16`), else in the compute type (the same values)."""
+def kernel_input(ctx, a):
+    """`a` as the norms', SwiGLU's and the head's kernels take it: itself where a device's
+    kernels read 16 bits (`ctx.out16`), else in the compute type (the same values)."""
     return a if ctx.out16 is not None else as_compute(ctx, a)
 
 
@@ -212,8 +212,7 @@ def _gemm_weights(p, ctx):
                 r += a.shape[0]
     out["wo"], out["wd"] = p["attn.wo"], p["mlp.w_down"]
     # the norms' weights: the views themselves (the norms' kernels read 16 bits)
-    for key in ("attn_norm", "mlp_norm"):
-        out[key] = p[key]
+    out["attn_norm"], out["mlp_norm"] = p["attn_norm"], p["mlp_norm"]
     if out["wo"].dtype != wdt:
         out["wo"], out["wd"] = xp.empty(out["wo"].shape, wdt), xp.empty(out["wd"].shape, wdt)
         copies += [(out["wo"], p["attn.wo"]), (out["wd"], p["mlp.w_down"])]
@@ -283,7 +282,7 @@ def _layer_fwd_chunk(x, p, w, ctx, recompute, y_out):
     adt = attn.dtype(ctx)  # the compute type, or ctx.dtype for a backend of 16-bit inputs
     # a device's RoPE writes the 16-bit q, k of a 16-bit attention itself, and v is copied into
     # its layout and rounded in one operation: the bits of rounding after
-    qkv16 = half and o16 is not None and adt != ct
+    qkv16 = o16 is not None and adt != ct
     q = xp.empty((b, H, T, D), adt if qkv16 else ct)
     ops.rope_forward(qkv[:, :HD].reshape(b, T, H, D), cos3, sin3, xp, out=q.transpose(0, 2, 1, 3))
     k = xp.empty((b, KV, T, D), q.dtype)
@@ -383,7 +382,7 @@ def _mlp_backward(dy, kept, p, w, ctx, parts):
     # both GEMMs' operand: dy itself where they take its 16 bits (the same bits as a cast of
     # dy32), else dy32
     dyg = dy32 if half16 is None else _g(ctx, dy.reshape(N, C))
-    h, gu = _kernel_in(ctx, kept["h"]), _kernel_in(ctx, kept["gu"])  # (b, T, C), (N, 2F)
+    h, gu = kernel_input(ctx, kept["h"]), kernel_input(ctx, kept["gu"])  # (b, T, C), (N, 2F)
     dact = ops.gemm(dyg, w["wd"], xp=xp, half=half16)  # (N, F)
     dgu = xp.empty((N, 2 * F), o16 or ct)  # (N, 2F): d gate | d up (both GEMMs' operand)
     outs = (dgu[:, :F], dgu[:, F:]) + (() if o16 is None else (xp.empty((N, F), o16),))
@@ -452,7 +451,7 @@ def _attention_backward(dh, dh16, x, kept, p, w, ctx, parts, dx_out):
                       out=dqkv[:, HD : HD + KVD].reshape(b, T, KV, D))
     dqkv[:, HD + KVD :].reshape(b, T, KV, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
-    xk = _kernel_in(ctx, x)
+    xk = kernel_input(ctx, x)
     rms1 = (xk, kept["rstd1"], w["attn_norm"])
     xn1 = _normed(ctx, xk, kept["rstd1"], w["attn_norm"])  # (b, T, C)
     dqkv = _g(ctx, dqkv)  # both GEMMs' operand
@@ -593,6 +592,7 @@ __all__ = [
     "embed_backward",
     "embed_forward",
     "gemm_dtype",
+    "kernel_input",
     "layer_backward",
     "layer_cache_nbytes",
     "layer_forward",
