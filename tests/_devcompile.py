@@ -57,7 +57,7 @@ def main() -> int:
         "adamw": (k.adamw, [a(f32, 1)] * 4 + [f32] * 10),
         "sum_squares": (k.sum_squares, [a(f32, 1), a(f64, 1)]),
         "sum_parts": (k.sum_parts, [a(f64, 1), a(f64, 1)]),
-        "ce_rows": (loss.ce_rows, [("d", 2), a(i64, 1), a(f32, 1), a(f32, 1)]),
+        "ce_rows": (loss.ce_rows, [("d", 2), a(i64, 1), a(f32, 1), a(f32, 1), i64, f32]),
         "ce_grad": (loss.ce_grad, [("d", 2), a(i64, 1), a(f32, 1), f32, i64, ("d", 2)]),
     }
     failed = 0

@@ -33,13 +33,13 @@ def test_gemm_ex_writes_and_adds_the_fp32_product(device, dt):
     for name, a, b in _layouts(xp, dt):
         want = host(a).astype(np.float64) @ host(b).astype(np.float64)
         c0 = RNG.standard_normal(want.shape).astype(np.float32)
-        for beta in (0.0, 1.0):
+        for beta, alpha in ((0.0, 1.0), (1.0, 1.0), (0.0, 0.375), (1.0, 2.0 ** -20)):
             c = xp.asarray(c0.copy())
             COUNTS.clear()
-            assert devgemm.gemm_ex(a, b, c, xp, beta=beta) is c
+            assert devgemm.gemm_ex(a, b, c, xp, beta=beta, alpha=alpha) is c
             if device == "standin":
                 assert COUNTS["ops"] == 1, name
-            ref = want + (c0 if beta else 0)
+            ref = alpha * want + (c0 if beta else 0)
             err = np.abs(host(c) - ref).max() / np.abs(ref).max()
             assert err < 1e-6, (name, beta, err)  # fp32 sums of exact products
 
@@ -95,7 +95,15 @@ def test_the_gemm_entry_takes_gemm_ex_where_it_can_and_cupys_matmul_elsewhere():
     acc = xp.asarray(np.ones((12, 10), np.float32))
     matmul(a, w.T, out=acc, xp=xp, half=BF16, accumulate=True)
     np.testing.assert_allclose(host(acc), ref + 1, rtol=1e-6)
+    COUNTS.clear()  # alpha (the head's seed) inside the same GemmEx
+    matmul(a, w.T, out=acc, xp=xp, half=BF16, accumulate=True, alpha=0.25)
+    np.testing.assert_allclose(host(acc), 1.25 * ref + 1, rtol=1e-6)
+    assert COUNTS["ops"] == 2  # the cast of a, the GEMM
+    a32 = host(a)  # the host's reference: the product scaled, then added or written
+    np.testing.assert_allclose(matmul(a32, a32.T, alpha=0.5), 0.5 * (a32 @ a32.T), rtol=1e-6)
     strided = xp.asarray(RNG.standard_normal((24, 32)).astype(BF16))[::2, ::2]
+    np.testing.assert_allclose(host(matmul(strided, w.T, xp=xp, half=BF16, alpha=3.0)),
+                               3 * host(matmul(strided, w.T, xp=xp, half=BF16)), rtol=1e-6)
     r = matmul(strided, w.T, xp=xp, half=BF16)
     want = (host(strided).astype(np.float32) @ host(w).astype(np.float32).T).astype(BF16)
     np.testing.assert_array_equal(host(r), want.astype(np.float32))

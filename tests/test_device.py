@@ -263,6 +263,56 @@ def test_head_chunk_is_the_devices_unless_the_config_gives_one():
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_head_computed_once_is_the_chunked_head_to_16_bit_logits(precision):
+    """`run.head`: on a device at fp16 and bf16 the head makes its logits once, in 16 bits, with
+    their gradient written over them by the loss's kernel, and the backward runs two GEMMs:
+    fewer device operations, the chunked head's loss and gradients to the rounding of 16-bit
+    logits (its dlogits kept in the cache, for the backward). A forward with no backward to
+    follow (eval) keeps nothing of that kind."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, M.seq_len, M.hidden)).astype(np.float32)
+    t = rng.integers(0, M.vocab_size, (2, M.seq_len))
+    P0 = make_params(M, np.float32, scale=0.1)[-1]
+    res = {}
+    for mode in ("chunks", "once"):
+        with ExecContext(M, precision, xp, threads=1, head=mode) as ctx:
+            assert ctx.head_once == (mode == "once")
+            P = {k: to_device(xp, v.astype(ctx.dtype)) for k, v in P0.items()}
+            xd, td = to_device(xp, x.astype(ctx.dtype)), to_device(xp, t)
+            COUNTS.clear()
+            loss, cache = head.head_forward(xd, td, P, ctx, backward=True)
+            g = {k: xp.zeros(v.shape, xp.float32) for k, v in P.items()}
+            dx = head.head_backward(3.0, cache, P, g, ctx)
+            res[mode] = COUNTS["ops"], [host(a) for a in (loss, dx, *g.values())]
+            kept = cache.parts[0].get("dlogits")
+            if mode == "once":
+                assert kept.dtype == ctx.dtype and kept.shape == (2 * M.seq_len, M.vocab_size)
+            else:
+                assert kept is None
+            assert "dlogits" not in head.head_forward(xd, td, P, ctx)[1].parts[0]  # eval's
+    (n_chunks, a), (n_once, b) = res["chunks"], res["once"]
+    assert n_once < n_chunks, (n_once, n_chunks)
+    tol = 2.0 ** -7 if precision == "bf16" else 2.0 ** -10
+    for u, v in zip(a, b):
+        u, v = u.astype(np.float64), v.astype(np.float64)
+        assert np.linalg.norm(u - v) <= tol * np.linalg.norm(u)
+
+
+def test_run_head_once_is_refused_in_one_line_where_it_cannot_run():
+    cfg = tiny_config()
+    for run, precision in (({"head": "once"}, "bf16"), ({"head": "once", "device": "standin"},
+                                                        "fp32")):
+        with pytest.raises(ConfigError, match=r"run.head=once .* set run.head=auto or chunks"):
+            replace(cfg, precision=precision, run=replace(cfg.run, **run))
+    with pytest.raises(ConfigError, match="run.head"):
+        replace(cfg, run=replace(cfg.run, head="whole"))
+    with pytest.raises(ValueError, match=r"run.head=once .* not cpu at fp16"):
+        ExecContext(M, "fp16", head="once")
+    assert not ExecContext(M, "bf16", xp, head="chunks").head_once
+    assert ExecContext(M, "bf16", xp).head_once and not ExecContext(M, "bf16").head_once
+
+
 SMALL = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=1, ffn_hidden=16,
                     seq_len=4)
 
@@ -298,8 +348,9 @@ def test_fused_device_kernels_are_wired_where_a_gpu_takes_them(monkeypatch, prec
     monkeypatch.setattr(devlaunch, "launch", lambda k, *a: launched.append(k) or real(k, *a))
     dev_steps, dev_params = _steps(cfg, device, steps=1)
     names = {getattr(getattr(k, "py_func", k), "__name__", "") for k in launched}
-    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "ce_rows", "ce_grad", "adamw",
-            "sum_squares"} <= names, names
+    once = {"ce_grad"} if precision == "fp32" else set()  # bf16: the head computed once
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "ce_rows", "adamw",
+            "sum_squares", *once} <= names, names
     # bf16: the device's GEMMs round their results to bf16, the host's stay fp32; a weight
     # whose gradient is near 0 may take AdamW's step (lr) either way
     rel, atol = (1e-6, 1e-6) if precision == "fp32" else (1e-2, 2.5 * cfg.optim.lr)

@@ -196,6 +196,29 @@ def test_cross_entropy_grad_of_a_vocabulary_chunk_is_the_references(dk, xp, dtyp
     half_close(d16, want)  # the cast fused: rounded once
 
 
+@pytest.mark.parametrize("dtype", [np.float32, F16, kernels.BF16])
+def test_cross_entropy_rows_write_the_rows_gradient_over_the_logits(dk, xp, dtype):
+    """With `grad` (the head computed once), the same launch writes (softmax - onehot) * grad
+    over the logits, rounded once into their dtype: the reference's, from the same lse. A
+    target outside the vocabulary adds no one-hot."""
+    N, V = 5, 37
+    z, t = rand(N, V, scale=4.0).astype(dtype), np.array([3, 0, 36, 20, 37])
+    z32 = z.astype(np.float32)
+    rlse, rlosses = kernels.cross_entropy_rows(z32, t.clip(0, V - 1), np)  # lse: no target
+    want = kernels.cross_entropy_grad(z32.copy(), t, rlse, 2.0 ** 15, np)
+    dz = xp.asarray(z.copy())
+    lse, losses = devloss.cross_entropy_rows(dz, xp.asarray(t), xp, grad=2.0 ** 15, threads=TPB)
+    close(lse, rlse)
+    close(losses[:4], rlosses[:4])
+    assert np.isnan(host(losses)[4])
+    if dtype == np.float32:
+        close(dz, want, rtol=1e-5)
+    elif dtype == F16:
+        half_close(dz, want)
+    else:
+        close(host(dz).astype(np.float32), want, rtol=2.0 ** -7)
+
+
 BF16 = kernels.BF16
 
 

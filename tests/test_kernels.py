@@ -229,6 +229,25 @@ def test_cross_entropy_fd_and_stable():
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, kernels.BF16])
+def test_cross_entropy_rows_with_grad_write_the_rows_gradient_rounded_once(dtype):
+    """`grad` (the head computed once): the rows' lse and losses as without it, in fp32 for
+    16-bit logits, and the logits overwritten by cross_entropy_grad of the whole rows from
+    their fp32 values, rounded once into their dtype."""
+    rng = np.random.default_rng(7)
+    z = (rng.standard_normal((6, 33)) * 4).astype(dtype)
+    t = rng.integers(0, 33, 6)
+    z32 = z.astype(np.float32)
+    lse, losses = kernels.cross_entropy_rows(z32, t, np)
+    want = kernels.cross_entropy_grad(z32.copy(), t, lse, 0.75, np).astype(dtype)
+    got = z.copy()
+    glse, glosses = kernels.cross_entropy_rows(got, t, np, grad=0.75)
+    assert glse.dtype == glosses.dtype == np.float32
+    np.testing.assert_array_equal(glse, lse)
+    np.testing.assert_array_equal(glosses, losses)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_gemm_fp32_is_matmul():
     a = rand(5, 7).astype(np.float32)
     b = rand(4, 7).astype(np.float32)

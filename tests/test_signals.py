@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ratrain.config.sections import RunConfig
+from ratrain.config.run import RunConfig
 from ratrain.job import early
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,8 @@ from ratrain.config.offload import OffloadConfig, check_offload
 from ratrain.config.sections import CheckpointConfig, CommConfig, InitConfig
 from ratrain.config.platform import PlatformConfig
 from ratrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
-from ratrain.config.sections import PRECISIONS, RunConfig, ScheduleConfig, SyncConfig, _choice
+from ratrain.config.run import RunConfig, head_once_refused
+from ratrain.config.sections import PRECISIONS, ScheduleConfig, SyncConfig, _choice
 from ratrain.config.sections import act_itemsize, global_batch, is_half
 from ratrain.config.switches import SWITCHES, env_overrides
 from ratrain.config.typedyaml import ConfigError, StrictLoader, build, deepcopy, to_plain
@@ -68,6 +69,8 @@ class Config:
             # a segment of the optimizer state for all: unset, it is whole on every replica
             object.__setattr__(self, "schedule", replace(self.schedule, shard_optimizer=False))
         check_offload(self)
+        if self.run.head == "once" and (self.run.device == "cpu" or not is_half(self.precision)):
+            raise ConfigError(head_once_refused(self.run.device, self.precision))
         m, p = self.model, self.parallel
         if p.pp > m.layers:
             raise ConfigError(

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from ratrain.config import ModelConfig
+from ratrain.config import ModelConfig, RunConfig
+from ratrain.config.run import head_once_refused
 from ratrain.device import kind_of
 from ratrain.exec.backends import Kernels, default_kernels, kernels_for
 from ratrain.exec.kernels import DTYPES, is_half_dtype, rope_tables
@@ -101,6 +102,16 @@ BATCH_CHUNKS = 4  # a micro-batch runs as at most this many chunks, whatever the
 HEAD_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "standin": 256 << 20}
 
 
+def head_once(mode: str, out16: bool, device: str, precision: str) -> bool:
+    """Whether `run.head: mode` computes the head once: where a device's GEMMs and kernels
+    write 16 bits (`out16`), auto and once; chunks never; once refused elsewhere."""
+    if mode not in RunConfig.HEADS:
+        raise ValueError(f"run.head={mode!r}: expected one of {', '.join(RunConfig.HEADS)}")
+    if mode == "once" and not out16:
+        raise ValueError(head_once_refused(device, precision))
+    return out16 and mode != "chunks"
+
+
 class ExecContext:
     """Execution context of the block kernels (their interface: `exec.layers`).
 
@@ -116,6 +127,7 @@ class ExecContext:
         threads: int = 0,
         head_chunk_bytes: int | None = None,
         kernels: Kernels | None = None,
+        head: str = "auto",
     ):
         if precision not in DTYPES:
             raise ValueError(f"precision={precision!r}: expected fp32, fp16 or bf16 (fp64: tests)")
@@ -149,6 +161,8 @@ class ExecContext:
         self.out16 = self.gemm_half if not self.host else None
         # bound on the fp32 logits of one head chunk: the device's unless given
         self.head_chunk_bytes = head_chunk_bytes or HEAD_CHUNK_BYTES[self.kernels.device]
+        # whether the head computes its logits once, 16-bit and whole (`exec.head`, `run.head`)
+        self.head_once = head_once(head, self.out16 is not None, self.kernels.device, precision)
         self._rope: dict[int, tuple] = {}
         self._pool = None
 
@@ -156,6 +170,7 @@ class ExecContext:
     def from_config(cls, cfg, xp=np, ledger=None, **kw) -> ExecContext:
         kw.setdefault("kernels", kernels_for(cfg, xp))
         kw.setdefault("head_chunk_bytes", cfg.run.head_chunk_mib << 20)  # 0: the device's
+        kw.setdefault("head", cfg.run.head)
         return cls(cfg.model, cfg.precision, xp, ledger, cfg.run.threads, **kw)
 
     # -- numerics ---------------------------------------------------------------------------
@@ -228,4 +243,5 @@ class ExecContext:
         self.close()
 
 
-__all__ = ["BATCH_CHUNKS", "BLAS", "HEAD_CHUNK_BYTES", "ExecContext", "auto_threads", "sgemm_rate"]
+__all__ = ["BATCH_CHUNKS", "BLAS", "HEAD_CHUNK_BYTES", "ExecContext", "auto_threads",
+           "head_once", "sgemm_rate"]

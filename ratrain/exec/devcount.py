@@ -179,9 +179,11 @@ def sum_squares(a, xp, threads=None):
 
 
 @_kernel
-def cross_entropy_rows(z, targets, xp, out=None, threads=None):
+def cross_entropy_rows(z, targets, xp, out=None, grad=None, threads=None):
     hz, = _checked(z)
-    lse, losses = _REF.cross_entropy_rows(_f32(hz), _host(targets)[0], np)
+    if grad is not None and not hz.flags.c_contiguous:
+        raise ValueError("cross_entropy_rows: grad writes over z, which must be C-contiguous")
+    lse, losses = _REF.cross_entropy_rows(hz, _host(targets)[0], np, grad=grad)  # fp32 inside
     _count("cross_entropy_rows", hz)
     outs = out or (None, None)
     return tuple(_put(o, val, (hz.shape[0],)) for o, val in zip(outs, (lse, losses)))

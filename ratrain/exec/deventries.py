@@ -91,11 +91,11 @@ def entries(k) -> dict:
         return kernels.swiglu_backward(dact, cache, xp, out, with_act)
 
     @timed("head")
-    def cross_entropy_rows(z, targets, xp, out=None):
+    def cross_entropy_rows(z, targets, xp, out=None, grad=None):
         if _dk(z) and z.flags.c_contiguous and _ids(targets) and \
                 all(o.dtype == np.float32 and o.flags.c_contiguous for o in out or ()):
-            return k.cross_entropy_rows(z, targets, xp, out=out)  # one launch
-        return kernels.cross_entropy_rows(z, targets, xp, out)
+            return k.cross_entropy_rows(z, targets, xp, out=out, grad=grad)  # one launch
+        return kernels.cross_entropy_rows(z, targets, xp, out, grad)
 
     @timed("head")
     def cross_entropy_grad(z, targets, lse, scale, xp, v0=0, out=None):

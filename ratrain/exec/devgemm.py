@@ -1,6 +1,7 @@
 """A device's GEMM into an fp32 result: 16-bit operands, fp32 accumulation, beta 0 or 1.
 
-    gemm_ex(a, b, c, xp, beta=0.0)     c = a @ b + beta * c     (a (M, K), b (K, N), c (M, N))
+    gemm_ex(a, b, c, xp, beta=0.0, alpha=1.0)
+        c = alpha * (a @ b) + beta * c     (a (M, K), b (K, N), c (M, N))
 
 (c may also be in the operands' 16-bit dtype, beta 0: the fp32 sum rounded once, as
 `cupy.matmul` gives it, so that a captured graph's GEMMs all go through this entry.)
@@ -13,7 +14,8 @@ and an add: three launches and a rounding to 16 bits of every product. cuBLAS's 
 
 On cupy it is called on the arrays' pointers through cupy's own cuBLAS binding
 (`cupy_backends.cuda.libs.cublas.gemmEx`, on cupy's handle for the current device, which the
-binding puts on cupy's current stream), alpha and beta host scalars. Row-major arrays are
+binding puts on cupy's current stream), alpha and beta host scalars (alpha scales the fp32 sum
+before it is added or rounded: the head's loss seed, `exec.head`). Row-major arrays are
 column-major transposes, so c = a @ b is computed as c.T = b.T @ a.T: each operand needs a
 unit stride along one of its axes (a contiguous array or a transposed view of one), c along its
 rows. On the stand-in the same checks run and numpy computes the fp32 product of the 16-bit
@@ -77,9 +79,9 @@ def takes(a, b, c) -> bool:
     return True
 
 
-def gemm_ex(a, b, c, xp, beta: float = 0.0):
-    """c = a @ b + beta * c (beta 0 or 1) in fp32 from 16-bit a and b (see the module);
-    returns c."""
+def gemm_ex(a, b, c, xp, beta: float = 0.0, alpha: float = 1.0):
+    """c = alpha * (a @ b) + beta * c (beta 0 or 1) in fp32 from 16-bit a and b (see the
+    module); returns c."""
     check(a, b, c)
     if beta not in (0.0, 1.0):
         raise ValueError(f"gemm_ex: beta={beta}: 0 (write) or 1 (add)")
@@ -90,11 +92,13 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     if kind_of(xp) == "standin":
         ha, hb, hc = (storage_of(x) for x in (a, b, c))
         prod = np.matmul(ha.astype(F32), hb.astype(F32))
+        if alpha != 1.0:
+            prod *= F32.type(alpha)
         if beta:
             hc += prod
         else:
             hc[...] = prod  # rounded once into a 16-bit c
-        did("gemm_ex", (ha, hb, hc, beta))  # one launch
+        did("gemm_ex", (ha, hb, hc, beta, alpha))  # one launch
         return c
     if kind_of(xp) != "gpu":
         raise TypeError("gemm_ex runs on a device (cupy, or the stand-in): the host's GEMMs "
@@ -111,9 +115,9 @@ def gemm_ex(a, b, c, xp, beta: float = 0.0):
     handle = cudevice.get_cublas_handle()
     op_b, ld_b = _operand("b", b)  # cuBLAS's A: b.T (N x K)
     op_a, ld_a = _operand("a", a)  # cuBLAS's B: a.T (K x M)
-    alpha, beta_h = np.ones((), F32), np.asarray(beta, F32)
+    alpha_h, beta_h = np.asarray(alpha, F32), np.asarray(beta, F32)
     cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    cublas.gemmEx(handle, op_b, op_a, N, M, K, alpha.ctypes.data, b.data.ptr,
+    cublas.gemmEx(handle, op_b, op_a, N, M, K, alpha_h.ctypes.data, b.data.ptr,
                   _CUDA_TYPE[b.dtype], ld_b, a.data.ptr, _CUDA_TYPE[a.dtype], ld_a,
                   beta_h.ctypes.data, c.data.ptr, _CUDA_TYPE[c.dtype], c.strides[0] // c.itemsize,
                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)

@@ -3,16 +3,19 @@ references makes several.
 
     kernel              matches                     launch           replaces (cupy's)
     cross_entropy_rows  kernels.cross_entropy_rows  a block per row  the rows' logsumexp, a
-                        (forward: lse, losses)                       gather, a subtraction
+                        (forward: lse, losses; with                  gather, a subtraction
+                        `grad`, the rows' dlogits                    (with `grad`: the
+                        written over the logits)                     gradient's as below)
     cross_entropy_grad  kernels.cross_entropy_grad  grid-stride      a subtraction, an exp,
                         (backward: the dlogits of                    the one-hot's indices and
                         a vocabulary chunk)                          scatter, a scale, a cast
 
 The head (`exec.head`) calls them through the kernel table's `cross_entropy` op, on a GPU rank
-and on the stand-in under the simulator (`run.devkernels: sim`). Its forward keeps each row's
-log-sum-exp and no logits. Its backward recomputes the logits a vocabulary chunk at a time, so
-the gradient kernel takes the kept statistics and the chunk's first column `v0`, never a
-whole row.
+and on the stand-in under the simulator (`run.devkernels: sim`). Computed once (`run.head`),
+its forward writes each row's gradient over its 16-bit logits in the same launch as the loss.
+In chunks, its forward keeps each row's log-sum-exp and no logits, and its backward recomputes
+the logits a vocabulary chunk at a time, so the gradient kernel takes the kept statistics and
+the chunk's first column `v0`, never a whole row.
 
 Numerics are `exec.devkernels`' (inputs float32, float16 or bfloat16, computed in fp32, rounded
 once on store; the row reductions are shared-memory trees, a few ulps from numpy's sums). The
@@ -53,9 +56,10 @@ def _kernels(TPB: int) -> SimpleNamespace:
     inf = math.inf
 
     @cuda.jit
-    def ce_rows(z, targets, lse, losses):
+    def ce_rows(z, targets, lse, losses, grad, scale):
         """A block per row of z (N, V): lse = log(sum(exp(z - max))) + max, by two tree
-        reductions; the row's loss lse - z[t] (NaN for a target outside [0, V))."""
+        reductions; the row's loss lse - z[t] (NaN for a target outside [0, V)). `grad`
+        (nonzero): then z = (exp(z - lse) - onehot) * scale, a third pass over the row."""
         sh = cuda.shared.array(TPB, float32)
         r, t = cuda.blockIdx.x, cuda.threadIdx.x
         V = z.shape[1]
@@ -67,13 +71,20 @@ def _kernels(TPB: int) -> SimpleNamespace:
         for c in range(t, V, TPB):
             acc += fexp(ld(z[r, c]) - m)
         ls = flog(block_reduce(sh, t, acc, False)) + m
+        tr = targets[r]
         if t == 0:
-            tr = targets[r]
             zt = float32(math.nan)
             if 0 <= tr < V:
                 zt = ld(z[r, tr])
             lse[r] = ls
             losses[r] = ls - zt
+        if grad:
+            cuda.syncthreads()  # z[r, tr] read before any thread writes over it
+            for c in range(t, V, TPB):
+                p = fexp(ld(z[r, c]) - ls)
+                if c == tr:
+                    p -= float32(1.0)
+                st(z, (r, c), p * scale)
 
     @cuda.jit
     def ce_grad(z, targets, lse, scale, v0, d):
@@ -102,11 +113,12 @@ def _targets(z, targets):
         raise TypeError(f"cross-entropy: targets are token ids (integers), not {targets.dtype}")
 
 
-def cross_entropy_rows(z, targets, xp, out=None, threads=None):
+def cross_entropy_rows(z, targets, xp, out=None, grad=None, threads=None):
     """Rows of logits z (N, V) and their targets (N,) -> (lse, losses), float32 (N,) each, or
     written into `out` = (lse, losses) (float32, contiguous; slices welcome):
     `kernels.cross_entropy_rows`. lse is each row's log-sum-exp, the max subtracted first, and
-    losses = lse - z[n, t_n]."""
+    losses = lse - z[n, t_n]. `grad` (a float): z (C-contiguous) is then written over by
+    (softmax(z) - onehot(targets)) * grad in the same launch, rounded once into its dtype."""
     dl.check(xp, z)
     _targets(z, targets)
     tpb = dl.block_threads(threads, LONG_ROW_THREADS)
@@ -114,8 +126,11 @@ def cross_entropy_rows(z, targets, xp, out=None, threads=None):
     lse, losses = (dl.out_array(o, (N,), F32, xp) for o in (out or (None, None)))
     if lse.dtype != F32 or losses.dtype != F32:
         raise ValueError(f"out: float32 lse and losses, got {lse.dtype} and {losses.dtype}")
+    if grad is not None and not z.flags.c_contiguous:
+        raise ValueError("cross_entropy_rows: grad writes over z, which must be C-contiguous")
     if N:
-        dl.launch(_kernels(tpb).ce_rows, N, tpb, xp, z, targets, lse, losses)
+        dl.launch(_kernels(tpb).ce_rows, N, tpb, xp, z, targets, lse, losses,
+                  int(grad is not None), np.float32(0.0 if grad is None else grad))
     return lse, losses
 
 

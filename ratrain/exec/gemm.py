@@ -49,19 +49,23 @@ F32 = np.dtype(np.float32)
 
 @timed("gemm")
 def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES,
-           half=None, accumulate: bool = False):
+           half=None, accumulate: bool = False, alpha: float = 1.0):
     """a @ b with fp32 (or better) accumulation.
 
     a (..., M, K), b (K, N) or (..., K, N); transposed views welcome. With a 16-bit operand the
     result is float32 (or written into `out`, any float dtype). 16-bit operands on numpy must
     be 2-D for `b` (the tiled path flattens the leading dimensions of `a`). `half` (float16 or
     bfloat16; None: off): on a device, a GEMM in that dtype even for fp32 operands (ignored on
-    numpy). `accumulate`: out += a @ b (out given, fp32)."""
+    numpy). `accumulate`: out += a @ b (out given, fp32). `alpha`: the product times alpha, in
+    fp32 before it is added or written (a device's 16-bit GEMM scales inside, cuBLAS's alpha)."""
     h = a.dtype if a.dtype in HALF_DTYPES else b.dtype if b.dtype in HALF_DTYPES else None
     if not is_host(xp) and half is not None:
         h = np.dtype(half)
     if h is not None and not is_host(xp):
-        return _device_half(a, b, out, xp, h, accumulate)
+        return _device_half(a, b, out, xp, h, accumulate, alpha)
+    if alpha != 1.0:
+        return _scaled(matmul(a, b, xp=xp, ledger=ledger, scratch_bytes=scratch_bytes,
+                              half=half), alpha, out, accumulate)
     if accumulate:
         out += matmul(a, b, xp=xp, ledger=ledger, scratch_bytes=scratch_bytes, half=half)
         return out
@@ -71,7 +75,19 @@ def matmul(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_B
     return _matmul_fp16_tiled(a, b, out, ledger, scratch_bytes)
 
 
-def _device_half(a, b, out, xp, h, accumulate):
+def _scaled(r, alpha, out, accumulate):
+    """A product `r` (fp32, new) times `alpha`, added into `out` or written there (or r)."""
+    r *= r.dtype.type(alpha)
+    if accumulate:
+        out += r
+        return out
+    if out is None:
+        return r
+    out[...] = r
+    return out
+
+
+def _device_half(a, b, out, xp, h, accumulate, alpha=1.0):
     """A device's GEMM in the 16-bit dtype `h` (both operands cast to it where they are not),
     fp32 accumulation (cuBLAS's compute type for halves): a 2-D product into an fp32 `out`, or
     a new fp32 array, by cuBLAS's GemmEx, adding when `accumulate` (`exec.devgemm`: one
@@ -86,7 +102,10 @@ def _device_half(a, b, out, xp, h, accumulate):
                                             or (out.dtype == h and not accumulate)):
         dst = xp.empty((a16.shape[0], b16.shape[1]), F32) if out is None else out
         if devgemm.takes(a16, b16, dst):  # else (an operand without a unit stride) cupy's
-            return devgemm.gemm_ex(a16, b16, dst, xp, beta=1.0 if accumulate else 0.0)
+            return devgemm.gemm_ex(a16, b16, dst, xp, beta=1.0 if accumulate else 0.0,
+                                   alpha=alpha)
+    if alpha != 1.0:
+        return _scaled(xp.matmul(a16, b16).astype(F32), alpha, out, accumulate)
     if accumulate:
         if out is None or out.dtype != F32:
             raise ValueError("matmul: accumulate=True adds into an fp32 out")
@@ -177,7 +196,10 @@ def mkl_entry(lib, native=(), cast=None, assign=None):
 
     @timed("gemm")
     def gemm(a, b, out=None, *, xp=np, ledger=None, scratch_bytes: int = SCRATCH_BYTES,
-             half=None, accumulate: bool = False):
+             half=None, accumulate: bool = False, alpha: float = 1.0):
+        if alpha != 1.0:  # the head's seed on a device alone: the reference scales
+            return matmul(a, b, out, xp=xp, ledger=ledger, scratch_bytes=scratch_bytes,
+                          half=half, accumulate=accumulate, alpha=alpha)
         h = np.dtype(half) if half is not None else a.dtype if a.dtype in HALF_DTYPES else \
             b.dtype if b.dtype in HALF_DTYPES else None
         takes = a.dtype != np.float64 and b.dtype != np.float64 if h is not None else \

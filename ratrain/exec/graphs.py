@@ -165,10 +165,10 @@ class BlockGraphs:
                           lambda dyin: layers.layer_backward(dyin, cache, p, g, self.ctx))
 
     def head_forward(self, block, slot, x, targets, p):
-        """The head's forward: `head.head_forward`'s (loss, cache)."""
+        """The head's forward, a backward to follow: `head.head_forward`'s (loss, cache)."""
         sig = (_where_all(p), tuple(x.shape), str(x.dtype), tuple(targets.shape))
         return self._call((block, "forward", slot), slot, sig, (x, targets),
-                          lambda xin, t: head.head_forward(xin, t, p, self.ctx))
+                          lambda xin, t: head.head_forward(xin, t, p, self.ctx, backward=True))
 
     def head_backward(self, block, slot, dscale, cache, p, g):
         """The head's backward: `head.head_backward`'s dx; the loss's seed `dscale`, a host

@@ -1,6 +1,7 @@
 """The head block: the final RMSNorm, the LM head and the mean token cross-entropy.
 
-    head_forward(x, targets, p, ctx) -> (loss, cache)  head_backward(dscale, cache, p, g, ctx) -> dx
+    head_forward(x, targets, p, ctx, backward=False) -> (loss, cache)
+    head_backward(dscale, cache, p, g, ctx) -> dx
     head_logits(x, p, ctx) -> logits (inference: the forward without the loss)
     head_workspace_nbytes(ctx, batch, seq_len, backward) -> int (what the memory plan counts)
 
@@ -8,7 +9,17 @@ The interface and conventions are `exec.layers`' (`p`, `g`, the cache, the works
 `scratch.exec`). With tied embeddings the caller passes the embedding's view and gradient as
 the head's `p["weight"]` / `g["weight"]`.
 
-The logits never exist whole. The forward walks them by rows, at most `head_chunk_bytes` of
+Two ways (`ctx.head_once`, `run.head`). **Once**, on a device whose GEMMs and kernels write 16
+bits (`ctx.out16`), for a forward a backward will follow (`backward=True`): one GEMM writes the
+logits (N, V) whole in 16 bits, and the loss's kernel writes each row's gradient over them in
+the same launch, times `DLOGITS_SCALE` (the loss's seed is not known yet). The cache keeps them
+and the normed rows, and the backward runs two GEMMs that scale by the seed themselves (alpha):
+dxn = dlogits @ w and g["weight"] += dlogits.T @ xn. That is three launches each way, and 2
+bytes a token and vocabulary entry held from the forward to the backward, as PyTorch's autocast
+holds its logits.
+
+**In chunks** (a host, fp32, and any forward with no backward to follow), the logits never
+exist whole. The forward walks them by rows, at most `head_chunk_bytes` of
 fp32 at a time, and keeps each row's log-sum-exp. The backward walks them by columns of the
 vocabulary, every batch chunk at each, and recomputes each chunk's logits from the kept
 statistics (docs/INTERNALS.md, "Decisions, and why": the head's backward walks the vocabulary).
@@ -18,6 +29,8 @@ chunks' terms of dxn are added by their GEMMs too: no fp32 piece or part.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from ratrain.exec.gemm import SCRATCH_TAG
 from ratrain.exec.layers import (
@@ -30,6 +43,10 @@ from ratrain.exec.layers import (
 )
 from ratrain.exec.profile import timed
 
+# what the head computed once writes over its 16-bit logits: (softmax - onehot) times this power
+# of two, which leaves |dlogits| <= 2**15 under fp16's largest (65504) and puts fp16's smallest
+# normal at probabilities of 2**-29; the GEMMs' alpha divides it out again, exactly
+DLOGITS_SCALE = 2.0 ** 15
 
 
 def _head_rows(ctx, V):
@@ -56,6 +73,11 @@ def head_workspace_nbytes(ctx, batch: int, seq_len: int, backward: bool = False)
     chunks = ctx.split(batch)
     running = min(len(chunks), ctx.parts())
     n = max(s.stop - s.start for s in chunks) * seq_len  # rows of the largest chunk
+    if ctx.head_once:  # the 16-bit logits and normed rows are the cache's: a possible fp32
+        # copy of the input and the rows' statistics forward; dxn, the norm's fp32 dx and its
+        # temporaries backward
+        return (len(chunks) * 4 * n * (3 * C + 2) if backward
+                else running * 4 * n * (C + 2))
     per_logit = (4 if backward else 8) if ctx.host else 10
     logits = min(ctx.head_chunk_bytes // 4, n * V) * per_logit
     if not backward:
@@ -79,6 +101,30 @@ def _head_fwd_chunk(x, targets, p, w, ctx):
         z = ops.gemm(xn[r0:r1], w.T, xp=xp, half=ctx.gemm_half)  # (rows, V)
         ops.cross_entropy_rows(z, t[r0:r1], xp, out=(lse[r0:r1], losses[r0:r1]))
     return {"rstd": rstd, "lse": lse}, losses
+
+
+@timed("head")
+def _head_fwd_once(x, targets, p, w, ctx):
+    """One batch chunk's forward computed once (see the module) -> (kept, losses)."""
+    xp = ctx.xp
+    xn, rstd = _head_norm(x, p, ctx)  # (N, C), in 16 bits where the kernels write those
+    N = xn.shape[0]
+    d = ctx.kernels.gemm(xn, w.T, out=xp.empty((N, w.shape[0]), ctx.gemm_half), xp=xp,
+                         half=ctx.gemm_half)  # the logits (N, V), rounded once into 16 bits
+    lse, losses = xp.empty(N, ctx.compute), xp.empty(N, ctx.compute)
+    ctx.kernels.cross_entropy_rows(d, targets.reshape(N), xp, out=(lse, losses),
+                                   grad=DLOGITS_SCALE)  # d: the logits' gradient now
+    return {"rstd": rstd, "xn": xn, "dlogits": d}, losses
+
+
+@timed("head")
+def _head_bwd_once(x, kept, p, w, alpha, ctx, dx_out):
+    """One batch chunk's backward after a forward computed once: dxn = alpha * dlogits @ w
+    by one GEMM, then the norm's backward into dx_out."""
+    dxn = ctx.kernels.gemm(kept["dlogits"], w, xp=ctx.xp, half=ctx.gemm_half, alpha=alpha)
+    rows = SimpleNamespace(dxn=dxn, shape=x.shape,
+                           rms=(kernel_input(ctx, x), kept["rstd"], p["norm"]))
+    return _head_bwd_finish(rows, ctx, dx_out)
 
 
 class _HeadRows:
@@ -171,15 +217,17 @@ def _head_weight(p, ctx):
     return w if w.dtype == wdt else ctx.kernels.cast(w, wdt)
 
 
-def head_forward(x, targets, p, ctx):
-    """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache)."""
+def head_forward(x, targets, p, ctx, backward=False):
+    """x (B, T, C), targets (B, T) -> (mean token loss, fp32 0-d array, cache). `backward`:
+    whether a backward will follow (the head is then computed once where `ctx.head_once`)."""
     xp = ctx.xp
     ct = ctx.compute
     chunks = ctx.split(x.shape[0])
     w = _head_weight(p, ctx)
+    fwd = _head_fwd_once if backward and ctx.head_once else _head_fwd_chunk
     with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2])), \
             ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
-        res = ctx.map(lambda sl: _head_fwd_chunk(x[sl], targets[sl], p, w, ctx), chunks)
+        res = ctx.map(lambda sl: fwd(x[sl], targets[sl], p, w, ctx), chunks)
     losses = xp.concatenate([r[1] for r in res])  # (B * T,)
     loss = losses.mean(dtype=ct)
     return loss, BlockCache("head", "none", x, chunks, [r[0] for r in res], {"targets": targets})
@@ -197,6 +245,8 @@ def head_backward(dscale, cache, p, g, ctx):
     coef = float(dscale) / (x.shape[0] * x.shape[1])
     dx = xp.empty(x.shape, ctx.dtype)
     w = _head_weight(p, ctx)
+    if "dlogits" in cache.parts[0]:  # computed once by the forward
+        return _backward_once(coef / DLOGITS_SCALE, cache, p, g, w, ctx, dx)
     V, gw = w.shape[0], g["weight"]
     cols = min(_head_cols(ctx, max(c.stop - c.start for c in chunks) * x.shape[1]), V)
     n = ctx.parts()
@@ -226,4 +276,18 @@ def head_backward(dscale, cache, p, g, ctx):
     return dx
 
 
-__all__ = ["head_backward", "head_forward", "head_logits", "head_workspace_nbytes"]
+def _backward_once(alpha, cache, p, g, w, ctx, dx):
+    """`head_backward` after a forward computed once: each chunk's dxn and norm, then
+    g["weight"] += alpha * dlogits.T @ xn by the GEMMs, chunk by chunk."""
+    x, chunks = cache.x, cache.chunks
+    with ctx.scratch(WORK_TAG, head_workspace_nbytes(ctx, *x.shape[:2], backward=True)), \
+            ctx.scratch(SCRATCH_TAG, w.nbytes if w is not p["weight"] else 0):
+        parts = ctx.map(lambda i: _head_bwd_once(x[chunks[i]], cache.parts[i], p, w, alpha, ctx,
+                                                 dx[chunks[i]]), range(len(chunks)))
+        accumulate_gemms({"w": g["weight"]}, [{"w": (k["dlogits"], k["xn"])}
+                                             for k in cache.parts], [("w", "w", 0)], ctx, alpha)
+        accumulate(g, parts, [("norm", "norm", 0)], ctx)
+    return dx
+
+
+__all__ = ["DLOGITS_SCALE", "head_backward", "head_forward", "head_logits", "head_workspace_nbytes"]

@@ -435,16 +435,24 @@ def cross_entropy_forward(logits, targets, xp):
     return losses.mean(dtype=ct), (z, targets, lse)
 
 
-def cross_entropy_rows(z, targets, xp, out=None):
+def cross_entropy_rows(z, targets, xp, out=None, grad=None):
     """The head's forward on rows of logits z (N, V) and their targets (N,): (lse, losses) in
-    z's dtype (or written into `out` = (lse, losses)), lse = logsumexp_rows(z) and
-    losses = lse - z[n, t_n]."""
-    lse = logsumexp_rows(z, xp)  # (N,)
-    picked = z[xp.arange(z.shape[0]), targets]  # (N,)
+    the compute type of z (fp32 for 16-bit logits; or written into `out` = (lse, losses)),
+    lse = logsumexp_rows(z) and losses = lse - z[n, t_n].
+
+    `grad` (a float): z is then overwritten by its rows' gradient, (softmax(z) -
+    onehot(targets)) * grad, computed in the compute type and rounded once into z's dtype
+    (`cross_entropy_grad` of the whole rows): the head computed once (`exec.head`)."""
+    zc = as_dtype(z, compute_dtype(z))
+    lse = logsumexp_rows(zc, xp)  # (N,)
+    picked = zc[xp.arange(z.shape[0]), targets]  # (N,)
     if out is None:
-        return lse, lse - picked
-    out[0][...] = lse
-    xp.subtract(out[0], picked, out=out[1])
+        out = (lse, lse - picked)
+    else:
+        out[0][...] = lse
+        xp.subtract(out[0], picked, out=out[1])
+    if grad is not None:
+        cross_entropy_grad(zc, targets, lse, grad, xp, out=None if zc is z else z)
     return out
 
 

@@ -554,8 +554,8 @@ GRAD_BLOCKS, GRAD_BLOCK_ROWS = 8, 128
 
 
 @timed("grad accumulate")
-def accumulate_gemms(g, parts, pairs, ctx):
-    """The 16-bit layout's `accumulate`: g[name] += dy[:, r0 : r0 + len(g[name])].T @ x for
+def accumulate_gemms(g, parts, pairs, ctx, alpha=1.0):
+    """The 16-bit layout's `accumulate`: g[name] += alpha * dy[:, r0 : r0 + len(g[name])].T @ x for
     every chunk's (dy, x) = part[key], each chunk's product added by the GEMM itself (beta = 1)
     in chunk order, with no fp32 partial. The rows of each gradient go in blocks
     (`GRAD_BLOCKS`, `GRAD_BLOCK_ROWS`), spread over the threads. So every call's shapes, and
@@ -574,7 +574,7 @@ def accumulate_gemms(g, parts, pairs, ctx):
         for part in parts:  # in chunk order
             dy, x = part[key]
             ops.gemm(dy[:, r0 + a : r0 + b].T, x, out=dst[a:b], xp=ctx.xp, half=half,
-                     accumulate=True)
+                     accumulate=True, alpha=alpha)
 
     ctx.map(run, jobs)
 

@@ -80,7 +80,8 @@ class StageCompute:
                 elif slot is None:
                     # a 0-d array, on the device where it ran: the executor downloads
                     # the step's losses together (one host sync per step)
-                    loss, cache = head.head_forward(x, targets[mb], p, self.ctx)
+                    loss, cache = head.head_forward(x, targets[mb], p, self.ctx,
+                                                    backward=keep_caches)
                 else:
                     loss, cache = self.graphs.head_forward(b, slot, x, targets[mb], p)
                     loss = self._handed(loss)

@@ -47,7 +47,8 @@ def measure_stage_sizes(executor, recompute: dict[str, str]) -> StageSizes:
             if role == "embed":
                 act[b] = {"none": layers.cache_nbytes(layers.embed_forward(ids, p, ctx)[1])}
             elif role == "head":
-                act[b] = {"none": layers.cache_nbytes(head.head_forward(x, ids, p, ctx)[1])}
+                act[b] = {"none": layers.cache_nbytes(
+                    head.head_forward(x, ids, p, ctx, backward=True)[1])}
             else:
                 layer_sizes = {r: layers.cache_nbytes(layers.layer_forward(x, p, ctx, r)[1])
                                for r in RECOMPUTE}
