@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: sets up .venv (or $RATRAIN_VENV, as scripts/setup.sh), runs pytest on one process, the 2-node test on emulated
+# The whole test suite: sets up .venv (or $RATRAIN_VENV, as scripts/setup.sh), runs pytest on one process (its files
+# shared out over RATRAIN_TEST_WORKERS worker processes, default 2), the 2-node test on emulated
 # nodes (as root with network namespaces), then the MPI tests under mpirun at 2, 3 and 4 ranks
 # (pytest-mpi). Extra arguments go to every pytest call; a step they select nothing in (pytest's
 # exit 5) is not a failure, unless no step selects anything. At the end: every skip and its reason.
@@ -63,7 +64,12 @@ step() {  # step <name> <command>...: runs a pytest call; exit 5 (nothing select
   fi
 }
 "$venv/bin/ruff" check ratrain tests benchmarks
-step single "$py" -m pytest -q "$@"
+# the single-process tests in RATRAIN_TEST_WORKERS processes (pytest-xdist; default 2, 0 = in
+# this one), each test file whole on one of them: most tests keep one core busy, and the two
+# slowest (the README's commands, the Slurm scripts) take three minutes each
+workers=${RATRAIN_TEST_WORKERS:-2}
+[[ $workers =~ ^[0-9]+$ ]] || { echo "error: RATRAIN_TEST_WORKERS=$workers: a count (0 = no workers)" >&2; exit 2; }
+step single "$py" -m pytest -q -n "$workers" --dist loadfile "$@"
 echo "== 2-node test on emulated nodes (scripts/cluster.sh; needs root with network namespaces)"
 step cluster "$py" -m pytest -q --cluster tests/test_cluster.py "$@"
 for n in 2 3 4; do

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -46,18 +47,25 @@ def test_batch_scripts_stop_requeue_and_finish_on_a_real_slurm(tmp_path, request
 
     tokens = tmp_path / "train.bin"
     write_tokens(tokens, np.random.default_rng(0).integers(0, 256, 400_000), vocab_size=256)
-    state = tmp_path / "slurm"
-    env = dict(os.environ, RATRAIN_VENV=sys.prefix, TMPDIR=str(tmp_path))
-    p = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "slurm-local.sh"), "run", str(state), sys.executable,
-         str(ROOT / "benchmarks" / "slurm_trials.py"), "quick", "--tokens", str(tokens),
-         "--work", str(tmp_path / "work")],
-        capture_output=True, text=True, env=env, timeout=900)
+    # the cluster's state and TMPDIR under a short path: slurmd's and PMIx's Unix sockets live
+    # there, and a socket's path has at most 107 bytes (pytest-xdist's tmp_path is longer)
+    short = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
+    state = short / "slurm"
+    env = dict(os.environ, RATRAIN_VENV=sys.prefix, TMPDIR=str(short))
+    try:
+        p = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "slurm-local.sh"), "run", str(state), sys.executable,
+             str(ROOT / "benchmarks" / "slurm_trials.py"), "quick", "--tokens", str(tokens),
+             "--work", str(tmp_path / "work")],
+            capture_output=True, text=True, env=env, timeout=900)
+        left = state.exists()  # what slurm-local.sh did not tear down
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     if p.returncode != 0 and "could not install" in p.stderr:  # the prerequisite, not the test
         missing(f"Slurm could not be installed: {p.stderr.strip()[-300:]}")
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     assert p.returncode == 0, p.stdout + p.stderr
-    assert not state.exists()  # torn down
+    assert not left  # torn down
     summary = rows[-1]
     assert summary["trials"] == 3 and summary["passed"] == 3, p.stdout
     for row in rows[1:-1]:
