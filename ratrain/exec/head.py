@@ -14,7 +14,7 @@ bits (`ctx.out16`), for a forward a backward will follow (`backward=True`): one 
 logits (N, V) whole in 16 bits, and the loss's kernel writes each row's gradient over them in
 the same launch, times `DLOGITS_SCALE` (the loss's seed is not known yet). The cache keeps them
 and the normed rows, and the backward runs two GEMMs that scale by the seed themselves (alpha):
-dxn = dlogits @ w and g["weight"] += dlogits.T @ xn. That is three launches each way, and 2
+dxn = dlogits @ w and g["weight"] += dlogits.T @ xn. That is three calls each way, and 2
 bytes a token and vocabulary entry held from the forward to the backward, as PyTorch's autocast
 holds its logits.
 
