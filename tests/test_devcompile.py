@@ -1,6 +1,7 @@
 """Every device kernel compiles for a Hopper card (sm_90) at float32, float16 and bfloat16
-arguments (and each 16-bit array alone in bfloat16), with numba-cuda's real compiler and no card (`tests/_devcompile.py`). The simulator
-runs the kernels' Python and never compiles them; this is what checks the compiled path,
+arguments (and each 16-bit array alone in bfloat16), with numba-cuda's real compiler and no
+card (`tests/_devcompile.py`). The simulator runs the kernels' Python and never compiles them;
+this is what checks the compiled path,
 bfloat16's loads and stores (`devlaunch.ld`, `st`) above all, before a card's session spends
 its time on it. It needs NVVM and NVRTC, which setup.cfg's `devcompile` extra pins (CUDA 13.0's,
 the device machine's) and scripts/test.sh installs."""

@@ -30,8 +30,6 @@ chunks' terms of dxn are added by their GEMMs too: no fp32 piece or part.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from ratrain.exec.gemm import SCRATCH_TAG
 from ratrain.exec.layers import (
     WORK_TAG,
@@ -122,9 +120,8 @@ def _head_bwd_once(x, kept, p, w, alpha, ctx, dx_out):
     """One batch chunk's backward after a forward computed once: dxn = alpha * dlogits @ w
     by one GEMM, then the norm's backward into dx_out."""
     dxn = ctx.kernels.gemm(kept["dlogits"], w, xp=ctx.xp, half=ctx.gemm_half, alpha=alpha)
-    rows = SimpleNamespace(dxn=dxn, shape=x.shape,
-                           rms=(kernel_input(ctx, x), kept["rstd"], p["norm"]))
-    return _head_bwd_finish(rows, ctx, dx_out)
+    return _head_bwd_finish(dxn.reshape(x.shape), (kernel_input(ctx, x), kept["rstd"], p["norm"]),
+                            ctx, dx_out)
 
 
 class _HeadRows:
@@ -180,12 +177,13 @@ def _head_bwd_cols(s, w, k, v0, v1, coef, ctx):
 
 
 @timed("head")
-def _head_bwd_finish(s, ctx, dx_out):
+def _head_bwd_finish(dxn, rms, ctx, dx_out):
+    """The final norm's backward of one batch chunk: dxn (b, T, C) and the norm's cache `rms`
+    -> dx into dx_out; returns the chunk's {"norm": its weight's gradient}."""
     if ctx.out16 is not None:  # the norm's kernel rounds dx into the 16-bit dx_out
-        _, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp,
-                                                out=dx_out)
+        _, dnorm = ctx.kernels.rmsnorm_backward(dxn, rms, ctx.xp, out=dx_out)
         return {"norm": dnorm}
-    dx, dnorm = ctx.kernels.rmsnorm_backward(s.dxn.reshape(s.shape), s.rms, ctx.xp)
+    dx, dnorm = ctx.kernels.rmsnorm_backward(dxn, rms, ctx.xp)
     ctx.kernels.assign(dx_out, dx)
     return {"norm": dnorm}
 
@@ -270,7 +268,8 @@ def head_backward(dscale, cache, p, g, ctx):
                     gw[v0 + a : v0 + b] += piece[a:b]
 
             ctx.map(add, range(n))
-        parts = ctx.map(lambda i: _head_bwd_finish(rows[i], ctx, dx[chunks[i]]),
+        parts = ctx.map(lambda i: _head_bwd_finish(rows[i].dxn.reshape(rows[i].shape),
+                                                   rows[i].rms, ctx, dx[chunks[i]]),
                         range(len(chunks)))
         accumulate(g, parts, [("norm", "norm", 0)], ctx)
     return dx
